@@ -1,0 +1,255 @@
+"""The Plan: the frozen contract between the planner and the runtime engine.
+
+It holds the knobs (chunk size, ``n_persist``, ``n_buffer``, ``n_swap``, ``n_checkpoint``,
+``n_offload``) and one activation mode per transformer block, plus what the planner predicted.
+The chunk layout itself is a runtime value (saved with checkpoints), not part of the plan.
+
+Plain values only, so a plan can be saved, compared and printed; ``to_dict``/``from_dict``
+round-trip exactly. This module imports nothing of ours and not torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
+from typing import Any
+
+PLAN_VERSION = 1
+
+
+class BlockMode(str, Enum):
+    """What happens to one transformer block's saved activations between forward and backward."""
+
+    KEEP = "keep"
+    SWAP = "swap"
+    CHECKPOINT = "checkpoint"
+    SSD = "ssd"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """Knobs and per-block modes for one job, the same on every rank."""
+
+    version: int = PLAN_VERSION
+    world_size: int
+    micro_batch_size: int
+    precision: str
+    chunk_size: int
+    """Bytes per model-state chunk."""
+    num_chunks: int
+    n_persist: int
+    """The first n_persist chunks (execution order) stay on the device."""
+    n_buffer: int
+    """Device chunk buffers for the other chunks."""
+    n_swap: int
+    n_checkpoint: int
+    n_offload: int
+    """Blocks whose activations go to the SSD tier."""
+    block_modes: tuple[BlockMode, ...]
+    device_budget_bytes: int
+    host_budget_bytes: int
+    chosen: tuple[str, ...] = ()
+    """Spec key paths that were "auto" and were filled by this plan."""
+    rule: str = ""
+    """How the auto knobs were filled, in words."""
+    predicted_step_s: float | None = None
+    predicted_peak_device_bytes: int | None = None
+    predicted_peak_host_bytes: int | None = None
+    predicted_ssd_bytes: int | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.n_persist > self.num_chunks:
+            raise ValueError(f"n_persist ({self.n_persist}) exceeds the number of chunks ({self.num_chunks})")
+        counted = {
+            BlockMode.SWAP: self.n_swap,
+            BlockMode.CHECKPOINT: self.n_checkpoint,
+            BlockMode.SSD: self.n_offload,
+        }
+        for mode, count in counted.items():
+            if self.block_modes.count(mode) != count:
+                raise ValueError(f"block_modes lists {self.block_modes.count(mode)} {mode.value} blocks, plan says {count}")
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_modes)
+
+    @property
+    def all_resident(self) -> bool:
+        """Every chunk persistent and every block kept: nothing leaves the device."""
+        return self.n_persist >= self.num_chunks and all(m is BlockMode.KEEP for m in self.block_modes)
+
+    def to_dict(self) -> dict[str, Any]:
+        body = asdict(self)
+        body["block_modes"] = [mode.value for mode in self.block_modes]
+        body["chosen"] = list(self.chosen)
+        body["notes"] = list(self.notes)
+        return body
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> Plan:
+        if body.get("version") != PLAN_VERSION:
+            raise ValueError(f"plan version {body.get('version')!r} is not {PLAN_VERSION}")
+        known = {f.name for f in fields(cls)}
+        unknown = set(body) - known
+        if unknown:
+            raise ValueError(f"unknown plan fields: {sorted(unknown)}")
+        values = dict(body)
+        values["block_modes"] = tuple(BlockMode(mode) for mode in body["block_modes"])
+        values["chosen"] = tuple(body.get("chosen", ()))
+        values["notes"] = tuple(body.get("notes", ()))
+        return cls(**values)
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        """(knob, value, where it came from) for a table."""
+
+        def origin(key: str) -> str:
+            return "auto" if key in self.chosen else "spec"
+
+        modes = ", ".join(f"{count}x{mode}" for mode, count in _run_lengths(self.block_modes))
+        rows = [
+            ("world_size", str(self.world_size), "launch"),
+            ("micro_batch_size", str(self.micro_batch_size), "spec"),
+            ("precision", self.precision, "spec"),
+            ("device_budget", _bytes(self.device_budget_bytes), origin("memory.device_budget")),
+            ("host_budget", _bytes(self.host_budget_bytes), origin("memory.host_budget")),
+            ("chunk_size", _bytes(self.chunk_size), origin("memory.chunk_size")),
+            ("chunks", str(self.num_chunks), "model"),
+            ("n_persist", str(self.n_persist), origin("memory.n_persist")),
+            ("n_buffer", str(self.n_buffer), origin("memory.n_buffer")),
+            ("n_swap", str(self.n_swap), origin("memory.n_swap")),
+            ("n_checkpoint", str(self.n_checkpoint), origin("memory.n_checkpoint")),
+            ("ssd.n_offload", str(self.n_offload), origin("memory.ssd.n_offload")),
+            ("block_modes", modes or "(no blocks)", "plan"),
+        ]
+        predictions = [
+            ("predicted step time", None if self.predicted_step_s is None else f"{self.predicted_step_s:.3f} s"),
+            ("predicted peak device", _opt_bytes(self.predicted_peak_device_bytes)),
+            ("predicted peak host", _opt_bytes(self.predicted_peak_host_bytes)),
+            ("predicted SSD bytes", _opt_bytes(self.predicted_ssd_bytes)),
+        ]
+        rows += [(name, value, "model") for name, value in predictions if value is not None]
+        return rows
+
+
+def _run_lengths(modes: tuple[BlockMode, ...]) -> list[tuple[str, int]]:
+    runs: list[tuple[str, int]] = []
+    for mode in modes:
+        if runs and runs[-1][0] == mode.value:
+            runs[-1] = (mode.value, runs[-1][1] + 1)
+        else:
+            runs.append((mode.value, 1))
+    return runs
+
+
+def _bytes(num_bytes: int) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes} B"
+
+
+def _opt_bytes(num_bytes: int | None) -> str | None:
+    return None if num_bytes is None else _bytes(num_bytes)
+
+
+# --------------------------------------------------------------------------------------------
+# The resident rule: how "auto" knobs are filled until the cost-model search is in place.
+# --------------------------------------------------------------------------------------------
+
+CHUNK_SIZE_GRID_BYTES = (32 << 20, 64 << 20, 128 << 20, 256 << 20)
+
+
+def default_chunk_size(total_param_bytes: int) -> int:
+    """The smallest grid size that splits the model into at least 8 chunks, else the smallest
+    grid size (a 1B-parameter fp32 model gets 256 MiB chunks; a tiny model 32 MiB)."""
+    for size in reversed(CHUNK_SIZE_GRID_BYTES):
+        if total_param_bytes // size >= 8:
+            return size
+    return CHUNK_SIZE_GRID_BYTES[0]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KnobRequest:
+    """Knob values from the spec: an int set by hand, or None for "auto"."""
+
+    chunk_size: int | None = None
+    n_persist: int | None = None
+    n_buffer: int | None = None
+    n_swap: int | None = None
+    n_checkpoint: int | None = None
+    n_offload: int | None = None
+    block_modes: tuple[BlockMode, ...] | None = None
+
+
+def resident_plan(
+    *,
+    request: KnobRequest,
+    total_param_bytes: int,
+    num_blocks: int,
+    world_size: int,
+    micro_batch_size: int,
+    precision: str,
+    device_budget_bytes: int,
+    host_budget_bytes: int,
+    chosen: tuple[str, ...],
+) -> Plan:
+    """Fill every "auto" knob so that nothing leaves the device: all chunks persistent, no
+    buffers, every block kept. Hand-set knobs are kept as given."""
+    chunk_size = request.chunk_size or default_chunk_size(total_param_bytes)
+    num_chunks = max(1, math.ceil(total_param_bytes / chunk_size))
+    if request.block_modes is not None:
+        modes = request.block_modes
+        if len(modes) != num_blocks:
+            raise ValueError(
+                f"memory.block_modes lists {len(modes)} modes but the model has {num_blocks} blocks"
+            )
+    else:
+        counts = [request.n_offload or 0, request.n_swap or 0, request.n_checkpoint or 0]
+        if sum(counts) > num_blocks:
+            raise ValueError(
+                f"ssd.n_offload + n_swap + n_checkpoint = {sum(counts)} exceeds the model's "
+                f"{num_blocks} blocks"
+            )
+        modes = default_block_layout(num_blocks, n_offload=counts[0], n_swap=counts[1], n_checkpoint=counts[2])
+    n_persist = num_chunks if request.n_persist is None else request.n_persist
+    if n_persist > num_chunks:
+        raise ValueError(f"memory.n_persist={n_persist} exceeds the model's {num_chunks} chunks of {_bytes(chunk_size)}")
+    return Plan(
+        world_size=world_size,
+        micro_batch_size=micro_batch_size,
+        precision=precision,
+        chunk_size=chunk_size,
+        num_chunks=num_chunks,
+        n_persist=n_persist,
+        n_buffer=0 if request.n_buffer is None else request.n_buffer,
+        n_swap=modes.count(BlockMode.SWAP),
+        n_checkpoint=modes.count(BlockMode.CHECKPOINT),
+        n_offload=modes.count(BlockMode.SSD),
+        block_modes=modes,
+        device_budget_bytes=device_budget_bytes,
+        host_budget_bytes=host_budget_bytes,
+        chosen=chosen,
+        rule="resident: auto knobs keep every chunk persistent and every block kept",
+    )
+
+
+def default_block_layout(num_blocks: int, *, n_offload: int, n_swap: int, n_checkpoint: int) -> tuple[BlockMode, ...]:
+    """DESIGN section 4's order: ssd blocks first, then swap blocks with checkpoint blocks
+    interleaved among them, kept blocks last (backward consumes those first)."""
+    offloaded = [BlockMode.SWAP] * n_swap
+    # Spread checkpoint blocks evenly among the swap blocks so un-swapped activations do not
+    # pile up in one place; leftover checkpoint blocks follow.
+    interleaved: list[BlockMode] = []
+    remaining_ckpt = n_checkpoint
+    for index, mode in enumerate(offloaded):
+        interleaved.append(mode)
+        slots_left = len(offloaded) - index
+        take = math.ceil(remaining_ckpt / slots_left) if slots_left else 0
+        interleaved.extend([BlockMode.CHECKPOINT] * take)
+        remaining_ckpt -= take
+    interleaved.extend([BlockMode.CHECKPOINT] * remaining_ckpt)
+    layout = [BlockMode.SSD] * n_offload + interleaved
+    layout += [BlockMode.KEEP] * (num_blocks - len(layout))
+    return tuple(layout)

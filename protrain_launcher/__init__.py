@@ -1,0 +1,1 @@
+"""protrain-run: the launcher (spec validation, overrides, elastic launch, signals)."""

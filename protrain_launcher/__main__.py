@@ -1,0 +1,3 @@
+from protrain_launcher.cli import console_main
+
+console_main()

@@ -1,0 +1,162 @@
+"""``protrain-run``: read and validate the job spec, then start the ranks.
+
+    protrain-run [--nproc-per-node N|auto] [--nnodes N] [--node-rank R] [--master-addr A]
+                 [--master-port P] [--max-restarts K] [--dry-run]
+                 train.py [script args] --config job.yaml [--set key.path=value ...] [-- args]
+
+``--config`` and ``--set`` are taken wherever they appear before ``--``; everything after ``--``
+goes to the script untouched (a script's own ``--config`` goes there). Launcher options come
+before the script path; they override the spec's ``launcher`` section, which overrides defaults.
+
+Exit codes: 0 success; 1 a rank failed; 2 bad input (nothing started); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runtime.spec_io import Override, SpecError, load_spec, parse_override
+
+EXIT_OK = 0
+EXIT_RANK_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+# Launcher option -> key path in the spec's launcher section.
+LAUNCHER_OPTIONS: dict[str, str] = {
+    "--nproc-per-node": "nproc_per_node",
+    "--nnodes": "nnodes",
+    "--node-rank": "node_rank",
+    "--master-addr": "master_addr",
+    "--master-port": "master_port",
+    "--max-restarts": "max_restarts",
+}
+
+
+class UsageError(SpecError):
+    """Bad command line."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchRequest:
+    script: Path
+    script_args: tuple[str, ...]
+    config: Path | None
+    overrides: tuple[Override, ...]
+    launcher_overrides: tuple[Override, ...]
+    dry_run: bool
+    raw_sets: tuple[str, ...] = field(default=())
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"command line: {message}")
+
+
+def _build_parser() -> _Parser:
+    parser = _Parser(
+        prog="protrain-run",
+        description="Launch a ProTrain job: validate the spec, then start the ranks with "
+        "torch.distributed's elastic launcher.",
+        epilog="--config FILE and --set KEY.PATH=VALUE may appear anywhere before '--'. "
+        "Exit codes: 0 ok, 1 a rank failed, 2 bad input, 130 interrupted.",
+    )
+    for option, key in LAUNCHER_OPTIONS.items():
+        parser.add_argument(option, dest=key, metavar=key.upper(), help=f"overrides launcher.{key}")
+    parser.add_argument("--dry-run", action="store_true", help="validate, plan in one local process, print, exit")
+    parser.add_argument("script", help="the training script each rank runs")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser
+
+
+def _extract_config_and_sets(argv: list[str]) -> tuple[list[str], str | None, list[str], list[str]]:
+    """Pull ``--config``/``--set`` out of the part before ``--``; return (rest, config, sets, tail)."""
+    if "--" in argv:
+        cut = argv.index("--")
+        head, tail = argv[:cut], argv[cut + 1 :]
+    else:
+        head, tail = argv, []
+    rest: list[str] = []
+    config: str | None = None
+    sets: list[str] = []
+    index = 0
+    while index < len(head):
+        arg = head[index]
+        name, eq, inline = arg.partition("=")
+        if name in ("--config", "--set"):
+            if eq:
+                value = inline
+            elif index + 1 < len(head):
+                index += 1
+                value = head[index]
+            else:
+                raise UsageError(f"command line: {name} needs a value")
+            if name == "--config":
+                if config is not None:
+                    raise UsageError(f"command line: --config given twice ({config!r} and {value!r})")
+                config = value
+            else:
+                sets.append(value)
+        else:
+            rest.append(arg)
+        index += 1
+    return rest, config, sets, tail
+
+
+def parse_command_line(argv: list[str]) -> LaunchRequest:
+    rest, config, sets, tail = _extract_config_and_sets(argv)
+    args = _build_parser().parse_args(rest)
+    launcher_overrides = []
+    for option, key in LAUNCHER_OPTIONS.items():
+        value = getattr(args, key)
+        if value is not None:
+            launcher_overrides.append(
+                parse_override(f"launcher.{key}={value}", source=f"command line {option} {value}")
+            )
+    script = Path(args.script)
+    return LaunchRequest(
+        script=script,
+        script_args=tuple(args.script_args) + tuple(tail),
+        config=Path(config) if config is not None else None,
+        overrides=tuple(parse_override(text) for text in sets),
+        launcher_overrides=tuple(launcher_overrides),
+        dry_run=bool(args.dry_run),
+        raw_sets=tuple(sets),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run protrain-run with ``argv`` (default: sys.argv[1:]); returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        _build_parser().print_help()
+        return EXIT_OK
+    try:
+        request = parse_command_line(argv)
+        spec = load_spec(request.config, [*request.overrides, *request.launcher_overrides])
+        _check_script(request.script)
+    except SpecError as err:
+        print(f"protrain-run: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    # torch is imported only once the input is known to be good.
+    from protrain_launcher.launch import launch
+
+    return launch(request, spec)
+
+
+def _check_script(script: Path) -> None:
+    if not script.exists():
+        raise UsageError(f"{script}: no such training script")
+    if not script.is_file():
+        raise UsageError(f"{script}: is not a file (expected a Python training script)")
+
+
+def console_main() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    console_main()

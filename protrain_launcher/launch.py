@@ -1,0 +1,159 @@
+"""Starting the ranks: torch.distributed's elastic agent (the engine under torchrun), with the
+rendezvous, restarts and shutdown grace set explicitly from the spec.
+
+The resolved spec is written once as JSON into the run directory; ranks find it through
+``PROTRAIN_SPEC`` (a path, not the config itself).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from protrain_launcher.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_RANK_FAILED, LaunchRequest
+from runtime.spec import AUTO, Spec
+from runtime.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, write_resolved
+
+LAUNCHER_PID_ENV = "PROTRAIN_LAUNCHER_PID"
+RANK_ENTRY = ("-u", "-m", "protrain_launcher.rank_entry")
+RENDEZVOUS_TIMEOUT_S = 900
+# The rendezvous variables a parent torchrun may have left; a child job must not inherit them.
+_INHERITED_RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                              "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def resolve_nproc(value: int | str) -> int:
+    """``auto``: one rank per CUDA device, or 1 without CUDA."""
+    if value != AUTO:
+        return int(value)
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def launch(request: LaunchRequest, spec: Spec) -> int:
+    nproc = resolve_nproc(spec.launcher.nproc_per_node)
+    world_size = nproc * spec.launcher.nnodes
+    auto = ResolvedSpec.of(spec, source="").auto
+    spec = spec.model_copy(update={"launcher": spec.launcher.model_copy(update={"nproc_per_node": nproc})})
+    resolved = ResolvedSpec(
+        spec=spec,
+        source=str(request.config) if request.config else "(defaults)",
+        overrides=request.raw_sets,
+        auto=auto,
+        dry_run=request.dry_run,
+        world_size=world_size,
+    )
+    if request.dry_run:
+        return _dry_run(request, resolved)
+    run_dir = _new_run_dir(Path(spec.output_dir).expanduser(), spec.launcher.node_rank)
+    spec_path = run_dir / "spec.json"
+    write_resolved(resolved, spec_path)
+    return _elastic_run(request, spec, nproc, spec_path, run_dir)
+
+
+def _new_run_dir(base: Path, node_rank: int) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = base / f"{stamp}-node{node_rank}-{os.getpid()}"
+    run_dir.mkdir(parents=True, exist_ok=False)
+    return run_dir
+
+
+def _child_env(spec_path: Path, nproc: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _INHERITED_RENDEZVOUS_VARS}
+    env[RESOLVED_SPEC_ENV] = str(spec_path.resolve())
+    env[LAUNCHER_PID_ENV] = str(os.getpid())
+    # Like torchrun: without a setting, ranks sharing a host split its cores instead of each
+    # starting one thread per core.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return env
+
+
+def _dry_run(request: LaunchRequest, resolved: ResolvedSpec) -> int:
+    """One local process that plans and prints; no elastic agent, no process group, no files."""
+    with tempfile.TemporaryDirectory(prefix="protrain-dry-run-") as tmp:
+        spec_path = Path(tmp) / "spec.json"
+        write_resolved(resolved, spec_path)
+        env = _child_env(spec_path, 1)
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        command = [sys.executable, *RANK_ENTRY, str(request.script), *request.script_args]
+        try:
+            completed = subprocess.run(command, env=env, check=False)
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
+    if completed.returncode < 0:
+        return 128 - completed.returncode
+    return completed.returncode
+
+
+def _elastic_run(request: LaunchRequest, spec: Spec, nproc: int, spec_path: Path, run_dir: Path) -> int:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    launcher = spec.launcher
+    port = launcher.master_port or free_port(launcher.master_addr)
+    # Static rendezvous when this node's rank is known (one node, or a node rank given);
+    # otherwise torch's c10d rendezvous assigns node ranks as nodes join.
+    static = launcher.nnodes == 1 or "node_rank" in launcher.model_fields_set
+    rdzv_configs: dict[str, object] = {"timeout": RENDEZVOUS_TIMEOUT_S}
+    if static:
+        rdzv_configs["rank"] = launcher.node_rank
+    config = LaunchConfig(
+        min_nodes=launcher.nnodes,
+        max_nodes=launcher.nnodes,
+        nproc_per_node=nproc,
+        run_id=f"protrain-{launcher.master_addr}-{port}",
+        role="protrain",
+        rdzv_endpoint=f"{launcher.master_addr}:{port}",
+        rdzv_backend="static" if static else "c10d",
+        rdzv_configs=rdzv_configs,
+        max_restarts=launcher.max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "elastic"), redirects=Std.NONE, tee=Std.NONE),
+        shutdown_timeout=max(1, math.ceil(launcher.shutdown_grace_s)),
+    )
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    os.environ.update(_child_env(spec_path, nproc))
+    for name in _INHERITED_RENDEZVOUS_VARS:
+        os.environ.pop(name, None)
+    try:
+        elastic_launch(config, sys.executable)(*RANK_ENTRY, str(request.script), *request.script_args)
+    except ChildFailedError as err:
+        _report_failures(err)
+        return EXIT_RANK_FAILED
+    except SignalException as err:
+        signum = int(err.sigval)
+        return EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signum
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    return EXIT_OK
+
+
+def _report_failures(err: object) -> None:
+    failures = getattr(err, "failures", {}) or {}
+    for rank, failure in sorted(failures.items()):
+        code = failure.exitcode
+        how = f"signal {failure.signal_name()}" if code < 0 else f"exit code {code}"
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message", "")
+        first_line = str(message).strip().splitlines()[-1] if str(message).strip() else ""
+        detail = f": {first_line}" if first_line and "To enable traceback" not in first_line else ""
+        print(f"protrain-run: rank {rank} failed with {how}{detail}", file=sys.stderr)

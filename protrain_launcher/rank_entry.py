@@ -1,0 +1,64 @@
+"""What each rank runs: ``python -m protrain_launcher.rank_entry train.py [args]``.
+
+It ties the rank's life to the launcher (a rank dies when the launcher dies, even by SIGKILL),
+turns SIGINT/SIGTERM into a quiet exit (130/143, no traceback; ``finally`` blocks still run),
+and runs the user's script as ``__main__``. An exception in the script is recorded for the
+elastic agent (its error file) and printed, and the rank exits 1.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import runpy
+import signal
+import sys
+from types import FrameType
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+LAUNCHER_PID_ENV = "PROTRAIN_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+class Terminated(SystemExit):
+    """SIGTERM from the launcher (another rank failed, or shutdown)."""
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent exits (Linux); if the launcher is
+    already gone, exit now."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    expected = os.environ.get(LAUNCHER_PID_ENV)
+    if expected and os.getppid() != int(expected):
+        os._exit(1)
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise Terminated(128 + signal.SIGTERM)
+
+
+@record
+def run_script(script: str, args: list[str]) -> None:
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+def main() -> None:
+    die_with_parent()
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    if len(sys.argv) < 2:
+        print("usage: python -m protrain_launcher.rank_entry SCRIPT [ARGS...]", file=sys.stderr)
+        sys.exit(2)
+    try:
+        run_script(sys.argv[1], sys.argv[2:])
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""Per-rank memory budgets when the spec says "auto"."""
+
+from __future__ import annotations
+
+import psutil
+import torch
+
+from runtime.device import DeviceInfo
+
+DEVICE_RESERVE_FRACTION = 0.05
+"""Kept free on a CUDA device for the CUDA context, NCCL and allocator slack."""
+HOST_RESERVE_BYTES = 2 << 30
+"""Kept free on the host for the OS, the Python process and data loading."""
+
+
+def auto_device_budget(device: DeviceInfo, ranks_on_host: int) -> int:
+    """CUDA: device total minus a reserve. CPU: this rank's share of available RAM, so plans
+    stay resident unless the spec sets a smaller budget."""
+    if device.is_cuda:
+        total = torch.cuda.get_device_properties(device.device).total_memory
+        return int(total * (1 - DEVICE_RESERVE_FRACTION))
+    return max(0, psutil.virtual_memory().available - HOST_RESERVE_BYTES) // max(1, ranks_on_host)
+
+
+def auto_host_budget(ranks_on_host: int) -> int:
+    """(available RAM - reserve) / ranks on this host."""
+    return max(0, psutil.virtual_memory().available - HOST_RESERVE_BYTES) // max(1, ranks_on_host)

@@ -1,0 +1,125 @@
+"""What rank 0 shows the user: the plan as a table, then progress with loss, tokens/s and step
+time. Other ranks print nothing unless they fail. Every optimizer step also goes to a JSONL file.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from profiler.plan import Plan
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepRecord:
+    """One optimizer update as the user sees it."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float | None
+    step_time_s: float
+    tokens_per_s: float
+    skipped: bool
+    loss_scale: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        record = {
+            "step": self.step,
+            "loss": self.loss,
+            "lr": self.lr,
+            "grad_norm": self.grad_norm,
+            "step_time_s": round(self.step_time_s, 6),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "skipped": self.skipped,
+            "time": time.time(),
+        }
+        if self.loss_scale is not None:
+            record["loss_scale"] = self.loss_scale
+        return record
+
+
+def plan_table(plan: Plan, *, title: str = "ProTrain plan") -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column("knob")
+    table.add_column("value", justify="right")
+    table.add_column("from")
+    for knob, value, origin in plan.rows():
+        table.add_row(knob, value, origin)
+    return table
+
+
+class MetricsFile:
+    """Appends one JSON object per line; flushed per line so a crash loses nothing committed."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: TextIO | None = path.open("a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is None:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class ProgressReporter:
+    """A live progress bar on a terminal; on a pipe or file, one plain line every few steps."""
+
+    def __init__(self, *, total_steps: int | None, enabled: bool, stream: TextIO | None = None) -> None:
+        self.enabled = enabled
+        self.console = Console(file=stream or sys.stdout, highlight=False)
+        self.total_steps = total_steps
+        self._progress: Progress | None = None
+        self._task: Any = None
+        self._line_every = max(1, (total_steps or 100) // 20)
+
+    def show_plan(self, plan: Plan) -> None:
+        if self.enabled:
+            self.console.print(plan_table(plan))
+
+    def print(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(text)
+
+    def update(self, record: StepRecord) -> None:
+        if not self.enabled:
+            return
+        summary = (
+            f"loss {record.loss:.4f}  lr {record.lr:.2e}  {record.tokens_per_s:,.0f} tok/s  "
+            f"{record.step_time_s * 1000:.0f} ms/step" + ("  (skipped)" if record.skipped else "")
+        )
+        if self.console.is_terminal:
+            self._live_update(record.step, summary)
+        elif record.step == 1 or record.step % self._line_every == 0 or record.step == self.total_steps:
+            total = f"/{self.total_steps}" if self.total_steps else ""
+            self.console.print(f"step {record.step}{total}  {summary}")
+
+    def _live_update(self, step: int, summary: str) -> None:
+        if self._progress is None:
+            self._progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                TextColumn("{task.fields[summary]}"), console=self.console, transient=False,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=self.total_steps, summary="")
+        self._progress.update(self._task, completed=step, summary=summary)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

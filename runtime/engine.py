@@ -1,0 +1,271 @@
+"""The Engine: what a training script drives, with DeepSpeed's micro-batch semantics.
+
+    out = engine(**batch)          # forward of the wrapped model, under the plan's precision
+    engine.backward(out.loss)      # loss / gradient_accumulation_steps (x loss scale) backward
+    engine.step()                  # an optimizer update only at the window's last micro-batch
+
+At the window's end the engine averages gradients across ranks (parameters that got no gradient
+on any rank keep ``grad=None`` and AdamW skips them, as in plain PyTorch), decides the same on
+every rank whether the update is skipped (non-finite loss, fp16 overflow), clips the global norm,
+updates, steps the schedule and reports one record.
+
+This version keeps the whole model resident on every rank; the chunk engine replaces that
+storage without changing this API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from profiler.plan import Plan
+from runtime.console import MetricsFile, ProgressReporter, StepRecord
+from runtime.device import DeviceInfo, synchronize
+from runtime.distributed import DistContext, destroy
+from runtime.grad_sync import average_gradients_
+from runtime.loss_scale import DynamicLossScaler
+from runtime.param_groups import build_adamw
+from runtime.schedule import build_scheduler
+from runtime.settings import TrainingSettings
+from runtime.spec import NonFiniteLossPolicy, Precision
+
+_AUTOCAST_DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A non-finite loss under ``on_nonfinite_loss: raise``; raised on every rank alike."""
+
+
+def count_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Tokens in a batch: ``input_ids`` if given, else the first integer tensor argument."""
+    candidates = [kwargs.get("input_ids"), *args, *kwargs.values()]
+    for value in candidates:
+        if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dim() >= 1:
+            return value.numel()
+    return 0
+
+
+class Engine:
+    """Trains ``module`` under ``plan``; see the module docstring for the call protocol."""
+
+    def __init__(
+        self,
+        *,
+        module: nn.Module,
+        plan: Plan,
+        settings: TrainingSettings,
+        dist_ctx: DistContext,
+        device: DeviceInfo,
+        reporter: ProgressReporter,
+        metrics: MetricsFile | None,
+        loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    ) -> None:
+        self.module = module
+        self.plan = plan
+        self.settings = settings
+        self.dist_ctx = dist_ctx
+        self.device_info = device
+        self.loss_fn = loss_fn
+        self._reporter = reporter
+        self._metrics = metrics
+        opt = settings.optimizer
+        self.optimizer = build_adamw(
+            module, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay, no_decay=opt.no_decay
+        )
+        self.scheduler = build_scheduler(self.optimizer, settings.schedule)
+        self.loss_scaler = DynamicLossScaler(settings.loss_scale) if settings.loss_scale else None
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self.global_step = 0
+        """Optimizer updates made (skipped updates do not count)."""
+        self.skipped_steps = 0
+        self.micro_step = 0
+        self._window_start: float | None = None
+        self._window_loss = torch.zeros((), dtype=torch.float64)
+        self._window_nonfinite = torch.zeros((), dtype=torch.float64)
+        self._window_tokens = 0
+        self._closed = False
+
+    # ---------------------------------------------------------------- properties
+
+    @property
+    def device(self) -> torch.device:
+        return self.device_info.device
+
+    @property
+    def rank(self) -> int:
+        return self.dist_ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dist_ctx.world_size
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.settings.micro_batch_size
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.settings.gradient_accumulation_steps
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next ``step()`` call will update the parameters."""
+        return (self.micro_step + 1) % self.settings.gradient_accumulation_steps == 0
+
+    # ---------------------------------------------------------------- the call protocol
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.module.training and torch.is_grad_enabled():
+            if self._window_start is None:
+                self._window_start = time.perf_counter()
+            self._window_tokens += count_tokens(args, kwargs)
+        with self._autocast():
+            return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
+        if loss.dim() != 0:
+            raise ValueError(f"backward expects a scalar loss, got shape {tuple(loss.shape)}")
+        detached = loss.detach().to(torch.float64).cpu()
+        self._window_loss += torch.nan_to_num(detached, nan=0.0, posinf=0.0, neginf=0.0)
+        self._window_nonfinite += (~torch.isfinite(detached)).to(torch.float64)
+        scaled = loss / self.settings.gradient_accumulation_steps
+        if self.loss_scaler is not None:
+            scaled = scaled * self.loss_scaler.scale
+        scaled.backward()
+
+    def step(self) -> bool:
+        """Count one micro-batch; at the accumulation boundary, update. Returns whether the
+        parameters changed."""
+        self.micro_step += 1
+        if self.micro_step % self.settings.gradient_accumulation_steps != 0:
+            return False
+        return self._finish_window()
+
+    # ---------------------------------------------------------------- the update
+
+    def _finish_window(self) -> bool:
+        tokens_local = self._window_tokens
+        extras = torch.stack([self._window_loss, self._window_nonfinite, torch.tensor(float(tokens_local), dtype=torch.float64)])
+        loss_sum, nonfinite, tokens = average_gradients_(self._params, self.dist_ctx, extras).tolist()
+        window_start = self._window_start or time.perf_counter()
+        self._reset_window()
+        losses_in_window = self.settings.gradient_accumulation_steps * self.dist_ctx.world_size
+        skipped = nonfinite > 0
+        if skipped and self.settings.on_nonfinite_loss is NonFiniteLossPolicy.RAISE:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLossError(
+                f"non-finite loss in {int(nonfinite)} of {losses_in_window} micro-batches of update "
+                f"{self.global_step + 1}; set on_nonfinite_loss: skip to skip such updates"
+            )
+        grad_norm: float | None = None
+        if not skipped:
+            grad_norm = self._unscale_and_clip()
+            if self.loss_scaler is not None:
+                overflow = not torch.isfinite(torch.tensor(grad_norm)).item()
+                self.loss_scaler.update(overflow=overflow)
+                skipped = overflow
+        lr = self.lr
+        if skipped:
+            self.skipped_steps += 1
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.global_step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        synchronize(self.device_info)
+        elapsed = time.perf_counter() - window_start
+        self._report(
+            StepRecord(
+                step=self.global_step + self.skipped_steps,
+                loss=loss_sum / losses_in_window if not nonfinite else float("nan"),
+                lr=lr,
+                grad_norm=grad_norm,
+                step_time_s=elapsed,
+                tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0,
+                skipped=skipped,
+                loss_scale=None if self.loss_scaler is None else self.loss_scaler.scale,
+            )
+        )
+        return not skipped
+
+    def _unscale_and_clip(self) -> float:
+        """The global gradient norm (after unscaling), clipping when configured."""
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if not grads:
+            return 0.0
+        if self.loss_scaler is not None:
+            inverse = 1.0 / self.loss_scaler.scale
+            for grad in grads:
+                grad.mul_(inverse)
+        params = [p for p in self._params if p.grad is not None]
+        if self.settings.gradient_clipping > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.settings.gradient_clipping)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        return float(norm)
+
+    def _reset_window(self) -> None:
+        self._window_start = None
+        self._window_loss = torch.zeros((), dtype=torch.float64)
+        self._window_nonfinite = torch.zeros((), dtype=torch.float64)
+        self._window_tokens = 0
+
+    def _report(self, record: StepRecord) -> None:
+        self._reporter.update(record)
+        if self._metrics is not None:
+            self._metrics.write(record.to_json())
+
+    @contextlib.contextmanager
+    def _autocast(self) -> Iterator[None]:
+        dtype = _AUTOCAST_DTYPES.get(self.settings.precision)
+        if dtype is None:
+            yield
+            return
+        with torch.autocast(device_type=self.device_info.autocast_type, dtype=dtype):
+            yield
+
+    # ---------------------------------------------------------------- using the model
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        self.module.eval()
+        return self
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full-precision parameters and buffers by the model's own names, detached copies."""
+        return {name: tensor.detach().clone() for name, tensor in self.module.state_dict().items()}
+
+    def log(self, text: str) -> None:
+        """Print on rank 0 only."""
+        self._reporter.print(text)
+
+    def close(self) -> None:
+        """Stop the progress display, close the metrics file, leave the process group."""
+        if self._closed:
+            return
+        self._closed = True
+        self._reporter.close()
+        if self._metrics is not None:
+            self._metrics.close()
+        destroy(self.dist_ctx)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,232 @@
+"""``initialize``: a rank's composition root. Spec -> process group -> plan -> Engine.
+
+Only this module (and the launcher) reads the environment: ``PROTRAIN_SPEC`` (the resolved spec
+file protrain-run wrote) and the rendezvous variables torch's launcher sets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from torch import nn
+
+from profiler.plan import KnobRequest, Plan, resident_plan
+from runtime.blocks import BlocksNotFoundError, find_blocks
+from runtime.budgets import auto_device_budget, auto_host_budget
+from runtime.console import MetricsFile, ProgressReporter, plan_table
+from runtime.device import DeviceInfo, select_device
+from runtime.distributed import DistContext, broadcast_module_, env_int, init_distributed
+from runtime.engine import Engine
+from runtime.settings import settings_from_spec
+from runtime.spec import AUTO, MemorySpec, Spec
+from runtime.spec_io import (
+    RESOLVED_SPEC_ENV,
+    ResolvedSpec,
+    SpecError,
+    load_spec,
+    read_resolved,
+    validate_spec,
+)
+from runtime.weights import WeightsSource, load_weights_
+
+BYTES_PER_PARAM_RESIDENT_FP32 = 16
+"""fp32 parameter, gradient and two Adam moments."""
+
+
+def resolve_job(config: str | os.PathLike[str] | dict[str, Any] | Spec | None) -> tuple[ResolvedSpec, Path | None]:
+    """The job's spec and, when protrain-run launched us, its run directory."""
+    world_size = env_int("WORLD_SIZE", 1)
+    if config is None:
+        path = os.environ.get(RESOLVED_SPEC_ENV)
+        if not path:
+            raise SpecError(
+                "no job spec: launch with protrain-run --config job.yaml, or pass "
+                "runtime.initialize(model, config='job.yaml')"
+            )
+        resolved = read_resolved(path)
+        return resolved, None if resolved.dry_run else Path(path).parent
+    if isinstance(config, Spec):
+        return ResolvedSpec.of(config, source="(Spec object)", world_size=world_size), None
+    if isinstance(config, dict):
+        spec = validate_spec(config, source="config dict")
+        return ResolvedSpec.of(spec, source="config dict", world_size=world_size), None
+    return ResolvedSpec.of(load_spec(config), source=str(config), world_size=world_size), None
+
+
+def current_spec(config: str | os.PathLike[str] | dict[str, Any] | Spec | None = None) -> Spec:
+    """The job spec a script runs under (e.g. to seed model construction before initialize)."""
+    return resolve_job(config)[0].spec
+
+
+def initialize(
+    model: nn.Module,
+    *,
+    config: str | os.PathLike[str] | dict[str, Any] | Spec | None = None,
+    example_batch: Any = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    weights: WeightsSource | None = None,
+) -> Engine:
+    """Plan and build the Engine that trains ``model`` under the job spec.
+
+    ``config``: a path, dict or Spec; None reads the file protrain-run passed in PROTRAIN_SPEC.
+    ``example_batch``: a batch of the largest shape the job will use, for planning up front.
+    ``loss_fn(output) -> loss`` for profiling; default ``output.loss`` or a scalar output.
+    ``weights``: a state dict, a safetensors directory, or ``fn(name, tensor) -> tensor``.
+    Under ``protrain-run --dry-run`` this prints the spec and plan and ends the process (exit 0).
+    """
+    resolved, run_dir = resolve_job(config)
+    spec = resolved.spec
+    if weights is not None:
+        load_weights_(model, weights)
+    _refuse_meta(model)
+    if resolved.dry_run:
+        _dry_run(model, resolved)
+    device = select_device(env_int("LOCAL_RANK", 0))
+    dist_ctx = init_distributed(backend=device.backend, timeout_s=spec.launcher.dist_timeout_s)
+    model.to(device.device)
+    broadcast_module_(model, dist_ctx)
+    # Rank-offset seed: dropout masks differ across ranks, as they do under DDP with per-rank seeds.
+    torch.manual_seed(spec.seed + dist_ctx.rank)
+    plan = make_plan(model, spec, world_size=dist_ctx.world_size, device=device, ranks_on_host=_local_world_size())
+    _check_supported(plan, model, spec)
+    reporter = ProgressReporter(total_steps=spec.scheduler.total_steps, enabled=dist_ctx.is_main)
+    metrics = _open_metrics(resolved, run_dir, dist_ctx)
+    reporter.show_plan(plan)
+    if metrics is not None:
+        metrics.write({"event": "plan", "plan": plan.to_dict()})
+    return Engine(
+        module=model,
+        plan=plan,
+        settings=settings_from_spec(spec),
+        dist_ctx=dist_ctx,
+        device=device,
+        reporter=reporter,
+        metrics=metrics,
+        loss_fn=loss_fn,
+    )
+
+
+def make_plan(model: nn.Module, spec: Spec, *, world_size: int, device: DeviceInfo, ranks_on_host: int) -> Plan:
+    """Fill the spec's "auto" memory knobs (the resident rule until the profiler's search)."""
+    memory = spec.memory
+
+    def knob(value: int | str) -> int | None:
+        return None if value == AUTO else int(value)
+
+    num_blocks = _count_blocks(model, memory)
+    unique_params = {id(p): p for p in model.parameters()}.values()
+    total_param_bytes = sum(p.numel() * p.element_size() for p in unique_params)
+    chosen = tuple(f"memory.{name}" for name in (
+        "device_budget", "host_budget", "chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint",
+    ) if getattr(memory, name) == AUTO) + (("memory.ssd.n_offload",) if memory.ssd.n_offload == AUTO else ())
+    device_budget = knob(memory.device_budget)
+    host_budget = knob(memory.host_budget)
+    try:
+        return resident_plan(
+            request=KnobRequest(
+                chunk_size=knob(memory.chunk_size),
+                n_persist=knob(memory.n_persist),
+                n_buffer=knob(memory.n_buffer),
+                n_swap=knob(memory.n_swap),
+                n_checkpoint=knob(memory.n_checkpoint),
+                n_offload=knob(memory.ssd.n_offload),
+                block_modes=memory.block_modes,
+            ),
+            total_param_bytes=total_param_bytes,
+            num_blocks=num_blocks,
+            world_size=world_size,
+            micro_batch_size=spec.micro_batch_size,
+            precision=spec.precision.value,
+            device_budget_bytes=device_budget if device_budget is not None else auto_device_budget(device, ranks_on_host),
+            host_budget_bytes=host_budget if host_budget is not None else auto_host_budget(ranks_on_host),
+            chosen=chosen,
+        )
+    except ValueError as err:
+        raise SpecError(str(err)) from None
+
+
+def _count_blocks(model: nn.Module, memory: MemorySpec) -> int:
+    """Blocks in the model's block list. A model with no recognisable block list gets none
+    when nothing asks for per-block activation modes (they then simply stay resident)."""
+    blocks_path = None if memory.blocks == AUTO else str(memory.blocks)
+    wants_modes = memory.block_modes is not None or any(
+        value not in (AUTO, 0) for value in (memory.n_swap, memory.n_checkpoint, memory.ssd.n_offload)
+    )
+    try:
+        return len(find_blocks(model, blocks_path)[1])
+    except BlocksNotFoundError as err:
+        if blocks_path is not None or wants_modes:
+            raise SpecError(str(err)) from None
+        return 0
+
+
+def _check_supported(plan: Plan, model: nn.Module, spec: Spec) -> None:
+    """This engine keeps everything resident; refuse plans it cannot carry out and budgets the
+    resident model state cannot fit, before any training step."""
+    if not plan.all_resident:
+        raise SpecError(
+            f"the plan offloads (n_persist={plan.n_persist} of {plan.num_chunks} chunks, block modes "
+            f"{sorted({m.value for m in plan.block_modes})}), but this engine keeps model state and "
+            "activations resident; leave memory.n_persist, n_swap, n_checkpoint, ssd.n_offload and "
+            "block_modes as auto"
+        )
+    num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    needed = num_params * BYTES_PER_PARAM_RESIDENT_FP32
+    if needed > plan.device_budget_bytes:
+        raise SpecError(
+            f"memory.device_budget: the resident model state needs {needed / 2**20:.1f} MiB per rank "
+            f"({num_params:,} parameters x {BYTES_PER_PARAM_RESIDENT_FP32} bytes) but the budget is "
+            f"{plan.device_budget_bytes / 2**20:.1f} MiB; raise the budget or leave it auto"
+        )
+
+
+def _refuse_meta(model: nn.Module) -> None:
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"{len(meta)} parameters (e.g. {meta[0]}) are on the meta device; pass "
+            "initialize(..., weights=...) with a state dict, a safetensors directory or a callable"
+        )
+
+
+def _local_world_size() -> int:
+    return env_int("LOCAL_WORLD_SIZE", 1)
+
+
+def _open_metrics(resolved: ResolvedSpec, run_dir: Path | None, dist_ctx: DistContext) -> MetricsFile | None:
+    if not dist_ctx.is_main:
+        return None
+    if run_dir is None:
+        # Not launched by protrain-run: rank 0 makes its own run folder (no other rank writes).
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        run_dir = Path(resolved.spec.output_dir).expanduser() / f"{stamp}-{os.getpid()}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "spec.json").write_text(resolved.to_json(), encoding="utf-8")
+    return MetricsFile(run_dir / "metrics.jsonl")
+
+
+def _dry_run(model: nn.Module, resolved: ResolvedSpec) -> None:
+    """Print the spec and the plan it resolves to, then end the process: no process group, no
+    training step, no files."""
+    console = Console(highlight=False)
+    device = select_device(0)
+    plan = make_plan(model, resolved.spec, world_size=resolved.world_size, device=device,
+                     ranks_on_host=resolved.world_size)
+    console.print(f"[bold]Spec[/bold] from {resolved.source}" + (
+        f" with {', '.join(resolved.overrides)}" if resolved.overrides else ""))
+    console.print_json(json.dumps(resolved.spec.model_dump(mode="json")))
+    console.print(plan_table(plan, title=f"Plan for {resolved.world_size} rank(s)"))
+    try:
+        _check_supported(plan, model, resolved.spec)
+    except SpecError as err:
+        console.print(f"[red]This plan cannot run:[/red] {err}")
+        raise SystemExit(2) from None
+    console.print("dry run: no process group, no training step.")
+    raise SystemExit(0)

@@ -1,0 +1,1 @@
+"""Small models that ship with ProTrain (no downloads)."""

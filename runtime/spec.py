@@ -1,0 +1,537 @@
+"""The job spec: one pydantic model tree, parsed once at the edge (launcher or ``initialize``).
+
+Every leaf is strictly typed (no bool for an int, no float for an int, no string for a number),
+unknown keys are errors at every level, and ``"auto"`` is accepted only by the fields that the
+profiler (or the launcher, for ``nproc_per_node``) fills in. Below ``initialize`` nothing reads
+this object: components take plain values from the ``Plan`` and from ``TrainingSettings``.
+
+Importing this module must not import torch: the launcher validates bad input in milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from enum import Enum
+from typing import Annotated, Any, Callable, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, model_validator
+from pydantic_core import PydanticCustomError
+
+from profiler.plan import BlockMode
+
+AUTO = "auto"
+Auto = Literal["auto"]
+
+
+# --------------------------------------------------------------------------------------------
+# Leaf types. Each carries an ``Allowed`` phrase used both in error messages and in the README's
+# spec reference, so the two can never disagree.
+# --------------------------------------------------------------------------------------------
+
+
+class Allowed:
+    """Metadata marker: what a field accepts, in words."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return f"Allowed({self.text!r})"
+
+
+class AutoFilled:
+    """Metadata marker: ``"auto"`` in this field is a placeholder the planner or launcher fills."""
+
+    __slots__ = ()
+
+
+def _reject(allowed: str) -> PydanticCustomError:
+    return PydanticCustomError("spec_value", "expected {allowed}", {"allowed": allowed})
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _leaf(check: Callable[[Any], Any], allowed: str, *, auto: bool = False) -> tuple[Any, ...]:
+    """Build Annotated metadata for a leaf: ``check`` returns the value or raises ValueError."""
+    text = f'{allowed}, or "auto"' if auto else allowed
+
+    def validate(value: Any) -> Any:
+        if auto and value == AUTO:
+            return AUTO
+        try:
+            return check(value)
+        except (ValueError, TypeError):
+            raise _reject(text) from None
+
+    markers: tuple[Any, ...] = (PlainValidator(validate), PlainSerializer(_to_plain), Allowed(text))
+    return markers + ((AutoFilled(),) if auto else ())
+
+
+def _to_plain(value: Any) -> Any:
+    """Serialise a leaf as plain JSON-able data (enums by value, tuples as lists)."""
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return [_to_plain(item) for item in value]
+    return value
+
+
+def _int_check(minimum: int | None = None, maximum: int | None = None) -> Callable[[Any], int]:
+    def check(value: Any) -> int:
+        if not _is_int(value):
+            raise TypeError
+        if minimum is not None and value < minimum:
+            raise ValueError
+        if maximum is not None and value > maximum:
+            raise ValueError
+        return int(value)
+
+    return check
+
+
+def _float_check(
+    minimum: float | None = None, maximum: float | None = None, *, open_min: bool = False
+) -> Callable[[Any], float]:
+    def check(value: Any) -> float:
+        if not _is_number(value) or not math.isfinite(value):
+            raise TypeError
+        if minimum is not None and (value < minimum or (open_min and value == minimum)):
+            raise ValueError
+        if maximum is not None and value > maximum:
+            raise ValueError
+        return float(value)
+
+    return check
+
+
+def _bool_check(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError
+    return value
+
+
+def _str_check(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise TypeError
+    return value
+
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an int or a string such as ``"22GiB"``, ``"512 MiB"``, ``"1.5GB"``."""
+    if _is_int(value):
+        if value < 0:
+            raise ValueError(f"size must be >= 0, got {value}")
+        return int(value)
+    if not isinstance(value, str):
+        raise TypeError(f"size must be an integer or a string like '22GiB', got {value!r}")
+    match = _SIZE_RE.match(value)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"cannot read {value!r} as a size")
+    number, unit = match.groups()
+    size = float(number) * _SIZE_UNITS[unit.lower()]
+    if size != int(size):
+        raise ValueError(f"{value!r} is not a whole number of bytes")
+    return int(size)
+
+
+def format_size(num_bytes: int) -> str:
+    """Inverse-ish of parse_size for display: the largest binary unit that keeps 2 decimals."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.2f}{unit}"
+    return f"{num_bytes}B"
+
+
+def _positive_size(value: Any) -> int:
+    size = parse_size(value)
+    if size <= 0:
+        raise ValueError
+    return size
+
+
+_SIZE_TEXT = 'a size in bytes: an integer or a string such as "22GiB", "512MiB", "1.5GB"'
+
+NonNegInt = Annotated[int, *_leaf(_int_check(0), "an integer >= 0")]
+PositiveInt = Annotated[int, *_leaf(_int_check(1), "an integer >= 1")]
+Port = Annotated[int, *_leaf(_int_check(0, 65535), "an integer port 0..65535 (0: a free port)")]
+PositiveFloat = Annotated[float, *_leaf(_float_check(0.0, open_min=True), "a number > 0")]
+NonNegFloat = Annotated[float, *_leaf(_float_check(0.0), "a number >= 0")]
+Fraction = Annotated[float, *_leaf(_float_check(0.0, 1.0), "a number in [0, 1]")]
+Beta = Annotated[float, *_leaf(_float_check(0.0, 1.0), "a number in [0, 1)")]
+Bool = Annotated[bool, *_leaf(_bool_check, "true or false")]
+Text = Annotated[str, *_leaf(_str_check, "a non-empty string")]
+Size = Annotated[int, *_leaf(parse_size, _SIZE_TEXT)]
+
+AutoSize = Annotated[Union[int, Auto], *_leaf(_positive_size, _SIZE_TEXT + " (> 0)", auto=True)]
+AutoNonNegInt = Annotated[Union[int, Auto], *_leaf(_int_check(0), "an integer >= 0", auto=True)]
+AutoPositiveInt = Annotated[Union[int, Auto], *_leaf(_int_check(1), "an integer >= 1", auto=True)]
+AutoText = Annotated[Union[str, Auto], *_leaf(_str_check, "a module path such as model.layers", auto=True)]
+
+
+def _enum_leaf(enum_type: type[Enum]) -> tuple[Any, ...]:
+    names = [member.value for member in enum_type]
+    allowed = "one of " + ", ".join(names)
+
+    def check(value: Any) -> Enum:
+        if isinstance(value, enum_type):
+            return value
+        if not isinstance(value, str) or value not in names:
+            raise ValueError
+        return enum_type(value)
+
+    return _leaf(check, allowed)
+
+
+class Precision(str, Enum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+class NonFiniteLossPolicy(str, Enum):
+    RAISE = "raise"
+    SKIP = "skip"
+
+
+class OptimizerType(str, Enum):
+    ADAMW = "adamw"
+
+
+class SchedulerType(str, Enum):
+    WARMUP_COSINE = "warmup_cosine"
+    CONSTANT = "constant"
+
+
+def _betas_check(value: Any) -> tuple[float, float]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise TypeError
+    beta = _float_check(0.0, 1.0)
+    first, second = beta(value[0]), beta(value[1])
+    if first >= 1.0 or second >= 1.0:
+        raise ValueError
+    return (first, second)
+
+
+def _text_list_check(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise TypeError
+    return tuple(_str_check(item) for item in value)
+
+
+def _block_modes_check(value: Any) -> tuple[BlockMode, ...]:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise TypeError
+    names = {mode.value for mode in BlockMode}
+    if not all(isinstance(item, str) and item in names for item in value):
+        raise ValueError
+    return tuple(BlockMode(item) for item in value)
+
+
+def _resume_check(value: Any) -> str:
+    return _str_check(value)
+
+
+Betas = Annotated[tuple[float, float], *_leaf(_betas_check, "a list of two numbers in [0, 1)")]
+TextList = Annotated[tuple[str, ...], *_leaf(_text_list_check, "a list of non-empty strings")]
+BlockModes = Annotated[
+    tuple[BlockMode, ...],
+    *_leaf(_block_modes_check, "a non-empty list of keep, swap, checkpoint, ssd (one per block)"),
+]
+PrecisionField = Annotated[Precision, *_enum_leaf(Precision)]
+NonFiniteField = Annotated[NonFiniteLossPolicy, *_enum_leaf(NonFiniteLossPolicy)]
+OptimizerTypeField = Annotated[OptimizerType, *_enum_leaf(OptimizerType)]
+SchedulerTypeField = Annotated[SchedulerType, *_enum_leaf(SchedulerType)]
+Resume = Annotated[str, *_leaf(_resume_check, '"auto", "never", or the path of a checkpoint directory')]
+
+
+def cross_field_error(key: str, message: str) -> PydanticCustomError:
+    """A check that involves several fields; ``key`` is relative to the model raising it."""
+    return PydanticCustomError("spec_cross_field", "{message}", {"key": key, "message": message})
+
+
+class SpecModel(BaseModel):
+    """Base of every spec section: frozen, unknown keys rejected, docstrings as descriptions."""
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, use_attribute_docstrings=True, validate_default=True
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+
+class LossScalingSpec(SpecModel):
+    """Dynamic loss scaling for fp16: the scale halves on overflow and doubles after a run of
+    clean steps."""
+
+    initial: PositiveFloat = 65536.0
+    """Scale at the first step."""
+    growth_interval: PositiveInt = 1000
+    """Overflow-free steps before the scale doubles."""
+    min_scale: PositiveFloat = 1.0
+    """The scale never goes below this."""
+
+    @model_validator(mode="after")
+    def _min_below_initial(self) -> LossScalingSpec:
+        if self.min_scale > self.initial:
+            raise cross_field_error(
+                "min_scale",
+                f"min_scale ({self.min_scale:g}) must be <= initial ({self.initial:g})",
+            )
+        return self
+
+
+class OptimizerSpec(SpecModel):
+    """AdamW with decoupled weight decay, the same update as ``torch.optim.AdamW``."""
+
+    type: OptimizerTypeField = OptimizerType.ADAMW
+    """Optimizer kind."""
+    lr: PositiveFloat = 3.0e-4
+    """Peak learning rate."""
+    betas: Betas = (0.9, 0.95)
+    """Adam's two moment decay rates."""
+    eps: PositiveFloat = 1.0e-8
+    """Added to the denominator."""
+    weight_decay: NonNegFloat = 0.1
+    """Decoupled weight decay, applied to every parameter not matched by no_decay."""
+    no_decay: TextList = ("bias", "norm")
+    """Patterns exempt from weight decay: a parameter matches when a pattern occurs in its
+    lower-cased name or in the lower-cased class name of the module that owns it."""
+
+
+DEFAULT_MIN_LR_RATIO = 0.1
+
+
+class SchedulerSpec(SpecModel):
+    """Learning-rate schedule, stepped once per optimizer update."""
+
+    type: SchedulerTypeField = SchedulerType.CONSTANT
+    """warmup_cosine: linear warmup then cosine decay to min_lr_ratio x lr; constant: linear
+    warmup then lr."""
+    warmup_steps: NonNegInt = 0
+    """Updates of linear warmup from lr/warmup_steps up to lr."""
+    total_steps: PositiveInt | None = Field(default=None)
+    """Updates over which warmup_cosine decays (required for it); also the progress bar's end."""
+    min_lr_ratio: Fraction | None = None
+    """warmup_cosine only: the final learning rate as a fraction of lr (default 0.1)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SchedulerSpec:
+        if self.type is SchedulerType.WARMUP_COSINE and self.total_steps is None:
+            raise cross_field_error("total_steps", "warmup_cosine needs total_steps")
+        if self.type is SchedulerType.CONSTANT and self.min_lr_ratio is not None:
+            raise cross_field_error("min_lr_ratio", "min_lr_ratio applies only to warmup_cosine")
+        if self.total_steps is not None and self.warmup_steps > self.total_steps:
+            raise cross_field_error(
+                "warmup_steps",
+                f"warmup_steps ({self.warmup_steps}) must be <= total_steps ({self.total_steps})",
+            )
+        return self
+
+
+class SsdSpec(SpecModel):
+    """Activation offload to files (SSDTrain)."""
+
+    path: Text | None = None
+    """Directory for activation files (a fast local NVMe disk); null: no SSD tier."""
+    n_offload: AutoNonNegInt = AUTO
+    """Blocks whose activations go to files under path."""
+
+
+class MemorySpec(SpecModel):
+    """Memory knobs. "auto" ones are filled by the planner; a value set by hand is kept."""
+
+    device_budget: AutoSize = AUTO
+    """Device bytes per rank. auto: CUDA total minus a reserve; on CPU this rank's share of free RAM."""
+    host_budget: AutoSize = AUTO
+    """Host bytes per rank. auto: (available RAM - reserve) / ranks on this host."""
+    chunk_size: AutoSize = AUTO
+    """Bytes per model-state chunk."""
+    n_persist: AutoNonNegInt = AUTO
+    """Chunks kept on the device for the whole step (the first ones in execution order)."""
+    n_buffer: AutoNonNegInt = AUTO
+    """Device chunk buffers that the non-persistent chunks pass through."""
+    n_swap: AutoNonNegInt = AUTO
+    """Transformer blocks whose activations are copied to host memory."""
+    n_checkpoint: AutoNonNegInt = AUTO
+    """Transformer blocks recomputed in backward."""
+    ssd: SsdSpec = Field(default_factory=SsdSpec)
+    """SSD activation tier."""
+    blocks: AutoText = AUTO
+    """Module path of the transformer block list, e.g. model.layers. auto: found in the model."""
+    block_modes: BlockModes | None = None
+    """An explicit mode per block (keep, swap, checkpoint, ssd); overrides the counts."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MemorySpec:
+        explicit_offload = self.ssd.n_offload not in (AUTO, 0)
+        if explicit_offload and self.ssd.path is None:
+            raise cross_field_error(
+                "ssd.path", f"ssd.n_offload={self.ssd.n_offload} needs ssd.path (a directory)"
+            )
+        if self.block_modes is not None:
+            if BlockMode.SSD in self.block_modes and self.ssd.path is None:
+                raise cross_field_error("ssd.path", "block_modes contains ssd; set ssd.path")
+            counts = {
+                "n_swap": (self.n_swap, BlockMode.SWAP),
+                "n_checkpoint": (self.n_checkpoint, BlockMode.CHECKPOINT),
+                "ssd.n_offload": (self.ssd.n_offload, BlockMode.SSD),
+            }
+            for key, (count, mode) in counts.items():
+                listed = self.block_modes.count(mode)
+                if count != AUTO and count != listed:
+                    raise cross_field_error(
+                        key,
+                        f"{key}={count} disagrees with block_modes, which lists {listed} "
+                        f"{mode.value} block(s); leave {key} as auto",
+                    )
+        return self
+
+
+class ProfilerSpec(SpecModel):
+    """Profiling steps and the cache of measured profiles."""
+
+    cache_dir: Text = "~/.cache/protrain"
+    """Where measured profiles are cached."""
+    warmup_steps: NonNegInt = 1
+    """Steps run before measuring."""
+    profile_steps: PositiveInt = 2
+    """Steps measured."""
+
+
+class LauncherSpec(SpecModel):
+    """How protrain-run starts the ranks; its command-line options win over this section."""
+
+    nproc_per_node: AutoPositiveInt = AUTO
+    """Ranks on this node. auto: one per GPU, or 1 on a machine without CUDA."""
+    nnodes: PositiveInt = 1
+    """Nodes in the job."""
+    node_rank: NonNegInt = 0
+    """This node's rank (static rendezvous); must be below nnodes."""
+    master_addr: Text = "127.0.0.1"
+    """Address of node 0 (rendezvous and process-group store)."""
+    master_port: Port = 29500
+    """Port on master_addr; 0 picks a free port (single node only)."""
+    max_restarts: NonNegInt = 0
+    """Times the elastic agent restarts the whole group after a rank fails."""
+    shutdown_grace_s: PositiveFloat = 30.0
+    """Seconds ranks get after SIGTERM before SIGKILL."""
+    dist_timeout_s: PositiveFloat = 600.0
+    """Timeout of collectives in the process group."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LauncherSpec:
+        if self.node_rank >= self.nnodes:
+            raise cross_field_error(
+                "node_rank", f"node_rank ({self.node_rank}) must be below nnodes ({self.nnodes})"
+            )
+        if self.master_port == 0 and self.nnodes > 1:
+            raise cross_field_error(
+                "master_port", "master_port 0 (a free port) works only with nnodes 1"
+            )
+        return self
+
+
+class CheckpointSpec(SpecModel):
+    """Checkpoints and resume."""
+
+    dir: Text | None = None
+    """Directory holding checkpoints; null: no checkpoints."""
+    interval_steps: NonNegInt = 0
+    """Save every this many optimizer steps; 0: never periodically."""
+    resume: Resume = "auto"
+    """auto: the latest complete checkpoint in dir; never; or a checkpoint directory."""
+    async_save: Bool = False
+    """Write checkpoints in the background."""
+    keep_last: PositiveInt = 2
+    """Checkpoints kept in dir; older ones are removed."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CheckpointSpec:
+        if self.interval_steps > 0 and self.dir is None:
+            raise cross_field_error(
+                "dir", f"interval_steps={self.interval_steps} needs dir (a directory)"
+            )
+        return self
+
+
+class Spec(SpecModel):
+    """A ProTrain job."""
+
+    seed: NonNegInt = 1234
+    """Seed of every random generator the engine owns (offset by rank where ranks must differ)."""
+    micro_batch_size: PositiveInt = 1
+    """Samples per rank per forward."""
+    gradient_accumulation_steps: PositiveInt = 1
+    """Micro-batches per optimizer update; the loss is scaled by 1/this in backward."""
+    precision: PrecisionField = Precision.FP32
+    """Compute precision; masters and optimizer state stay fp32."""
+    loss_scaling: LossScalingSpec | None = None
+    """fp16 only: dynamic loss scaling (defaults apply when precision is fp16 and this is null)."""
+    gradient_clipping: NonNegFloat | None = None
+    """Clip the global gradient norm to this; 0 or null: off."""
+    on_nonfinite_loss: NonFiniteField = NonFiniteLossPolicy.RAISE
+    """raise, or skip the update; decided alike on every rank."""
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    """Optimizer and parameter groups."""
+    scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
+    """Learning-rate schedule."""
+    memory: MemorySpec = Field(default_factory=MemorySpec)
+    """Placement of model state and activations."""
+    profiler: ProfilerSpec = Field(default_factory=ProfilerSpec)
+    """Profiling before planning."""
+    launcher: LauncherSpec = Field(default_factory=LauncherSpec)
+    """protrain-run's launch settings."""
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    """Checkpoints and resume."""
+    output_dir: Text = "runs"
+    """Each launch writes its resolved spec and metrics.jsonl under a new folder here."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Spec:
+        if self.loss_scaling is not None and self.precision is not Precision.FP16:
+            raise cross_field_error(
+                "loss_scaling",
+                f"loss_scaling applies only to precision fp16 (precision is "
+                f"{self.precision.value}); remove it",
+            )
+        return self
+
+    @property
+    def effective_loss_scaling(self) -> LossScalingSpec | None:
+        """The loss scaling in force: the spec's, the defaults under fp16, else None."""
+        if self.precision is not Precision.FP16:
+            return None
+        return self.loss_scaling or LossScalingSpec()
+
+
+def auto_fields(spec: BaseModel, prefix: str = "") -> list[str]:
+    """Key paths of the fields whose value is still the "auto" placeholder."""
+    found: list[str] = []
+    for name, info in type(spec).model_fields.items():
+        value = getattr(spec, name)
+        path = f"{prefix}{name}"
+        if isinstance(value, BaseModel):
+            found.extend(auto_fields(value, path + "."))
+        elif value == AUTO and any(isinstance(m, AutoFilled) for m in info.metadata):
+            found.append(path)
+    return found

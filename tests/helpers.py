@@ -1,0 +1,106 @@
+"""Shared test helpers: tiny models, plain-PyTorch references and the tolerance of DESIGN
+section 6."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from runtime.data import LMBatches, stdlib_text_corpus
+from runtime.models.gpt import GPT, GPTConfig
+
+TINY_GPT = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=2, d_model=64)
+RELATIVE_TOLERANCE = 1e-5
+
+
+def tiny_gpt(seed: int = 0, config: GPTConfig = TINY_GPT) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(config)
+
+
+def assert_state_close(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
+                       rtol: float = RELATIVE_TOLERANCE) -> None:
+    """Per tensor: max|a - b| <= rtol * max|b| (DESIGN section 6)."""
+    assert set(actual) == set(expected), f"names differ: {set(actual) ^ set(expected)}"
+    for name, ref in expected.items():
+        got = actual[name].to(ref.dtype)
+        diff = (got - ref).abs().max().item()
+        bound = rtol * ref.abs().max().item()
+        assert diff <= bound, f"{name}: max|a-b| = {diff:.3e} > {bound:.3e}"
+
+
+def assert_state_equal(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> None:
+    assert set(actual) == set(expected)
+    for name, ref in expected.items():
+        assert torch.equal(actual[name], ref), f"{name} differs (max {(actual[name] - ref).abs().max():.3e})"
+
+
+def lm_batches(*, micro_batch_size: int, accumulation: int, world_size: int, seed: int = 7,
+               seq_len: int = TINY_GPT.seq_len) -> LMBatches:
+    return LMBatches(tokens=stdlib_text_corpus(), seq_len=seq_len, micro_batch_size=micro_batch_size,
+                     gradient_accumulation_steps=accumulation, world_size=world_size, seed=seed)
+
+
+def reference_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Written independently of runtime.param_groups: biases and LayerNorm weights get no decay."""
+    norm_params = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        (no_decay if name.endswith("bias") or id(param) in norm_params else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def reference_warmup_cosine(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def train_reference(model: nn.Module, data: LMBatches, *, steps: int, lr: float, weight_decay: float,
+                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, clip: float = 0.0,
+                    schedule: Callable[[int], float] | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Plain PyTorch with ordinary gradient accumulation: per micro-batch, the samples of every
+    rank in one forward, ``(loss / accumulation).backward()``; then torch.optim.AdamW."""
+    optimizer = torch.optim.AdamW(reference_param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule or (lambda step: 1.0))
+    losses = []
+    for update in range(steps):
+        window = 0.0
+        for micro in range(data.gradient_accumulation_steps):
+            loss = model(**data.global_micro_batch(update, micro)).loss
+            (loss / data.gradient_accumulation_steps).backward()
+            window += loss.item()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(window / data.gradient_accumulation_steps)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def train_engine(model: nn.Module, data: LMBatches, config: dict[str, Any], *, steps: int,
+                 rank: int = 0) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The same training through runtime.initialize; returns the final state and the window losses."""
+    import runtime
+
+    engine = runtime.initialize(model, config=config)
+    losses = []
+    with engine:
+        for update in range(steps):
+            window = 0.0
+            for micro in range(engine.gradient_accumulation_steps):
+                out = engine(**data.batch(update, micro, rank))
+                engine.backward(out.loss)
+                window += out.loss.item()
+                engine.step()
+            losses.append(window / engine.gradient_accumulation_steps)
+        return engine.state_dict(), losses

@@ -1,0 +1,184 @@
+"""The engine on one rank equals plain PyTorch (fp32, torch.optim.AdamW, same seed and batch)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from runtime.engine import NonFiniteLossError
+from tests.helpers import (
+    assert_state_close,
+    assert_state_equal,
+    lm_batches,
+    reference_warmup_cosine,
+    tiny_gpt,
+    train_engine,
+    train_reference,
+)
+
+STEPS = 20
+
+
+def job(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "seed": 3,
+        "micro_batch_size": 2,
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.1},
+        "output_dir": str(tmp_path / "runs"),
+    }
+    spec.update(overrides)
+    return spec
+
+
+def test_bit_exact_with_plain_pytorch_without_accumulation(tmp_path: Path) -> None:
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    expected, ref_losses = train_reference(tiny_gpt(), data, steps=STEPS, lr=1e-3, weight_decay=0.1)
+    actual, losses = train_engine(tiny_gpt(), data, job(tmp_path), steps=STEPS)
+    assert_state_equal(actual, expected)
+    assert losses == ref_losses
+
+
+def test_accumulation_schedule_and_triggering_clip_bit_exact_with_plain_pytorch(tmp_path: Path) -> None:
+    data = lm_batches(micro_batch_size=2, accumulation=4, world_size=1)
+    expected, ref_losses = train_reference(
+        tiny_gpt(), data, steps=STEPS, lr=1e-3, weight_decay=0.1, clip=0.05,
+        schedule=reference_warmup_cosine(5, STEPS, 0.1),
+    )
+    config = job(
+        tmp_path, gradient_accumulation_steps=4, gradient_clipping=0.05,
+        scheduler={"type": "warmup_cosine", "warmup_steps": 5, "total_steps": STEPS, "min_lr_ratio": 0.1},
+    )
+    actual, losses = train_engine(tiny_gpt(), data, config, steps=STEPS)
+    assert_state_equal(actual, expected)
+    assert losses == ref_losses
+    (metrics,) = (tmp_path / "runs").glob("*/metrics.jsonl")
+    norms = [json.loads(line).get("grad_norm") for line in metrics.read_text().splitlines()[1:]]
+    assert min(norms) > 0.05, "the clip must trigger on every update for this test to mean anything"
+
+
+class Branchy(nn.Module):
+    """A frozen input layer and a branch that only some steps use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.trunk = nn.Linear(8, 8)
+        self.branch = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        h = self.trunk(torch.relu(self.frozen(x)))
+        if use_branch:
+            h = h + self.branch(h)
+        return (h ** 2).mean()
+
+
+def test_unused_and_frozen_parameters_match_plain_adamw(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    inputs = [torch.randn(4, 8) for _ in range(6)]
+    torch.manual_seed(1)
+    reference = Branchy()
+    torch.manual_seed(1)
+    model = Branchy()
+    optimizer = torch.optim.AdamW(
+        [{"params": [reference.trunk.weight, reference.branch.weight], "weight_decay": 0.1},
+         {"params": [reference.trunk.bias, reference.branch.bias], "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.95))
+    import runtime
+
+    engine = runtime.initialize(model, config=job(tmp_path, optimizer={"lr": 1e-2, "weight_decay": 0.1}))
+    for step, x in enumerate(inputs):
+        use = step % 3 == 0
+        reference(x, use).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        engine.backward(engine(x, use))
+        engine.step()
+    engine.close()
+    assert_state_equal(engine.state_dict(), reference.state_dict())
+    assert torch.equal(model.frozen.weight, reference.frozen.weight)
+
+
+def test_nonfinite_loss_raise_and_skip(tmp_path: Path) -> None:
+    import runtime
+
+    engine = runtime.initialize(tiny_gpt(), config=job(tmp_path))
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    out = engine(**data.batch(0, 0, 0))
+    engine.backward(out.loss * float("nan"))
+    with pytest.raises(NonFiniteLossError, match="on_nonfinite_loss: skip"):
+        engine.step()
+    engine.close()
+
+    engine = runtime.initialize(tiny_gpt(), config=job(tmp_path, on_nonfinite_loss="skip"))
+    before = engine.state_dict()
+    out = engine(**data.batch(0, 0, 0))
+    engine.backward(out.loss * float("inf"))
+    assert engine.step() is False
+    assert (engine.global_step, engine.skipped_steps) == (0, 1)
+    assert_state_equal(engine.state_dict(), before)
+    out = engine(**data.batch(1, 0, 0))
+    engine.backward(out.loss)
+    assert engine.step() is True
+    assert engine.global_step == 1
+    engine.close()
+
+
+def test_fp16_overflow_skips_the_step_and_lowers_the_scale(tmp_path: Path) -> None:
+    import runtime
+
+    config = job(tmp_path, precision="fp16", loss_scaling={"initial": 3.0e38, "growth_interval": 1000, "min_scale": 1.0})
+    engine = runtime.initialize(tiny_gpt(), config=config)
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    before = engine.state_dict()
+    out = engine(**data.batch(0, 0, 0))
+    engine.backward(out.loss)
+    assert engine.step() is False
+    assert engine.loss_scaler is not None and engine.loss_scaler.scale == pytest.approx(1.5e38)
+    assert_state_equal(engine.state_dict(), before)
+    for update in range(1, 200):
+        out = engine(**data.batch(update, 0, 0))
+        engine.backward(out.loss)
+        if engine.step():
+            break
+    assert engine.global_step == 1 and engine.skipped_steps >= 1
+    engine.close()
+
+
+def test_metrics_file_has_one_record_per_update(tmp_path: Path) -> None:
+    data = lm_batches(micro_batch_size=2, accumulation=2, world_size=1)
+    train_engine(tiny_gpt(), data, job(tmp_path, gradient_accumulation_steps=2), steps=3)
+    (metrics,) = (tmp_path / "runs").glob("*/metrics.jsonl")
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert records[0]["event"] == "plan"
+    steps = [r for r in records if "step" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["tokens_per_s"] > 0 and r["loss"] > 0 and not r["skipped"] for r in steps)
+
+
+def test_eval_forward_does_not_change_training(tmp_path: Path) -> None:
+    import runtime
+
+    engine = runtime.initialize(tiny_gpt(), config=job(tmp_path))
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    engine.eval()
+    with torch.no_grad():
+        loss = engine(**data.batch(0, 0, 0)).loss
+    engine.train()
+    assert torch.isfinite(loss) and engine.micro_step == 0 and engine.global_step == 0
+    assert set(engine.state_dict()) == set(tiny_gpt().state_dict())
+    engine.close()
+
+
+def test_refuses_offload_knobs_it_cannot_honour(tmp_path: Path) -> None:
+    import runtime
+    from runtime.spec_io import SpecError
+
+    with pytest.raises(SpecError, match="keeps model state and activations resident"):
+        runtime.initialize(tiny_gpt(), config=job(tmp_path, memory={"n_swap": 1}))
+    with pytest.raises(SpecError, match="memory.device_budget"):
+        runtime.initialize(tiny_gpt(), config=job(tmp_path, memory={"device_budget": "1MiB"}))

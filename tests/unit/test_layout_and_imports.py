@@ -1,0 +1,60 @@
+"""The import arrows of DESIGN section 2 (protrain_launcher -> runtime -> profiler), and the
+launcher's bad-input path staying free of torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ALLOWED = {
+    "protrain_launcher": {"protrain_launcher", "runtime"},
+    "runtime": {"runtime", "profiler"},
+    "profiler": {"profiler"},
+}
+
+
+def imported_packages(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found & set(ALLOWED)
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_imports_point_one_way(package: str) -> None:
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(imported_packages(path) - ALLOWED[package])
+        for path in (ROOT / package).rglob("*.py")
+        if imported_packages(path) - ALLOWED[package]
+    }
+    assert not offenders, f"back edges: {offenders}"
+
+
+def test_launcher_only_uses_the_spec_from_runtime() -> None:
+    for path in (ROOT / "protrain_launcher").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("runtime"):
+                assert node.module in ("runtime.spec", "runtime.spec_io"), f"{path.name} imports {node.module}"
+
+
+def test_profiler_does_not_import_torch() -> None:
+    code = "import sys, profiler.plan; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_spec_and_launcher_cli_do_not_import_torch() -> None:
+    code = (
+        "import sys, runtime.spec, runtime.spec_io, protrain_launcher.cli\n"
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
