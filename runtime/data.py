@@ -39,15 +39,6 @@ class LMBatches:
         offsets = self.global_offsets(update).view(self.gradient_accumulation_steps, self.world_size, self.micro_batch_size)
         return self._windows(offsets[micro, rank])
 
-    def global_batch(self, update: int) -> dict[str, torch.Tensor]:
-        """Every sample of the update at once (for a single-process reference)."""
-        return self._windows(self.global_offsets(update))
-
-    def global_micro_batch(self, update: int, micro: int) -> dict[str, torch.Tensor]:
-        """Micro-batch ``micro`` of every rank, concatenated in rank order."""
-        offsets = self.global_offsets(update).view(self.gradient_accumulation_steps, -1)
-        return self._windows(offsets[micro])
-
     def _windows(self, offsets: torch.Tensor) -> dict[str, torch.Tensor]:
         index = offsets[:, None] + torch.arange(self.seq_len + 1)[None, :]
         window = self.tokens[index]

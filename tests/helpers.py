@@ -13,7 +13,9 @@ from torch import nn
 from runtime.data import LMBatches, stdlib_text_corpus
 from runtime.models.gpt import GPT, GPTConfig
 
-TINY_GPT = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=2, d_model=64)
+# qkv_bias off: the key bias has an exactly-zero gradient, so Adam turns reduction-order noise
+# into full-size updates there and no two summation orders agree on it (plain PyTorch neither).
+TINY_GPT = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=2, d_model=64, qkv_bias=False)
 RELATIVE_TOLERANCE = 1e-5
 
 
@@ -67,23 +69,39 @@ def reference_warmup_cosine(warmup: int, total: int, min_ratio: float) -> Callab
 def train_reference(model: nn.Module, data: LMBatches, *, steps: int, lr: float, weight_decay: float,
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, clip: float = 0.0,
                     schedule: Callable[[int], float] | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Plain PyTorch with ordinary gradient accumulation: per micro-batch, the samples of every
-    rank in one forward, ``(loss / accumulation).backward()``; then torch.optim.AdamW."""
+    """Plain PyTorch in one process, torch.optim.AdamW, ordinary gradient accumulation
+    (``(loss / accumulation).backward()`` per micro-batch). With several ranks' data, each rank's
+    micro-batches are accumulated separately and the per-rank gradients averaged, the order in
+    which data-parallel training (DDP) sums them; summing every sample in one pass instead would
+    differ by rounding that Adam amplifies beyond the tolerance on near-zero gradients."""
     optimizer = torch.optim.AdamW(reference_param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule or (lambda step: 1.0))
+    params = [p for p in model.parameters() if p.requires_grad]
     losses = []
     for update in range(steps):
         window = 0.0
-        for micro in range(data.gradient_accumulation_steps):
-            loss = model(**data.global_micro_batch(update, micro)).loss
-            (loss / data.gradient_accumulation_steps).backward()
-            window += loss.item()
+        per_rank: list[list[torch.Tensor | None]] = []
+        for rank in range(data.world_size):
+            for micro in range(data.gradient_accumulation_steps):
+                loss = model(**data.batch(update, micro, rank)).loss
+                (loss / data.gradient_accumulation_steps).backward()
+                window += loss.item()
+            per_rank.append([p.grad for p in params])
+            for param in params:
+                param.grad = None
+        for index, param in enumerate(params):
+            grads = [rank_grads[index] for rank_grads in per_rank if rank_grads[index] is not None]
+            if grads:
+                total = grads[0].clone()
+                for grad in grads[1:]:
+                    total += grad
+                param.grad = total / data.world_size if data.world_size > 1 else total
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(window / data.gradient_accumulation_steps)
+        losses.append(window / (data.gradient_accumulation_steps * data.world_size))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 

@@ -22,6 +22,9 @@ class GPTConfig:
     mlp_ratio: int = 4
     dropout: float = 0.0
     tie_embeddings: bool = True
+    qkv_bias: bool = True
+    """The key bias never changes attention (softmax ignores a per-query constant), so its exact
+    gradient is zero and Adam amplifies rounding noise in it; equivalence tests turn it off."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
@@ -45,7 +48,7 @@ class SelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=config.qkv_bias)
         self.proj = nn.Linear(config.d_model, config.d_model)
         self.dropout = config.dropout
 

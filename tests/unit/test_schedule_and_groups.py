@@ -49,7 +49,7 @@ def test_no_decay_for_biases_and_norms_tied_weight_once() -> None:
     no_decay_names = {p.name for p in no_decay}
     assert "wte.weight" in decay_names and "lm_head.weight" not in decay_names  # tied: listed once
     assert "blocks.0.attn.qkv.weight" in decay_names
-    assert {"blocks.0.ln_1.weight", "blocks.0.ln_1.bias", "blocks.0.attn.qkv.bias", "ln_f.weight"} <= no_decay_names
+    assert {"blocks.0.ln_1.weight", "blocks.0.ln_1.bias", "blocks.0.attn.proj.bias", "ln_f.weight"} <= no_decay_names
     assert not decay_names & no_decay_names
     assert len(decay) + len(no_decay) == len(list(model.parameters()))
 
