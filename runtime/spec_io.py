@@ -181,21 +181,21 @@ def _section_at(model: type[BaseModel], loc: tuple[str, ...]) -> type[BaseModel]
     for key in loc:
         if current is None or key not in current.model_fields:
             return None
-        current = _model_type(current.model_fields[key].annotation)
+        current = section_type(current.model_fields[key].annotation)
     return current
 
 
-def _model_type(annotation: Any) -> type[BaseModel] | None:
+def section_type(annotation: Any) -> type[BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     for arg in getattr(annotation, "__args__", ()) or ():
-        found = _model_type(arg)
+        found = section_type(arg)
         if found is not None:
             return found
     return None
 
 
-def _allowed_text(model: type[BaseModel], loc: tuple[str, ...]) -> str | None:
+def allowed_text(model: type[BaseModel], loc: tuple[str, ...]) -> str | None:
     parent = _section_at(model, loc[:-1])
     if parent is None or loc[-1] not in parent.model_fields:
         return None
@@ -206,7 +206,7 @@ def _allowed_text(model: type[BaseModel], loc: tuple[str, ...]) -> str | None:
     nested = _nested_allowed(info.annotation)
     if nested is not None:
         return nested + (", or null" if type(None) in get_args(info.annotation) else "")
-    if _model_type(info.annotation) is not None:
+    if section_type(info.annotation) is not None:
         return "a mapping of keys" + (" or null" if "None" in repr(info.annotation) else "")
     return None
 
@@ -232,7 +232,7 @@ def _field_path(loc: tuple[Any, ...], *, unknown_key: bool) -> tuple[str, ...]:
     for part in loc:
         if isinstance(part, str) and current is not None and part in current.model_fields:
             path.append(part)
-            current = _model_type(current.model_fields[part].annotation)
+            current = section_type(current.model_fields[part].annotation)
     if unknown_key and loc and isinstance(loc[-1], str) and (not path or path[-1] != loc[-1]):
         path.append(loc[-1])
     return tuple(path)
@@ -275,7 +275,7 @@ def format_validation_error(
         elif kind == "missing":
             message = "required key is missing"
         else:
-            allowed = _allowed_text(Spec, path) if path else None
+            allowed = allowed_text(Spec, path) if path else None
             got = _describe(error["input"])
             message = f"got {got}; allowed: {allowed or error['msg']}"
         key = ".".join(path) or "(top level)"

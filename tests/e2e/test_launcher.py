@@ -1,0 +1,122 @@
+"""protrain-run as a user runs it: real processes, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import ROOT, Job, pid_alive, wait_for
+
+
+def test_two_ranks_train_lm_demo_script(job: Job) -> None:
+    result = job.run("--nproc-per-node", "2", str(ROOT / "scripts" / "train_lm.py"), "--preset", "tiny",
+                     "--steps", "3", "--config", str(job.spec), timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert "ProTrain plan" in result.stdout and "step 3/3" in result.stdout
+    (metrics,) = (job.workdir / "runs").glob("*/metrics.jsonl")
+    steps = [json.loads(line) for line in metrics.read_text().splitlines() if '"step"' in line]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    (spec_file,) = (job.workdir / "runs").glob("*/spec.json")
+    resolved = json.loads(spec_file.read_text())
+    assert resolved["spec"]["launcher"]["nproc_per_node"] == 2 and "memory.n_persist" in resolved["auto"]
+
+
+def test_failing_rank_ends_the_job_and_the_other_rank(job: Job) -> None:
+    result = job.run("--nproc-per-node", "2", str(job.script), "fail", "--config", str(job.spec), timeout=120)
+    assert result.returncode == 1
+    assert "rank one fails on purpose" in result.stderr
+    assert "protrain-run: rank 1 failed with exit code 1" in result.stderr
+    survivor = int((job.workdir / "rank0.pid").read_text())
+    wait_for(lambda: not pid_alive(survivor), 10, "rank 0 to end")
+
+
+def test_sigint_ends_every_rank_with_130(job: Job) -> None:
+    proc = job.start("--nproc-per-node", "2", str(job.script), "forever", "--config", str(job.spec))
+    try:
+        wait_for(lambda: all((job.workdir / f"rank{r}.ready").exists() for r in range(2)), 90, "ranks to train")
+        pids = [int((job.workdir / f"rank{r}.pid").read_text()) for r in range(2)]
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    for pid in pids:
+        wait_for(lambda pid=pid: not pid_alive(pid), 10, f"rank pid {pid} to end")
+
+
+def test_ranks_die_with_a_killed_launcher(job: Job) -> None:
+    proc = job.start("--nproc-per-node", "2", str(job.script), "forever", "--config", str(job.spec))
+    try:
+        wait_for(lambda: all((job.workdir / f"rank{r}.ready").exists() for r in range(2)), 90, "ranks to train")
+        pids = [int((job.workdir / f"rank{r}.pid").read_text()) for r in range(2)]
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    for pid in pids:
+        wait_for(lambda pid=pid: not pid_alive(pid), 10, f"orphaned rank {pid} to end")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_two_nodes_on_loopback_form_one_job(job: Job) -> None:
+    port = str(_free_port())
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
+    nodes = [job.start(*common, "--node-rank", str(rank), str(job.script), "--config", str(job.spec)) for rank in range(2)]
+    try:
+        outputs = [node.communicate(timeout=150) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, (_, stderr) in zip(nodes, outputs):
+        assert node.returncode == 0, stderr
+    done = sorted((job.workdir / f"rank{r}.done").read_text() for r in range(2))
+    assert done == ["0 2 3", "1 2 3"]
+
+
+def test_dry_run_one_child_no_group_no_files(job: Job) -> None:
+    probe = job.workdir / "probe.py"
+    probe.write_text(
+        "import os, torch.distributed as dist\n"
+        "print('CHILD', os.getppid(), 'RANK' in os.environ, flush=True)\n"
+        + job.script.read_text()
+    )
+    before = sorted(p.name for p in job.workdir.iterdir())
+    proc = job.start("--nproc-per-node", "2", "--dry-run", str(probe), "--config", str(job.spec))
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    children = [line.split() for line in stdout.splitlines() if line.startswith("CHILD")]
+    assert children == [["CHILD", str(proc.pid), "False"]]
+    assert "Plan for 2 rank(s)" in stdout and "dry run: no process group, no training step" in stdout
+    assert sorted(p.name for p in job.workdir.iterdir()) == before
+
+
+@pytest.mark.parametrize(
+    ("spec_text", "needle"),
+    [
+        ("memory: {n_persistent: 1}\n", "memory.n_persistent: unknown key"),
+        ("seed: [1,\n", "YAML syntax error"),
+        (None, "no such file"),
+    ],
+    ids=["unknown-key", "syntax", "missing-file"],
+)
+def test_bad_input_as_a_real_process(job: Job, spec_text: str | None, needle: str) -> None:
+    config = job.workdir / "bad.yaml"
+    if spec_text is not None:
+        config.write_text(spec_text)
+    result = job.run(str(job.script), "--config", str(config), timeout=60)
+    assert result.returncode == 2
+    assert needle in result.stderr and str(config) in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (job.workdir / "runs").exists(), "no rank may start on bad input"
