@@ -69,7 +69,9 @@ class Plan:
         }
         for mode, count in counted.items():
             if self.block_modes.count(mode) != count:
-                raise ValueError(f"block_modes lists {self.block_modes.count(mode)} {mode.value} blocks, plan says {count}")
+                raise ValueError(
+                    f"block_modes lists {self.block_modes.count(mode)} {mode.value} blocks, plan says {count}"
+                )
 
     @property
     def num_blocks(self) -> int:
@@ -124,7 +126,10 @@ class Plan:
             ("block_modes", modes or "(no blocks)", "plan"),
         ]
         predictions = [
-            ("predicted step time", None if self.predicted_step_s is None else f"{self.predicted_step_s:.3f} s"),
+            (
+                "predicted step time",
+                None if self.predicted_step_s is None else f"{self.predicted_step_s:.3f} s",
+            ),
             ("predicted peak device", _opt_bytes(self.predicted_peak_device_bytes)),
             ("predicted peak host", _opt_bytes(self.predicted_peak_host_bytes)),
             ("predicted SSD bytes", _opt_bytes(self.predicted_ssd_bytes)),
@@ -212,10 +217,14 @@ def resident_plan(
                 f"ssd.n_offload + n_swap + n_checkpoint = {sum(counts)} exceeds the model's "
                 f"{num_blocks} blocks"
             )
-        modes = default_block_layout(num_blocks, n_offload=counts[0], n_swap=counts[1], n_checkpoint=counts[2])
+        modes = default_block_layout(
+            num_blocks, n_offload=counts[0], n_swap=counts[1], n_checkpoint=counts[2]
+        )
     n_persist = num_chunks if request.n_persist is None else request.n_persist
     if n_persist > num_chunks:
-        raise ValueError(f"memory.n_persist={n_persist} exceeds the model's {num_chunks} chunks of {_bytes(chunk_size)}")
+        raise ValueError(
+            f"memory.n_persist={n_persist} exceeds the model's {num_chunks} chunks of {_bytes(chunk_size)}"
+        )
     return Plan(
         world_size=world_size,
         micro_batch_size=micro_batch_size,
@@ -235,7 +244,9 @@ def resident_plan(
     )
 
 
-def default_block_layout(num_blocks: int, *, n_offload: int, n_swap: int, n_checkpoint: int) -> tuple[BlockMode, ...]:
+def default_block_layout(
+    num_blocks: int, *, n_offload: int, n_swap: int, n_checkpoint: int
+) -> tuple[BlockMode, ...]:
     """DESIGN section 4's order: ssd blocks first, then swap blocks with checkpoint blocks
     interleaved among them, kept blocks last (backward consumes those first)."""
     offloaded = [BlockMode.SWAP] * n_swap

@@ -66,7 +66,9 @@ def _build_parser() -> _Parser:
     )
     for option, key in LAUNCHER_OPTIONS.items():
         parser.add_argument(option, dest=key, metavar=key.upper(), help=f"overrides launcher.{key}")
-    parser.add_argument("--dry-run", action="store_true", help="validate, plan in one local process, print, exit")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="validate, plan in one local process, print, exit"
+    )
     parser.add_argument("script", help="the training script each rank runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser

@@ -26,8 +26,16 @@ LAUNCHER_PID_ENV = "PROTRAIN_LAUNCHER_PID"
 RANK_ENTRY = ("-u", "-m", "protrain_launcher.rank_entry")
 RENDEZVOUS_TIMEOUT_S = 900
 # The rendezvous variables a parent torchrun may have left; a child job must not inherit them.
-_INHERITED_RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                              "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+_INHERITED_RENDEZVOUS_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 def resolve_nproc(value: int | str) -> int:

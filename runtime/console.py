@@ -112,8 +112,13 @@ class ProgressReporter:
     def _live_update(self, step: int, summary: str) -> None:
         if self._progress is None:
             self._progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                TextColumn("{task.fields[summary]}"), console=self.console, transient=False,
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[summary]}"),
+                console=self.console,
+                transient=False,
             )
             self._progress.start()
             self._task = self._progress.add_task("train", total=self.total_steps, summary="")

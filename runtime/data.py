@@ -36,7 +36,9 @@ class LMBatches:
 
     def batch(self, update: int, micro: int, rank: int) -> dict[str, torch.Tensor]:
         """``input_ids`` and ``labels`` [micro_batch_size, seq_len] for one rank's micro-batch."""
-        offsets = self.global_offsets(update).view(self.gradient_accumulation_steps, self.world_size, self.micro_batch_size)
+        offsets = self.global_offsets(update).view(
+            self.gradient_accumulation_steps, self.world_size, self.micro_batch_size
+        )
         return self._windows(offsets[micro, rank])
 
     def _windows(self, offsets: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -35,12 +35,16 @@ def init_distributed(*, backend: str, timeout_s: float) -> DistContext:
     one the caller already made. Without those variables this is a single-rank job."""
     local_rank = env_int("LOCAL_RANK", 0)
     if dist.is_available() and dist.is_initialized():
-        return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, owns_group=False)
+        return DistContext(
+            rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, owns_group=False
+        )
     world_size = env_int("WORLD_SIZE", 1)
     if world_size == 1:
         return DistContext(rank=0, world_size=1, local_rank=local_rank, owns_group=False)
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, owns_group=True)
+    return DistContext(
+        rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, owns_group=True
+    )
 
 
 def all_reduce_sum_(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:

@@ -75,7 +75,12 @@ class Engine:
         self._metrics = metrics
         opt = settings.optimizer
         self.optimizer = build_adamw(
-            module, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay, no_decay=opt.no_decay
+            module,
+            lr=opt.lr,
+            betas=opt.betas,
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+            no_decay=opt.no_decay,
         )
         self.scheduler = build_scheduler(self.optimizer, settings.schedule)
         self.loss_scaler = DynamicLossScaler(settings.loss_scale) if settings.loss_scale else None
@@ -157,7 +162,13 @@ class Engine:
 
     def _finish_window(self) -> bool:
         tokens_local = self._window_tokens
-        extras = torch.stack([self._window_loss, self._window_nonfinite, torch.tensor(float(tokens_local), dtype=torch.float64)])
+        extras = torch.stack(
+            [
+                self._window_loss,
+                self._window_nonfinite,
+                torch.tensor(float(tokens_local), dtype=torch.float64),
+            ]
+        )
         loss_sum, nonfinite, tokens = average_gradients_(self._params, self.dist_ctx, extras).tolist()
         window_start = self._window_start or time.perf_counter()
         self._reset_window()

@@ -40,7 +40,9 @@ BYTES_PER_PARAM_RESIDENT_FP32 = 16
 """fp32 parameter, gradient and two Adam moments."""
 
 
-def resolve_job(config: str | os.PathLike[str] | dict[str, Any] | Spec | None) -> tuple[ResolvedSpec, Path | None]:
+def resolve_job(
+    config: str | os.PathLike[str] | dict[str, Any] | Spec | None,
+) -> tuple[ResolvedSpec, Path | None]:
     """The job's spec and, when protrain-run launched us, its run directory."""
     world_size = env_int("WORLD_SIZE", 1)
     if config is None:
@@ -94,7 +96,9 @@ def initialize(
     broadcast_module_(model, dist_ctx)
     # Rank-offset seed: dropout masks differ across ranks, as they do under DDP with per-rank seeds.
     torch.manual_seed(spec.seed + dist_ctx.rank)
-    plan = make_plan(model, spec, world_size=dist_ctx.world_size, device=device, ranks_on_host=_local_world_size())
+    plan = make_plan(
+        model, spec, world_size=dist_ctx.world_size, device=device, ranks_on_host=_local_world_size()
+    )
     _check_supported(plan, model, spec)
     reporter = ProgressReporter(total_steps=spec.scheduler.total_steps, enabled=dist_ctx.is_main)
     metrics = _open_metrics(resolved, run_dir, dist_ctx)
@@ -113,7 +117,9 @@ def initialize(
     )
 
 
-def make_plan(model: nn.Module, spec: Spec, *, world_size: int, device: DeviceInfo, ranks_on_host: int) -> Plan:
+def make_plan(
+    model: nn.Module, spec: Spec, *, world_size: int, device: DeviceInfo, ranks_on_host: int
+) -> Plan:
     """Fill the spec's "auto" memory knobs (the resident rule until the profiler's search)."""
     memory = spec.memory
 
@@ -123,9 +129,19 @@ def make_plan(model: nn.Module, spec: Spec, *, world_size: int, device: DeviceIn
     num_blocks = _count_blocks(model, memory)
     unique_params = {id(p): p for p in model.parameters()}.values()
     total_param_bytes = sum(p.numel() * p.element_size() for p in unique_params)
-    chosen = tuple(f"memory.{name}" for name in (
-        "device_budget", "host_budget", "chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint",
-    ) if getattr(memory, name) == AUTO) + (("memory.ssd.n_offload",) if memory.ssd.n_offload == AUTO else ())
+    chosen = tuple(
+        f"memory.{name}"
+        for name in (
+            "device_budget",
+            "host_budget",
+            "chunk_size",
+            "n_persist",
+            "n_buffer",
+            "n_swap",
+            "n_checkpoint",
+        )
+        if getattr(memory, name) == AUTO
+    ) + (("memory.ssd.n_offload",) if memory.ssd.n_offload == AUTO else ())
     device_budget = knob(memory.device_budget)
     host_budget = knob(memory.host_budget)
     try:
@@ -144,7 +160,9 @@ def make_plan(model: nn.Module, spec: Spec, *, world_size: int, device: DeviceIn
             world_size=world_size,
             micro_batch_size=spec.micro_batch_size,
             precision=spec.precision.value,
-            device_budget_bytes=device_budget if device_budget is not None else auto_device_budget(device, ranks_on_host),
+            device_budget_bytes=device_budget
+            if device_budget is not None
+            else auto_device_budget(device, ranks_on_host),
             host_budget_bytes=host_budget if host_budget is not None else auto_host_budget(ranks_on_host),
             chosen=chosen,
         )
@@ -217,10 +235,13 @@ def _dry_run(model: nn.Module, resolved: ResolvedSpec) -> None:
     training step, no files."""
     console = Console(highlight=False)
     device = select_device(0)
-    plan = make_plan(model, resolved.spec, world_size=resolved.world_size, device=device,
-                     ranks_on_host=resolved.world_size)
-    console.print(f"[bold]Spec[/bold] from {resolved.source}" + (
-        f" with {', '.join(resolved.overrides)}" if resolved.overrides else ""))
+    plan = make_plan(
+        model, resolved.spec, world_size=resolved.world_size, device=device, ranks_on_host=resolved.world_size
+    )
+    console.print(
+        f"[bold]Spec[/bold] from {resolved.source}"
+        + (f" with {', '.join(resolved.overrides)}" if resolved.overrides else "")
+    )
     console.print_json(json.dumps(resolved.spec.model_dump(mode="json")))
     console.print(plan_table(plan, title=f"Plan for {resolved.world_size} rank(s)"))
     try:

@@ -21,12 +21,12 @@ def average_gradients_(params: list[nn.Parameter], ctx: DistContext, extras: tor
     has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.float64)
     header = torch.cat([has_grad, extras.to(torch.float64)])
     all_reduce_sum_(header, ctx)
-    anywhere = header[: len(params)] > 0
-    for param, present in zip(params, anywhere.tolist()):
-        if present and param.grad is None:
+    anywhere = (header[: len(params)] > 0).tolist()
+    with_grad = [param for param, present in zip(params, anywhere, strict=True) if present]
+    for param in with_grad:
+        if param.grad is None:
             param.grad = torch.zeros_like(param)
     if ctx.world_size > 1:
-        with_grad = [p for p, present in zip(params, anywhere.tolist()) if present]
         for bucket in _buckets(with_grad):
             grads = [p.grad for p in bucket]
             flat = torch.cat([g.reshape(-1) for g in grads])

@@ -43,7 +43,12 @@ def split_decay(model: nn.Module, patterns: tuple[str, ...]) -> tuple[list[Named
 
 
 def build_adamw(
-    model: nn.Module, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+    model: nn.Module,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
     no_decay: tuple[str, ...],
 ) -> torch.optim.AdamW:
     decay, exempt = split_decay(model, no_decay)

@@ -126,9 +126,16 @@ def _str_check(value: Any) -> str:
 
 
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -168,21 +175,19 @@ def _positive_size(value: Any) -> int:
 
 _SIZE_TEXT = 'a size in bytes: an integer or a string such as "22GiB", "512MiB", "1.5GB"'
 
-NonNegInt = Annotated[int, *_leaf(_int_check(0), "an integer >= 0")]
-PositiveInt = Annotated[int, *_leaf(_int_check(1), "an integer >= 1")]
-Port = Annotated[int, *_leaf(_int_check(0, 65535), "an integer port 0..65535 (0: a free port)")]
-PositiveFloat = Annotated[float, *_leaf(_float_check(0.0, open_min=True), "a number > 0")]
-NonNegFloat = Annotated[float, *_leaf(_float_check(0.0), "a number >= 0")]
-Fraction = Annotated[float, *_leaf(_float_check(0.0, 1.0), "a number in [0, 1]")]
-Beta = Annotated[float, *_leaf(_float_check(0.0, 1.0), "a number in [0, 1)")]
-Bool = Annotated[bool, *_leaf(_bool_check, "true or false")]
-Text = Annotated[str, *_leaf(_str_check, "a non-empty string")]
-Size = Annotated[int, *_leaf(parse_size, _SIZE_TEXT)]
+NonNegInt = Annotated[(int, *_leaf(_int_check(0), "an integer >= 0"))]
+PositiveInt = Annotated[(int, *_leaf(_int_check(1), "an integer >= 1"))]
+Port = Annotated[(int, *_leaf(_int_check(0, 65535), "an integer port 0..65535 (0: a free port)"))]
+PositiveFloat = Annotated[(float, *_leaf(_float_check(0.0, open_min=True), "a number > 0"))]
+NonNegFloat = Annotated[(float, *_leaf(_float_check(0.0), "a number >= 0"))]
+Fraction = Annotated[(float, *_leaf(_float_check(0.0, 1.0), "a number in [0, 1]"))]
+Bool = Annotated[(bool, *_leaf(_bool_check, "true or false"))]
+Text = Annotated[(str, *_leaf(_str_check, "a non-empty string"))]
 
-AutoSize = Annotated[Union[int, Auto], *_leaf(_positive_size, _SIZE_TEXT + " (> 0)", auto=True)]
-AutoNonNegInt = Annotated[Union[int, Auto], *_leaf(_int_check(0), "an integer >= 0", auto=True)]
-AutoPositiveInt = Annotated[Union[int, Auto], *_leaf(_int_check(1), "an integer >= 1", auto=True)]
-AutoText = Annotated[Union[str, Auto], *_leaf(_str_check, "a module path such as model.layers", auto=True)]
+AutoSize = Annotated[(Union[int, Auto], *_leaf(_positive_size, _SIZE_TEXT + " (> 0)", auto=True))]
+AutoNonNegInt = Annotated[(Union[int, Auto], *_leaf(_int_check(0), "an integer >= 0", auto=True))]
+AutoPositiveInt = Annotated[(Union[int, Auto], *_leaf(_int_check(1), "an integer >= 1", auto=True))]
+AutoText = Annotated[(Union[str, Auto], *_leaf(_str_check, "a module path such as model.layers", auto=True))]
 
 
 def _enum_leaf(enum_type: type[Enum]) -> tuple[Any, ...]:
@@ -248,17 +253,19 @@ def _resume_check(value: Any) -> str:
     return _str_check(value)
 
 
-Betas = Annotated[tuple[float, float], *_leaf(_betas_check, "a list of two numbers in [0, 1)")]
-TextList = Annotated[tuple[str, ...], *_leaf(_text_list_check, "a list of non-empty strings")]
+Betas = Annotated[(tuple[float, float], *_leaf(_betas_check, "a list of two numbers in [0, 1)"))]
+TextList = Annotated[(tuple[str, ...], *_leaf(_text_list_check, "a list of non-empty strings"))]
 BlockModes = Annotated[
-    tuple[BlockMode, ...],
-    *_leaf(_block_modes_check, "a non-empty list of keep, swap, checkpoint, ssd (one per block)"),
+    (
+        tuple[BlockMode, ...],
+        *_leaf(_block_modes_check, "a non-empty list of keep, swap, checkpoint, ssd (one per block)"),
+    )
 ]
-PrecisionField = Annotated[Precision, *_enum_leaf(Precision)]
-NonFiniteField = Annotated[NonFiniteLossPolicy, *_enum_leaf(NonFiniteLossPolicy)]
-OptimizerTypeField = Annotated[OptimizerType, *_enum_leaf(OptimizerType)]
-SchedulerTypeField = Annotated[SchedulerType, *_enum_leaf(SchedulerType)]
-Resume = Annotated[str, *_leaf(_resume_check, '"auto", "never", or the path of a checkpoint directory')]
+PrecisionField = Annotated[(Precision, *_enum_leaf(Precision))]
+NonFiniteField = Annotated[(NonFiniteLossPolicy, *_enum_leaf(NonFiniteLossPolicy))]
+OptimizerTypeField = Annotated[(OptimizerType, *_enum_leaf(OptimizerType))]
+SchedulerTypeField = Annotated[(SchedulerType, *_enum_leaf(SchedulerType))]
+Resume = Annotated[(str, *_leaf(_resume_check, '"auto", "never", or the path of a checkpoint directory'))]
 
 
 def cross_field_error(key: str, message: str) -> PydanticCustomError:
@@ -445,9 +452,7 @@ class LauncherSpec(SpecModel):
                 "node_rank", f"node_rank ({self.node_rank}) must be below nnodes ({self.nnodes})"
             )
         if self.master_port == 0 and self.nnodes > 1:
-            raise cross_field_error(
-                "master_port", "master_port 0 (a free port) works only with nnodes 1"
-            )
+            raise cross_field_error("master_port", "master_port 0 (a free port) works only with nnodes 1")
         return self
 
 
@@ -468,9 +473,7 @@ class CheckpointSpec(SpecModel):
     @model_validator(mode="after")
     def _consistent(self) -> CheckpointSpec:
         if self.interval_steps > 0 and self.dir is None:
-            raise cross_field_error(
-                "dir", f"interval_steps={self.interval_steps} needs dir (a directory)"
-            )
+            raise cross_field_error("dir", f"interval_steps={self.interval_steps} needs dir (a directory)")
         return self
 
 

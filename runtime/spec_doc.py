@@ -1,7 +1,7 @@
 """The README's spec reference, generated from the pydantic models so the two cannot drift.
 
-    python -m runtime.spec_doc            # print the reference table
-    python -m runtime.spec_doc --write    # rewrite the README section between its markers
+python -m runtime.spec_doc            # print the reference table
+python -m runtime.spec_doc --write    # rewrite the README section between its markers
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ def _rows(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[str]:
         description = " ".join((info.description or "").split()).replace("|", "\\|")
         if section is not None:
             optional = " (or null)" if "None" in repr(info.annotation) else ""
-            rows.append(f"| `{'.'.join(path)}` | section{optional} | {_default_text(model, name)} | {description} |")
+            rows.append(
+                f"| `{'.'.join(path)}` | section{optional} | {_default_text(model, name)} | {description} |"
+            )
             rows.extend(_rows(section, path))
         else:
             allowed = (allowed_text(Spec, path) or "").replace("|", "\\|")

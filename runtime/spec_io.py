@@ -49,9 +49,7 @@ def _construct_mapping(loader: _StrictYamlLoader, node: yaml.MappingNode, deep: 
     return mapping
 
 
-_StrictYamlLoader.add_constructor(
-    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping
-)
+_StrictYamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 _StrictYamlLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(
@@ -81,7 +79,9 @@ def parse_text(text: str, *, json_syntax: bool) -> Any:
         try:
             return json.loads(text, object_pairs_hook=_reject_duplicate_json_keys)
         except json.JSONDecodeError as err:
-            raise SpecError(f"JSON syntax error at line {err.lineno}, column {err.colno}: {err.msg}") from None
+            raise SpecError(
+                f"JSON syntax error at line {err.lineno}, column {err.colno}: {err.msg}"
+            ) from None
     try:
         return yaml.load(text, Loader=_StrictYamlLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.MarkedYAMLError as err:
@@ -293,12 +293,12 @@ def validate_spec(
     try:
         return Spec.model_validate(data)
     except ValidationError as err:
-        raise SpecError(format_validation_error(err, source=source, override_sources=override_sources)) from None
+        raise SpecError(
+            format_validation_error(err, source=source, override_sources=override_sources)
+        ) from None
 
 
-def load_spec(
-    path: str | os.PathLike[str] | None, overrides: list[Override] | None = None
-) -> Spec:
+def load_spec(path: str | os.PathLike[str] | None, overrides: list[Override] | None = None) -> Spec:
     """Read, override, validate. ``path=None`` starts from the defaults."""
     overrides = overrides or []
     source = str(path) if path is not None else "(defaults)"
@@ -341,7 +341,9 @@ class ResolvedSpec:
     def from_json(cls, text: str, *, path: str) -> ResolvedSpec:
         body = json.loads(text)
         if body.get("version") != RESOLVED_SPEC_VERSION:
-            raise SpecError(f"{path}: resolved spec version {body.get('version')!r}, expected {RESOLVED_SPEC_VERSION}")
+            raise SpecError(
+                f"{path}: resolved spec version {body.get('version')!r}, expected {RESOLVED_SPEC_VERSION}"
+            )
         spec = validate_spec(body["spec"], source=path)
         return cls(
             spec=spec,
@@ -353,10 +355,23 @@ class ResolvedSpec:
         )
 
     @classmethod
-    def of(cls, spec: Spec, *, source: str, overrides: tuple[str, ...] = (), dry_run: bool = False,
-           world_size: int = 1) -> ResolvedSpec:
-        return cls(spec=spec, source=source, overrides=overrides, auto=tuple(auto_fields(spec)),
-                   dry_run=dry_run, world_size=world_size)
+    def of(
+        cls,
+        spec: Spec,
+        *,
+        source: str,
+        overrides: tuple[str, ...] = (),
+        dry_run: bool = False,
+        world_size: int = 1,
+    ) -> ResolvedSpec:
+        return cls(
+            spec=spec,
+            source=source,
+            overrides=overrides,
+            auto=tuple(auto_fields(spec)),
+            dry_run=dry_run,
+            world_size=world_size,
+        )
 
 
 def write_resolved(resolved: ResolvedSpec, path: Path) -> None:

@@ -10,7 +10,9 @@ from typing import Union
 import torch
 from torch import nn
 
-WeightsSource = Union[Mapping[str, torch.Tensor], str, os.PathLike, Callable[[str, torch.Tensor], torch.Tensor]]
+WeightsSource = Union[
+    Mapping[str, torch.Tensor], str, os.PathLike, Callable[[str, torch.Tensor], torch.Tensor]
+]
 """A state dict; a directory holding ``*.safetensors`` shards (as ``save_pretrained`` writes);
 or ``fn(name, empty_tensor) -> tensor`` called once per parameter and buffer name."""
 
@@ -55,12 +57,16 @@ def _copy_into_(model: nn.Module, values: dict[str, torch.Tensor], *, source: st
             missing.append(name)
             continue
         if value.shape != target.shape:
-            raise ValueError(f"{source}: {name} has shape {tuple(value.shape)}, the model expects {tuple(target.shape)}")
+            raise ValueError(
+                f"{source}: {name} has shape {tuple(value.shape)}, the model expects {tuple(target.shape)}"
+            )
         with torch.no_grad():
             target.copy_(value)
     unexpected = sorted(set(values) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"{source}: missing {missing[:8]}{'...' if len(missing) > 8 else ''}; unexpected {unexpected[:8]}")
+        raise ValueError(
+            f"{source}: missing {missing[:8]}{'...' if len(missing) > 8 else ''}; unexpected {unexpected[:8]}"
+        )
 
 
 def _alias_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:

@@ -21,21 +21,46 @@ from runtime.data import LMBatches, stdlib_text_corpus
 from runtime.models.gpt import GPT, PRESETS
 
 LLAMA_PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128),
-    "7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-               num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096),
-    "70b": dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=4096),
+    "tiny": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    ),
+    "7b": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=4096,
+    ),
+    "70b": dict(
+        vocab_size=32000,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+    ),
 }
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--arch", choices=("gpt", "llama"), default="gpt")
     parser.add_argument("--preset", default="demo", help="model size (see the module docstring)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the model's)")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer updates (default: scheduler.total_steps)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="optimizer updates (default: scheduler.total_steps)"
+    )
     return parser.parse_args()
 
 

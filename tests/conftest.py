@@ -1,5 +1,5 @@
 """Test-suite shape (DESIGN section 6): tests/unit -> unit (in-process, run with -n 2),
-tests/dist -> dist (2 gloo ranks from one reusable worker pool), tests/e2e -> e2e (real
+tests/distributed -> dist (2 gloo ranks from one reusable worker pool), tests/e2e -> e2e (real
 protrain-run processes). The marker follows the folder so no test can be left out of a run."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-_MARKERS = {"unit": pytest.mark.unit, "dist": pytest.mark.dist, "e2e": pytest.mark.e2e}
+_MARKERS = {"unit": pytest.mark.unit, "distributed": pytest.mark.dist, "e2e": pytest.mark.e2e}
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         folder = Path(str(item.fspath)).parent.name

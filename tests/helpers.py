@@ -24,8 +24,9 @@ def tiny_gpt(seed: int = 0, config: GPTConfig = TINY_GPT) -> GPT:
     return GPT(config)
 
 
-def assert_state_close(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor],
-                       rtol: float = RELATIVE_TOLERANCE) -> None:
+def assert_state_close(
+    actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], rtol: float = RELATIVE_TOLERANCE
+) -> None:
     """Per tensor: max|a - b| <= rtol * max|b| (DESIGN section 6)."""
     assert set(actual) == set(expected), f"names differ: {set(actual) ^ set(expected)}"
     for name, ref in expected.items():
@@ -41,10 +42,22 @@ def assert_state_equal(actual: Mapping[str, torch.Tensor], expected: Mapping[str
         assert torch.equal(actual[name], ref), f"{name} differs (max {(actual[name] - ref).abs().max():.3e})"
 
 
-def lm_batches(*, micro_batch_size: int, accumulation: int, world_size: int, seed: int = 7,
-               seq_len: int = TINY_GPT.seq_len) -> LMBatches:
-    return LMBatches(tokens=stdlib_text_corpus(), seq_len=seq_len, micro_batch_size=micro_batch_size,
-                     gradient_accumulation_steps=accumulation, world_size=world_size, seed=seed)
+def lm_batches(
+    *,
+    micro_batch_size: int,
+    accumulation: int,
+    world_size: int,
+    seed: int = 7,
+    seq_len: int = TINY_GPT.seq_len,
+) -> LMBatches:
+    return LMBatches(
+        tokens=stdlib_text_corpus(),
+        seq_len=seq_len,
+        micro_batch_size=micro_batch_size,
+        gradient_accumulation_steps=accumulation,
+        world_size=world_size,
+        seed=seed,
+    )
 
 
 def reference_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -66,9 +79,18 @@ def reference_warmup_cosine(warmup: int, total: int, min_ratio: float) -> Callab
     return factor
 
 
-def train_reference(model: nn.Module, data: LMBatches, *, steps: int, lr: float, weight_decay: float,
-                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, clip: float = 0.0,
-                    schedule: Callable[[int], float] | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+def train_reference(
+    model: nn.Module,
+    data: LMBatches,
+    *,
+    steps: int,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    clip: float = 0.0,
+    schedule: Callable[[int], float] | None = None,
+) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Plain PyTorch in one process, torch.optim.AdamW, ordinary gradient accumulation
     (``(loss / accumulation).backward()`` per micro-batch). With several ranks' data, each rank's
     micro-batches are accumulated separately and the per-rank gradients averaged, the order in
@@ -105,8 +127,9 @@ def train_reference(model: nn.Module, data: LMBatches, *, steps: int, lr: float,
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
-def train_engine(model: nn.Module, data: LMBatches, config: dict[str, Any], *, steps: int,
-                 rank: int = 0) -> tuple[dict[str, torch.Tensor], list[float]]:
+def train_engine(
+    model: nn.Module, data: LMBatches, config: dict[str, Any], *, steps: int, rank: int = 0
+) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The same training through runtime.initialize; returns the final state and the window losses."""
     import runtime
 

@@ -120,7 +120,9 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100)
+            loss = F.cross_entropy(
+                logits.float().view(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100
+            )
         return CausalLMOutput(logits=logits, loss=loss)
 
     def num_parameters(self) -> int:

@@ -72,16 +72,30 @@ class Job:
         return [sys.executable, "-m", "protrain_launcher", *args]
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(self.command(*args), cwd=self.workdir, capture_output=True, text=True,
-                              timeout=timeout, env=clean_env())
+        return subprocess.run(
+            self.command(*args),
+            cwd=self.workdir,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=clean_env(),
+        )
 
     def start(self, *args: str) -> subprocess.Popen[str]:
-        return subprocess.Popen(self.command(*args), cwd=self.workdir, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=clean_env())
+        return subprocess.Popen(
+            self.command(*args),
+            cwd=self.workdir,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=clean_env(),
+        )
 
 
 def clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "RANK", "WORLD_SIZE", "MASTER_"))
+    }
     env["PYTHONPATH"] = str(ROOT)
     return env
 

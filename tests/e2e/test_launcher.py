@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
-import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -15,8 +12,18 @@ from tests.e2e.conftest import ROOT, Job, pid_alive, wait_for
 
 
 def test_two_ranks_train_lm_demo_script(job: Job) -> None:
-    result = job.run("--nproc-per-node", "2", str(ROOT / "scripts" / "train_lm.py"), "--preset", "tiny",
-                     "--steps", "3", "--config", str(job.spec), timeout=180)
+    result = job.run(
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "scripts" / "train_lm.py"),
+        "--preset",
+        "tiny",
+        "--steps",
+        "3",
+        "--config",
+        str(job.spec),
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr
     assert "ProTrain plan" in result.stdout and "step 3/3" in result.stdout
     (metrics,) = (job.workdir / "runs").glob("*/metrics.jsonl")
@@ -39,7 +46,9 @@ def test_failing_rank_ends_the_job_and_the_other_rank(job: Job) -> None:
 def test_sigint_ends_every_rank_with_130(job: Job) -> None:
     proc = job.start("--nproc-per-node", "2", str(job.script), "forever", "--config", str(job.spec))
     try:
-        wait_for(lambda: all((job.workdir / f"rank{r}.ready").exists() for r in range(2)), 90, "ranks to train")
+        wait_for(
+            lambda: all((job.workdir / f"rank{r}.ready").exists() for r in range(2)), 90, "ranks to train"
+        )
         pids = [int((job.workdir / f"rank{r}.pid").read_text()) for r in range(2)]
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=30)
@@ -54,7 +63,9 @@ def test_sigint_ends_every_rank_with_130(job: Job) -> None:
 def test_ranks_die_with_a_killed_launcher(job: Job) -> None:
     proc = job.start("--nproc-per-node", "2", str(job.script), "forever", "--config", str(job.spec))
     try:
-        wait_for(lambda: all((job.workdir / f"rank{r}.ready").exists() for r in range(2)), 90, "ranks to train")
+        wait_for(
+            lambda: all((job.workdir / f"rank{r}.ready").exists() for r in range(2)), 90, "ranks to train"
+        )
         pids = [int((job.workdir / f"rank{r}.pid").read_text()) for r in range(2)]
         proc.kill()
         proc.wait(timeout=10)
@@ -73,13 +84,16 @@ def _free_port() -> int:
 def test_two_nodes_on_loopback_form_one_job(job: Job) -> None:
     port = str(_free_port())
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
-    nodes = [job.start(*common, "--node-rank", str(rank), str(job.script), "--config", str(job.spec)) for rank in range(2)]
+    nodes = [
+        job.start(*common, "--node-rank", str(rank), str(job.script), "--config", str(job.spec))
+        for rank in range(2)
+    ]
     try:
         outputs = [node.communicate(timeout=150) for node in nodes]
     finally:
         for node in nodes:
             node.kill()
-    for node, (_, stderr) in zip(nodes, outputs):
+    for node, (_, stderr) in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, stderr
     done = sorted((job.workdir / f"rank{r}.done").read_text() for r in range(2))
     assert done == ["0 2 3", "1 2 3"]
@@ -89,8 +103,7 @@ def test_dry_run_one_child_no_group_no_files(job: Job) -> None:
     probe = job.workdir / "probe.py"
     probe.write_text(
         "import os, torch.distributed as dist\n"
-        "print('CHILD', os.getppid(), 'RANK' in os.environ, flush=True)\n"
-        + job.script.read_text()
+        "print('CHILD', os.getppid(), 'RANK' in os.environ, flush=True)\n" + job.script.read_text()
     )
     before = sorted(p.name for p in job.workdir.iterdir())
     proc = job.start("--nproc-per-node", "2", "--dry-run", str(probe), "--config", str(job.spec))

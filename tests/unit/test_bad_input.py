@@ -28,13 +28,28 @@ BAD_SPECS: list[tuple[str, str, str, list[str]]] = [
     ("negative seed", "seed: -1\n", ".yaml", ["seed", "-1"]),
     ("bad enum", "precision: fp8\n", ".yaml", ["precision", "fp8", "one of fp32, bf16, fp16"]),
     ("unknown top key", "sed: 1\n", ".yaml", ["sed", "unknown key", "seed"]),
-    ("unknown optimizer key", "optimizer: {learning_rate: 0.1}\n", ".yaml", ["optimizer.learning_rate", "lr"]),
+    (
+        "unknown optimizer key",
+        "optimizer: {learning_rate: 0.1}\n",
+        ".yaml",
+        ["optimizer.learning_rate", "lr"],
+    ),
     ("unknown memory key", "memory: {n_persistent: 1}\n", ".yaml", ["memory.n_persistent", "n_persist"]),
     ("unknown ssd key", "memory: {ssd: {dir: /tmp}}\n", ".yaml", ["memory.ssd.dir", "path"]),
     ("unknown launcher key", "launcher: {nproc: 2}\n", ".yaml", ["launcher.nproc", "nproc_per_node"]),
     ("unknown checkpoint key", "checkpoint: {every: 5}\n", ".yaml", ["checkpoint.every", "interval_steps"]),
-    ("unknown loss scaling key", "precision: fp16\nloss_scaling: {init: 2}\n", ".yaml", ["loss_scaling.init", "initial"]),
-    ("bad size unit", "memory: {device_budget: 22GB2}\n", ".yaml", ["memory.device_budget", "22GB2", '"22GiB"']),
+    (
+        "unknown loss scaling key",
+        "precision: fp16\nloss_scaling: {init: 2}\n",
+        ".yaml",
+        ["loss_scaling.init", "initial"],
+    ),
+    (
+        "bad size unit",
+        "memory: {device_budget: 22GB2}\n",
+        ".yaml",
+        ["memory.device_budget", "22GB2", '"22GiB"'],
+    ),
     ("negative size", "memory: {host_budget: -5}\n", ".yaml", ["memory.host_budget", "-5"]),
     ("fractional bytes", "memory: {chunk_size: 1.5B}\n", ".yaml", ["memory.chunk_size", "1.5B"]),
     ("auto not allowed", "seed: auto\n", ".yaml", ["seed", "'auto'", "an integer >= 0"]),
@@ -44,13 +59,37 @@ BAD_SPECS: list[tuple[str, str, str, list[str]]] = [
     ("beta is one", "optimizer: {betas: [0.9, 1.0]}\n", ".yaml", ["optimizer.betas"]),
     ("section not a mapping", "optimizer: adamw\n", ".yaml", ["optimizer", "a mapping"]),
     ("loss scaling without fp16", "loss_scaling: {initial: 1024}\n", ".yaml", ["loss_scaling", "fp16"]),
-    ("warmup beyond total", "scheduler: {type: warmup_cosine, warmup_steps: 50, total_steps: 10}\n", ".yaml",
-     ["scheduler.warmup_steps", "50", "10"]),
-    ("cosine without total", "scheduler: {type: warmup_cosine}\n", ".yaml", ["scheduler.total_steps", "warmup_cosine"]),
-    ("node rank beyond nodes", "launcher: {nnodes: 2, node_rank: 2}\n", ".yaml", ["launcher.node_rank", "below nnodes"]),
+    (
+        "warmup beyond total",
+        "scheduler: {type: warmup_cosine, warmup_steps: 50, total_steps: 10}\n",
+        ".yaml",
+        ["scheduler.warmup_steps", "50", "10"],
+    ),
+    (
+        "cosine without total",
+        "scheduler: {type: warmup_cosine}\n",
+        ".yaml",
+        ["scheduler.total_steps", "warmup_cosine"],
+    ),
+    (
+        "node rank beyond nodes",
+        "launcher: {nnodes: 2, node_rank: 2}\n",
+        ".yaml",
+        ["launcher.node_rank", "below nnodes"],
+    ),
     ("ssd without path", "memory: {ssd: {n_offload: 2}}\n", ".yaml", ["memory.ssd.path", "n_offload"]),
-    ("block mode unknown", "memory: {block_modes: [keep, fast]}\n", ".yaml", ["memory.block_modes", "keep, swap"]),
-    ("block modes vs count", "memory: {block_modes: [swap, keep], n_swap: 2}\n", ".yaml", ["memory.n_swap", "block_modes"]),
+    (
+        "block mode unknown",
+        "memory: {block_modes: [keep, fast]}\n",
+        ".yaml",
+        ["memory.block_modes", "keep, swap"],
+    ),
+    (
+        "block modes vs count",
+        "memory: {block_modes: [swap, keep], n_swap: 2}\n",
+        ".yaml",
+        ["memory.n_swap", "block_modes"],
+    ),
     ("checkpoint interval without dir", "checkpoint: {interval_steps: 10}\n", ".yaml", ["checkpoint.dir"]),
     ("port out of range", "launcher: {master_port: 70000}\n", ".yaml", ["launcher.master_port", "70000"]),
     ("yaml syntax", "seed: [1, 2\n", ".yaml", ["YAML syntax error", "line"]),
@@ -63,9 +102,16 @@ BAD_SPECS: list[tuple[str, str, str, list[str]]] = [
 ]
 
 
-@pytest.mark.parametrize(("text", "suffix", "needles"), [c[1:] for c in BAD_SPECS], ids=[c[0] for c in BAD_SPECS])
+@pytest.mark.parametrize(
+    ("text", "suffix", "needles"), [c[1:] for c in BAD_SPECS], ids=[c[0] for c in BAD_SPECS]
+)
 def test_bad_spec_exits_2_naming_file_and_key(
-    tmp_path: Path, script: Path, capsys: pytest.CaptureFixture[str], text: str, suffix: str, needles: list[str]
+    tmp_path: Path,
+    script: Path,
+    capsys: pytest.CaptureFixture[str],
+    text: str,
+    suffix: str,
+    needles: list[str],
 ) -> None:
     config = tmp_path / f"job{suffix}"
     config.write_text(text)
@@ -130,7 +176,9 @@ def test_bad_set(script: Path, capsys: pytest.CaptureFixture[str], override: str
         (["--bogus-option"], ["command line", "--bogus-option"]),
     ],
 )
-def test_bad_launcher_option(script: Path, capsys: pytest.CaptureFixture[str], argv: list[str], needles: list[str]) -> None:
+def test_bad_launcher_option(
+    script: Path, capsys: pytest.CaptureFixture[str], argv: list[str], needles: list[str]
+) -> None:
     assert main([*argv, str(script)]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     for needle in needles:

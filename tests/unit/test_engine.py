@@ -12,7 +12,6 @@ from torch import nn
 
 from runtime.engine import NonFiniteLossError
 from tests.helpers import (
-    assert_state_close,
     assert_state_equal,
     lm_batches,
     reference_warmup_cosine,
@@ -46,11 +45,18 @@ def test_bit_exact_with_plain_pytorch_without_accumulation(tmp_path: Path) -> No
 def test_accumulation_schedule_and_triggering_clip_bit_exact_with_plain_pytorch(tmp_path: Path) -> None:
     data = lm_batches(micro_batch_size=2, accumulation=4, world_size=1)
     expected, ref_losses = train_reference(
-        tiny_gpt(), data, steps=STEPS, lr=1e-3, weight_decay=0.1, clip=0.05,
+        tiny_gpt(),
+        data,
+        steps=STEPS,
+        lr=1e-3,
+        weight_decay=0.1,
+        clip=0.05,
         schedule=reference_warmup_cosine(5, STEPS, 0.1),
     )
     config = job(
-        tmp_path, gradient_accumulation_steps=4, gradient_clipping=0.05,
+        tmp_path,
+        gradient_accumulation_steps=4,
+        gradient_clipping=0.05,
         scheduler={"type": "warmup_cosine", "warmup_steps": 5, "total_steps": STEPS, "min_lr_ratio": 0.1},
     )
     actual, losses = train_engine(tiny_gpt(), data, config, steps=STEPS)
@@ -75,7 +81,7 @@ class Branchy(nn.Module):
         h = self.trunk(torch.relu(self.frozen(x)))
         if use_branch:
             h = h + self.branch(h)
-        return (h ** 2).mean()
+        return (h**2).mean()
 
 
 def test_unused_and_frozen_parameters_match_plain_adamw(tmp_path: Path) -> None:
@@ -86,8 +92,13 @@ def test_unused_and_frozen_parameters_match_plain_adamw(tmp_path: Path) -> None:
     torch.manual_seed(1)
     model = Branchy()
     optimizer = torch.optim.AdamW(
-        [{"params": [reference.trunk.weight, reference.branch.weight], "weight_decay": 0.1},
-         {"params": [reference.trunk.bias, reference.branch.bias], "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.95))
+        [
+            {"params": [reference.trunk.weight, reference.branch.weight], "weight_decay": 0.1},
+            {"params": [reference.trunk.bias, reference.branch.bias], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+    )
     import runtime
 
     engine = runtime.initialize(model, config=job(tmp_path, optimizer={"lr": 1e-2, "weight_decay": 0.1}))
@@ -131,7 +142,11 @@ def test_nonfinite_loss_raise_and_skip(tmp_path: Path) -> None:
 def test_fp16_overflow_skips_the_step_and_lowers_the_scale(tmp_path: Path) -> None:
     import runtime
 
-    config = job(tmp_path, precision="fp16", loss_scaling={"initial": 3.0e38, "growth_interval": 1000, "min_scale": 1.0})
+    config = job(
+        tmp_path,
+        precision="fp16",
+        loss_scaling={"initial": 3.0e38, "growth_interval": 1000, "min_scale": 1.0},
+    )
     engine = runtime.initialize(tiny_gpt(), config=config)
     data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
     before = engine.state_dict()

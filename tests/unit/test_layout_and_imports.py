@@ -44,7 +44,9 @@ def test_launcher_only_uses_the_spec_from_runtime() -> None:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("runtime"):
-                assert node.module in ("runtime.spec", "runtime.spec_io"), f"{path.name} imports {node.module}"
+                assert node.module in ("runtime.spec", "runtime.spec_io"), (
+                    f"{path.name} imports {node.module}"
+                )
 
 
 def test_profiler_does_not_import_torch() -> None:

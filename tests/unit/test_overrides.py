@@ -31,14 +31,20 @@ def test_yaml_reads_exponent_floats(tmp_path: Path) -> None:
 def test_later_set_wins_and_file_is_overridden(tmp_path: Path) -> None:
     config = tmp_path / "job.yaml"
     config.write_text("precision: bf16\nmemory: {n_swap: 1}\n")
-    overrides = [parse_override("memory.n_swap=2"), parse_override("memory.n_swap=3"), parse_override("precision=fp32")]
+    overrides = [
+        parse_override("memory.n_swap=2"),
+        parse_override("memory.n_swap=3"),
+        parse_override("precision=fp32"),
+    ]
     spec = load_spec(config, overrides)
     assert spec.memory.n_swap == 3
     assert spec.precision is Precision.FP32
 
 
 def test_set_creates_missing_sections() -> None:
-    spec = load_spec(None, [parse_override("memory.ssd.path=/nvme"), parse_override("memory.ssd.n_offload=2")])
+    spec = load_spec(
+        None, [parse_override("memory.ssd.path=/nvme"), parse_override("memory.ssd.n_offload=2")]
+    )
     assert spec.memory.ssd.path == "/nvme"
     assert spec.memory.ssd.n_offload == 2
 
@@ -48,9 +54,15 @@ def test_launcher_precedence(tmp_path: Path) -> None:
     config.write_text("launcher: {nproc_per_node: 4, nnodes: 2, master_port: 1234}\n")
     script = tmp_path / "train.py"
     script.write_text("")
-    request = parse_command_line([
-        "--nproc-per-node", "2", str(script), "--config", str(config),
-    ])
+    request = parse_command_line(
+        [
+            "--nproc-per-node",
+            "2",
+            str(script),
+            "--config",
+            str(config),
+        ]
+    )
     spec = load_spec(request.config, [*request.overrides, *request.launcher_overrides])
     assert spec.launcher.nproc_per_node == 2  # command line
     assert spec.launcher.nnodes == 2  # spec file
@@ -59,10 +71,22 @@ def test_launcher_precedence(tmp_path: Path) -> None:
 
 
 def test_config_and_set_anywhere_before_double_dash(tmp_path: Path) -> None:
-    request = parse_command_line([
-        "--dry-run", "train.py", "--steps", "3", "--config", "job.yaml", "--set=seed=5", "--lr", "1",
-        "--", "--config", "script.yaml",
-    ])
+    request = parse_command_line(
+        [
+            "--dry-run",
+            "train.py",
+            "--steps",
+            "3",
+            "--config",
+            "job.yaml",
+            "--set=seed=5",
+            "--lr",
+            "1",
+            "--",
+            "--config",
+            "script.yaml",
+        ]
+    )
     assert request.config == Path("job.yaml")
     assert request.script_args == ("--steps", "3", "--lr", "1", "--config", "script.yaml")
     assert [o.key_path for o in request.overrides] == [("seed",)]

@@ -6,13 +6,27 @@ import json
 
 import pytest
 
-from profiler.plan import BlockMode, KnobRequest, Plan, default_block_layout, default_chunk_size, resident_plan
+from profiler.plan import (
+    BlockMode,
+    KnobRequest,
+    Plan,
+    default_block_layout,
+    default_chunk_size,
+    resident_plan,
+)
 
 
 def make_plan(**overrides: object) -> Plan:
     values = dict(
-        request=KnobRequest(), total_param_bytes=100 << 20, num_blocks=4, world_size=2, micro_batch_size=4,
-        precision="fp32", device_budget_bytes=1 << 30, host_budget_bytes=4 << 30, chosen=("memory.n_persist",),
+        request=KnobRequest(),
+        total_param_bytes=100 << 20,
+        num_blocks=4,
+        world_size=2,
+        micro_batch_size=4,
+        precision="fp32",
+        device_budget_bytes=1 << 30,
+        host_budget_bytes=4 << 30,
+        chosen=("memory.n_persist",),
     )
     values.update(overrides)
     return resident_plan(**values)  # type: ignore[arg-type]
@@ -60,9 +74,21 @@ def test_impossible_knobs_are_refused() -> None:
 
 def test_block_layout_order() -> None:
     layout = default_block_layout(8, n_offload=1, n_swap=2, n_checkpoint=2)
-    assert [m.value for m in layout] == ["ssd", "swap", "checkpoint", "swap", "checkpoint", "keep", "keep", "keep"]
+    assert [m.value for m in layout] == [
+        "ssd",
+        "swap",
+        "checkpoint",
+        "swap",
+        "checkpoint",
+        "keep",
+        "keep",
+        "keep",
+    ]
     assert default_block_layout(3, n_offload=0, n_swap=0, n_checkpoint=2) == (
-        BlockMode.CHECKPOINT, BlockMode.CHECKPOINT, BlockMode.KEEP)
+        BlockMode.CHECKPOINT,
+        BlockMode.CHECKPOINT,
+        BlockMode.KEEP,
+    )
 
 
 def test_default_chunk_size_grid() -> None:

@@ -15,7 +15,9 @@ from tests.helpers import tiny_gpt
 
 
 def cosine(warmup: int, total: int, ratio: float) -> ScheduleSettings:
-    return ScheduleSettings(kind=SchedulerType.WARMUP_COSINE, warmup_steps=warmup, total_steps=total, min_lr_ratio=ratio)
+    return ScheduleSettings(
+        kind=SchedulerType.WARMUP_COSINE, warmup_steps=warmup, total_steps=total, min_lr_ratio=ratio
+    )
 
 
 def test_warmup_is_linear_up_to_peak() -> None:
@@ -38,7 +40,9 @@ def test_cosine_midpoint_after_warmup() -> None:
 
 
 def test_constant_with_warmup() -> None:
-    schedule = ScheduleSettings(kind=SchedulerType.CONSTANT, warmup_steps=2, total_steps=None, min_lr_ratio=0.1)
+    schedule = ScheduleSettings(
+        kind=SchedulerType.CONSTANT, warmup_steps=2, total_steps=None, min_lr_ratio=0.1
+    )
     assert [lr_factor(i, schedule) for i in range(4)] == [0.5, 1.0, 1.0, 1.0]
 
 
@@ -49,7 +53,12 @@ def test_no_decay_for_biases_and_norms_tied_weight_once() -> None:
     no_decay_names = {p.name for p in no_decay}
     assert "wte.weight" in decay_names and "lm_head.weight" not in decay_names  # tied: listed once
     assert "blocks.0.attn.qkv.weight" in decay_names
-    assert {"blocks.0.ln_1.weight", "blocks.0.ln_1.bias", "blocks.0.attn.proj.bias", "ln_f.weight"} <= no_decay_names
+    assert {
+        "blocks.0.ln_1.weight",
+        "blocks.0.ln_1.bias",
+        "blocks.0.attn.proj.bias",
+        "ln_f.weight",
+    } <= no_decay_names
     assert not decay_names & no_decay_names
     assert len(decay) + len(no_decay) == len(list(model.parameters()))
 

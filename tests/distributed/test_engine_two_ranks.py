@@ -1,0 +1,160 @@
+"""Two real gloo ranks: the engine equals plain PyTorch on the same global batches, every rank
+ends with the same parameters, and skip/raise decisions are the same on every rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from runtime.engine import NonFiniteLossError
+from tests.distributed.pool import RankPool, RemoteError
+from tests.helpers import (
+    assert_state_close,
+    assert_state_equal,
+    lm_batches,
+    reference_warmup_cosine,
+    tiny_gpt,
+    train_engine,
+    train_reference,
+)
+
+STEPS = 20
+
+
+def _config(output_dir: str, accumulation: int, clip: float, scheduler: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "seed": 3, "micro_batch_size": 2, "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": clip, "optimizer": {"lr": 1e-3, "weight_decay": 0.1},
+        "scheduler": scheduler, "output_dir": output_dir,
+    }
+
+
+def run_training(*, rank: int, output_dir: str, accumulation: int, clip: float, scheduler: dict[str, Any],
+                 model_seed: int) -> dict[str, Any]:
+    data = lm_batches(micro_batch_size=2, accumulation=accumulation, world_size=2)
+    # Rank 1 builds a different model on purpose: initialize must start every rank from rank 0's.
+    state, losses = train_engine(tiny_gpt(model_seed + rank), data, _config(output_dir, accumulation, clip, scheduler),
+                                 steps=STEPS, rank=rank)
+    return {"state": state, "losses": losses}
+
+
+@pytest.mark.parametrize(
+    ("accumulation", "clip", "scheduler"),
+    [
+        (1, 0.0, {"type": "constant"}),
+        (4, 0.05, {"type": "warmup_cosine", "warmup_steps": 5, "total_steps": STEPS, "min_lr_ratio": 0.1}),
+    ],
+    ids=["accumulation-1", "accumulation-4-clip-cosine"],
+)
+def test_two_ranks_match_plain_pytorch(rank_pool: RankPool, tmp_path: Path, accumulation: int, clip: float,
+                                       scheduler: dict[str, Any]) -> None:
+    results = rank_pool.run(run_training, output_dir=str(tmp_path), accumulation=accumulation, clip=clip,
+                            scheduler=scheduler, model_seed=0)
+    assert_state_equal(results[1]["state"], results[0]["state"])
+    data = lm_batches(micro_batch_size=2, accumulation=accumulation, world_size=2)
+    schedule = None if scheduler["type"] == "constant" else reference_warmup_cosine(5, STEPS, 0.1)
+    expected, ref_losses = train_reference(tiny_gpt(0), data, steps=STEPS, lr=1e-3, weight_decay=0.1, clip=clip,
+                                           schedule=schedule)
+    assert_state_close(results[0]["state"], expected)  # thread counts differ: rounding only
+    # Each rank reports its own micro-batches' loss; their mean is the global loss.
+    mean_losses = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[1]["losses"])]
+    assert mean_losses == pytest.approx(ref_losses, rel=1e-5)
+
+
+def nonfinite_on_rank_one(*, rank: int, output_dir: str, policy: str) -> dict[str, Any]:
+    import runtime
+
+    config = {"seed": 3, "micro_batch_size": 2, "on_nonfinite_loss": policy, "output_dir": output_dir}
+    engine = runtime.initialize(tiny_gpt(0), config=config)
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=2)
+    before = engine.state_dict()
+    out = engine(**data.batch(0, 0, rank))
+    engine.backward(out.loss * (float("nan") if rank == 1 else 1.0))
+    try:
+        updated = engine.step()
+    except NonFiniteLossError as err:
+        engine.close()
+        return {"raised": str(err)}
+    unchanged = all(torch.equal(before[k], v) for k, v in engine.state_dict().items())
+    out = engine(**data.batch(1, 0, rank))
+    engine.backward(out.loss)
+    engine.step()
+    result = {"updated": updated, "unchanged": unchanged, "global_step": engine.global_step,
+              "skipped": engine.skipped_steps, "state": engine.state_dict()}
+    engine.close()
+    return result
+
+
+def test_nonfinite_loss_on_one_rank_is_skipped_on_both(rank_pool: RankPool, tmp_path: Path) -> None:
+    results = rank_pool.run(nonfinite_on_rank_one, output_dir=str(tmp_path), policy="skip")
+    for result in results:
+        assert result["updated"] is False and result["unchanged"]
+        assert (result["global_step"], result["skipped"]) == (1, 1)
+    assert_state_equal(results[1]["state"], results[0]["state"])
+
+
+def test_nonfinite_loss_on_one_rank_raises_on_both(rank_pool: RankPool, tmp_path: Path) -> None:
+    results = rank_pool.run(nonfinite_on_rank_one, output_dir=str(tmp_path), policy="raise")
+    assert all("non-finite loss in 1 of 2 micro-batches" in r["raised"] for r in results)
+
+
+def branch_on_rank_zero_only(*, rank: int, output_dir: str) -> dict[str, torch.Tensor]:
+    """A parameter that gets a gradient on rank 0 only, and one that gets none anywhere."""
+    import runtime
+    from torch import nn
+
+    torch.manual_seed(5)
+    model = nn.ModuleDict({"trunk": nn.Linear(4, 4), "branch": nn.Linear(4, 4), "never": nn.Linear(4, 4)})
+    engine = runtime.initialize(model, config={"seed": 1, "optimizer": {"lr": 0.1, "weight_decay": 0.1},
+                                               "output_dir": output_dir})
+    torch.manual_seed(10 + rank)
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        h = model["trunk"](x)
+        if rank == 0:
+            h = model["branch"](h)
+        engine.backward(h.square().mean())
+        engine.step()
+    state = engine.state_dict()
+    engine.close()
+    return state
+
+
+def test_parameter_used_on_one_rank_only(rank_pool: RankPool, tmp_path: Path) -> None:
+    results = rank_pool.run(branch_on_rank_zero_only, output_dir=str(tmp_path))
+    assert_state_equal(results[1], results[0])
+    torch.manual_seed(5)
+    from torch import nn
+
+    model = nn.ModuleDict({"trunk": nn.Linear(4, 4), "branch": nn.Linear(4, 4), "never": nn.Linear(4, 4)})
+    initial_never = {k: v.clone() for k, v in model["never"].state_dict().items()}
+    optimizer = torch.optim.AdamW(
+        [{"params": [m.weight for m in model.values()], "weight_decay": 0.1},
+         {"params": [m.bias for m in model.values()], "weight_decay": 0.0}], lr=0.1, betas=(0.9, 0.95))
+    inputs = []
+    for rank in range(2):
+        torch.manual_seed(10 + rank)
+        inputs.append(torch.randn(3, 4))
+    for _ in range(3):
+        losses = [model["branch"](model["trunk"](inputs[0])).square().mean(), model["trunk"](inputs[1]).square().mean()]
+        ((losses[0] + losses[1]) / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert_state_close(results[0], {k: v.detach() for k, v in model.state_dict().items()})
+    # No gradient anywhere: AdamW skips it entirely (no weight decay either).
+    assert torch.equal(results[0]["never.weight"], initial_never["weight"])
+
+
+def failing_body(*, rank: int) -> None:
+    if rank == 1:
+        raise RuntimeError("boom on rank 1")
+
+
+def test_pool_reports_a_failing_rank_and_recovers(rank_pool: RankPool, tmp_path: Path) -> None:
+    with pytest.raises(RemoteError, match="boom on rank 1"):
+        rank_pool.run(failing_body)
+    results = rank_pool.run(nonfinite_on_rank_one, output_dir=str(tmp_path), policy="skip")
+    assert len(results) == 2

@@ -1,0 +1,53 @@
+"""initialize(..., weights=...) from a state dict, safetensors shards or a callable."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import runtime
+from tests.helpers import assert_state_equal, tiny_gpt
+
+
+def config(tmp_path: Path) -> dict[str, object]:
+    return {"output_dir": str(tmp_path / "runs")}
+
+
+def test_state_dict_and_callable(tmp_path: Path) -> None:
+    source = tiny_gpt(seed=11).state_dict()
+    engine = runtime.initialize(tiny_gpt(seed=0), config=config(tmp_path), weights=source)
+    assert_state_equal(engine.state_dict(), source)
+    engine.close()
+    engine = runtime.initialize(tiny_gpt(seed=0), config=config(tmp_path), weights=lambda name, t: source[name])
+    assert_state_equal(engine.state_dict(), source)
+    engine.close()
+
+
+def test_safetensors_shards_with_tied_weight_saved_once(tmp_path: Path) -> None:
+    source = tiny_gpt(seed=12).state_dict()
+    tensors = {k: v.clone() for k, v in source.items() if k != "lm_head.weight"}  # tied: stored once
+    names = sorted(tensors)
+    half = len(names) // 2
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    save_file({k: tensors[k] for k in names[:half]}, str(shards / "model-00001-of-00002.safetensors"))
+    save_file({k: tensors[k] for k in names[half:]}, str(shards / "model-00002-of-00002.safetensors"))
+    engine = runtime.initialize(tiny_gpt(seed=0), config=config(tmp_path), weights=shards)
+    assert_state_equal(engine.state_dict(), source)
+    assert engine.module.lm_head.weight is engine.module.wte.weight
+    engine.close()
+
+
+def test_missing_and_misshapen_weights_are_named(tmp_path: Path) -> None:
+    source = tiny_gpt(seed=12).state_dict()
+    partial = {k: v for k, v in source.items() if not k.startswith("ln_f")}
+    with pytest.raises(ValueError, match="missing.*ln_f"):
+        runtime.initialize(tiny_gpt(), config=config(tmp_path), weights=partial)
+    bad = dict(source, **{"ln_f.weight": torch.zeros(3)})
+    with pytest.raises(ValueError, match=r"ln_f.weight has shape \(3,\)"):
+        runtime.initialize(tiny_gpt(), config=config(tmp_path), weights=bad)
+    with pytest.raises(ValueError, match="no .safetensors files"):
+        runtime.initialize(tiny_gpt(), config=config(tmp_path), weights=tmp_path)
