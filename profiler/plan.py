@@ -11,9 +11,12 @@ round-trip exactly. This module imports nothing of ours and not torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
+
+from profiler.chunking import ChunkTooSmallError, pack, search_chunk_size
 
 PLAN_VERSION = 1
 
@@ -163,17 +166,6 @@ def _opt_bytes(num_bytes: int | None) -> str | None:
 # The resident rule: how "auto" knobs are filled until the cost-model search is in place.
 # --------------------------------------------------------------------------------------------
 
-CHUNK_SIZE_GRID_BYTES = (32 << 20, 64 << 20, 128 << 20, 256 << 20)
-
-
-def default_chunk_size(total_param_bytes: int) -> int:
-    """The smallest grid size that splits the model into at least 8 chunks, else the smallest
-    grid size (a 1B-parameter fp32 model gets 256 MiB chunks; a tiny model 32 MiB)."""
-    for size in reversed(CHUNK_SIZE_GRID_BYTES):
-        if total_param_bytes // size >= 8:
-            return size
-    return CHUNK_SIZE_GRID_BYTES[0]
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KnobRequest:
@@ -191,7 +183,8 @@ class KnobRequest:
 def resident_plan(
     *,
     request: KnobRequest,
-    total_param_bytes: int,
+    param_sizes: Sequence[tuple[int, bool]],
+    element_size: int,
     num_blocks: int,
     world_size: int,
     micro_batch_size: int,
@@ -201,9 +194,15 @@ def resident_plan(
     chosen: tuple[str, ...],
 ) -> Plan:
     """Fill every "auto" knob so that nothing leaves the device: all chunks persistent, no
-    buffers, every block kept. Hand-set knobs are kept as given."""
-    chunk_size = request.chunk_size or default_chunk_size(total_param_bytes)
-    num_chunks = max(1, math.ceil(total_param_bytes / chunk_size))
+    buffers, every block kept. Hand-set knobs are kept as given.
+
+    ``param_sizes``: (numel, trainable) of each unique parameter in execution order;
+    ``element_size``: bytes per element of the chunked (compute-precision) parameters."""
+    chunk_size = request.chunk_size or search_chunk_size(param_sizes, element_size, world_size)
+    try:
+        num_chunks = pack(param_sizes, max(1, chunk_size // element_size), world_size).num_chunks
+    except ChunkTooSmallError as err:
+        raise ValueError(f"memory.chunk_size={_bytes(chunk_size)} is too small: {err}") from None
     if request.block_modes is not None:
         modes = request.block_modes
         if len(modes) != num_blocks:

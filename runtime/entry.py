@@ -20,12 +20,13 @@ from torch import nn
 from profiler.plan import KnobRequest, Plan, resident_plan
 from runtime.blocks import BlocksNotFoundError, find_blocks
 from runtime.budgets import auto_device_budget, auto_host_budget
+from runtime.chunks.layout import model_params
 from runtime.console import MetricsFile, ProgressReporter, plan_table
 from runtime.device import DeviceInfo, select_device
 from runtime.distributed import DistContext, broadcast_module_, env_int, init_distributed
 from runtime.engine import Engine
 from runtime.settings import settings_from_spec
-from runtime.spec import AUTO, MemorySpec, Spec
+from runtime.spec import AUTO, MemorySpec, Precision, Spec
 from runtime.spec_io import (
     RESOLVED_SPEC_ENV,
     ResolvedSpec,
@@ -127,8 +128,7 @@ def make_plan(
         return None if value == AUTO else int(value)
 
     num_blocks = _count_blocks(model, memory)
-    unique_params = {id(p): p for p in model.parameters()}.values()
-    total_param_bytes = sum(p.numel() * p.element_size() for p in unique_params)
+    params = model_params(model)
     chosen = tuple(
         f"memory.{name}"
         for name in (
@@ -155,7 +155,8 @@ def make_plan(
                 n_offload=knob(memory.ssd.n_offload),
                 block_modes=memory.block_modes,
             ),
-            total_param_bytes=total_param_bytes,
+            param_sizes=[(p.numel, p.trainable) for p in params],
+            element_size=compute_element_size(spec.precision),
             num_blocks=num_blocks,
             world_size=world_size,
             micro_batch_size=spec.micro_batch_size,
@@ -168,6 +169,11 @@ def make_plan(
         )
     except ValueError as err:
         raise SpecError(str(err)) from None
+
+
+def compute_element_size(precision: Precision) -> int:
+    """Bytes per element of the chunked compute copy of the parameters."""
+    return 4 if precision is Precision.FP32 else 2
 
 
 def _count_blocks(model: nn.Module, memory: MemorySpec) -> int:

@@ -11,7 +11,6 @@ from profiler.plan import (
     KnobRequest,
     Plan,
     default_block_layout,
-    default_chunk_size,
     resident_plan,
 )
 
@@ -19,7 +18,8 @@ from profiler.plan import (
 def make_plan(**overrides: object) -> Plan:
     values = dict(
         request=KnobRequest(),
-        total_param_bytes=100 << 20,
+        param_sizes=[(25 << 18, True)] * 4,
+        element_size=4,
         num_blocks=4,
         world_size=2,
         micro_batch_size=4,
@@ -57,15 +57,17 @@ def test_from_dict_rejects_unknown_fields_and_versions() -> None:
 
 def test_resident_rule_keeps_everything_and_respects_hand_set_knobs() -> None:
     plan = make_plan()
-    assert plan.all_resident and plan.n_persist == plan.num_chunks == 4  # 100 MiB / 32 MiB chunks
-    hand = make_plan(request=KnobRequest(chunk_size=10 << 20, n_persist=3, n_buffer=2))
-    assert (hand.chunk_size, hand.num_chunks, hand.n_persist, hand.n_buffer) == (10 << 20, 10, 3, 2)
+    assert plan.all_resident and plan.n_persist == plan.num_chunks
+    hand = make_plan(request=KnobRequest(chunk_size=50 << 20, n_persist=1, n_buffer=2))
+    assert (hand.chunk_size, hand.num_chunks, hand.n_persist, hand.n_buffer) == (50 << 20, 2, 1, 2)
     assert not hand.all_resident
 
 
 def test_impossible_knobs_are_refused() -> None:
     with pytest.raises(ValueError, match="exceeds the model's 4 chunks"):
-        make_plan(request=KnobRequest(n_persist=5))
+        make_plan(request=KnobRequest(chunk_size=25 << 20, n_persist=5))
+    with pytest.raises(ValueError, match="chunk_size=10.00 MiB is too small"):
+        make_plan(request=KnobRequest(chunk_size=10 << 20))
     with pytest.raises(ValueError, match="exceeds the model's 4 blocks"):
         make_plan(request=KnobRequest(n_swap=3, n_checkpoint=2))
     with pytest.raises(ValueError, match="lists 2 modes but the model has 4 blocks"):
@@ -89,12 +91,6 @@ def test_block_layout_order() -> None:
         BlockMode.CHECKPOINT,
         BlockMode.KEEP,
     )
-
-
-def test_default_chunk_size_grid() -> None:
-    assert default_chunk_size(10 << 20) == 32 << 20
-    assert default_chunk_size(4 << 30) == 256 << 20
-    assert default_chunk_size(1 << 30) == 128 << 20
 
 
 def test_rows_name_where_each_knob_came_from() -> None:

@@ -1,0 +1,129 @@
+"""Packing parameters into fixed-size chunks, and choosing the chunk size.
+
+Pure functions over parameter sizes (no torch), shared by the planner (which needs the number of
+chunks and the wasted bytes for every candidate size) and by the runtime's chunk layout (which
+needs each parameter's place), so the two can never disagree.
+
+Packing rules (ProTrain section 3, Gemini's chunk manager):
+- parameters are taken in first-use order and never split across chunks, so a chunk holds whole
+  parameters and prefetch follows execution order;
+- trainable and frozen parameters go to different chunks (a frozen chunk has no gradient or
+  optimizer state);
+- every chunk has the same capacity (the device buffers are interchangeable), rounded up to a
+  multiple of the world size so that each rank owns an equal shard.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MIB = 1 << 20
+PREFERRED_MIN_CHUNK_BYTES = 32 * MIB
+"""Below this, per-chunk collective and copy latency starts to dominate on real hardware."""
+MAX_CHUNK_BYTES = 256 * MIB
+MIN_CHUNKS_FOR_SMALL_MODELS = 8
+"""A model smaller than 8 x 32 MiB is still split into about this many chunks, so that
+offloading it can be planned at all (and tested on tiny models)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PackedChunk:
+    trainable: bool
+    used: int
+    """Elements occupied by parameters."""
+    members: tuple[int, ...]
+    """Indices (into the packed sequence) of the parameters in this chunk, in order."""
+
+
+@dataclass(frozen=True, slots=True)
+class Packing:
+    chunk_numel: int
+    """Capacity of every chunk in elements (a multiple of the world size)."""
+    chunks: tuple[PackedChunk, ...]
+    placement: tuple[tuple[int, int], ...]
+    """(chunk index, element offset) of each parameter, in input order."""
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def wasted_numel(self) -> int:
+        return sum(self.chunk_numel - chunk.used for chunk in self.chunks)
+
+
+class ChunkTooSmallError(ValueError):
+    pass
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def pack(sizes: Sequence[tuple[int, bool]], chunk_numel: int, world_size: int) -> Packing:
+    """Pack parameters given as ``(numel, trainable)`` in first-use order.
+
+    Chunks are listed in the order their first parameter appears, so the chunk sequence follows
+    execution order too. Raises ChunkTooSmallError when one parameter exceeds the capacity.
+    """
+    capacity = round_up(chunk_numel, world_size)
+    largest = max((numel for numel, _ in sizes), default=0)
+    if largest > capacity:
+        raise ChunkTooSmallError(
+            f"a parameter of {largest:,} elements does not fit a chunk of {capacity:,} elements"
+        )
+    open_chunk: dict[bool, int] = {}
+    used: list[int] = []
+    members: list[list[int]] = []
+    kinds: list[bool] = []
+    placement: list[tuple[int, int]] = []
+    for index, (numel, trainable) in enumerate(sizes):
+        chunk = open_chunk.get(trainable)
+        if chunk is None or used[chunk] + numel > capacity:
+            chunk = len(used)
+            open_chunk[trainable] = chunk
+            used.append(0)
+            members.append([])
+            kinds.append(trainable)
+        placement.append((chunk, used[chunk]))
+        used[chunk] += numel
+        members[chunk].append(index)
+    chunks = tuple(PackedChunk(kinds[i], used[i], tuple(members[i])) for i in range(len(used)))
+    return Packing(chunk_numel=capacity, chunks=chunks, placement=tuple(placement))
+
+
+def candidate_chunk_bytes(total_bytes: int, largest_param_bytes: int) -> list[int]:
+    """The grid, scaled to the model: sizes 2^k x {1, 1.25, 1.5, 1.75} from a floor to a cap.
+
+    Floor: 32 MiB, or about total/8 for models smaller than 8 x 32 MiB; never below the largest
+    parameter. Cap: 256 MiB, or the whole model if smaller (never below the floor).
+    """
+    small_floor = 1 << max(10, math.ceil(math.log2(max(1, total_bytes // MIN_CHUNKS_FOR_SMALL_MODELS))))
+    floor = max(min(PREFERRED_MIN_CHUNK_BYTES, small_floor), largest_param_bytes)
+    cap = max(floor, min(MAX_CHUNK_BYTES, total_bytes))
+    grid: set[int] = {floor, cap}
+    power = 1 << max(0, math.floor(math.log2(floor)))
+    while power <= cap:
+        for factor in (1.0, 1.25, 1.5, 1.75):
+            size = int(power * factor)
+            if floor <= size <= cap:
+                grid.add(size)
+        power <<= 1
+    return sorted(grid)
+
+
+def search_chunk_size(sizes: Sequence[tuple[int, bool]], element_size: int, world_size: int) -> int:
+    """The chunk size in bytes that wastes the fewest bytes over the grid; ties go to the larger
+    size (fewer chunks, fewer collectives)."""
+    total = sum(numel for numel, _ in sizes) * element_size
+    largest = max((numel for numel, _ in sizes), default=1) * element_size
+    best: tuple[int, int] | None = None
+    for size_bytes in candidate_chunk_bytes(total, largest):
+        packing = pack(sizes, max(1, size_bytes // element_size), world_size)
+        key = (packing.wasted_numel * element_size, -size_bytes)
+        if best is None or key < best:
+            best = key
+    assert best is not None
+    return -best[1]

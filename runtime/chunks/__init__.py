@@ -1,0 +1,1 @@
+"""Chunk-based model-state management (ZeRO-3 chunks, tiers, buffers)."""
