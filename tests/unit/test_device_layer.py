@@ -1,0 +1,81 @@
+"""The CPU stand-in of the device layer: ordered side stream, events, mmap arena, mallinfo2."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from runtime.device import PAGE_BYTES, DeviceInfo, MmapArena, SideStream, malloc_in_use_bytes
+
+CPU = DeviceInfo(torch.device("cpu"), "gloo")
+
+
+def test_side_stream_runs_in_submission_order_off_the_caller_thread() -> None:
+    stream = SideStream(CPU)
+    seen: list[tuple[int, str]] = []
+    gate = threading.Event()
+    first = stream.submit(lambda: (gate.wait(5), seen.append((0, threading.current_thread().name))))
+    second = stream.submit(lambda: seen.append((1, threading.current_thread().name)))
+    assert not first.query() and not second.query()  # held back by the gate: asynchronous
+    gate.set()
+    second.wait()
+    assert first.query()
+    assert [i for i, _ in seen] == [0, 1]
+    assert all(name == "protrain-side-stream" for _, name in seen)
+    stream.close()
+
+
+def test_side_stream_copies_overlap_with_the_caller() -> None:
+    stream = SideStream(CPU)
+    source = torch.arange(1_000_000, dtype=torch.float32)
+    target = torch.empty_like(source)
+    event = stream.submit(lambda: (time.sleep(0.05), target.copy_(source)))
+    started = time.perf_counter()
+    stream.make_compute_wait(event)
+    assert time.perf_counter() - started > 0.01
+    assert torch.equal(target, source)
+    stream.close()
+
+
+def test_failure_on_the_stream_is_raised_to_the_waiter() -> None:
+    stream = SideStream(CPU)
+
+    def fail() -> None:
+        raise OSError("disk on fire")
+
+    event = stream.submit(fail)
+    with pytest.raises(RuntimeError, match="side stream failed") as info:
+        event.wait()
+    assert isinstance(info.value.__cause__, OSError)
+    assert stream.submit(lambda: None).wait() is None  # the stream keeps working
+    stream.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        stream.submit(lambda: None)
+
+
+def test_arena_is_exact_page_aligned_and_invisible_to_malloc() -> None:
+    arena = MmapArena(64 << 20)
+    before = malloc_in_use_bytes()
+    a = arena.allocate(1000, torch.float32)
+    b = arena.allocate(10, torch.bfloat16)
+    big = arena.allocate(8 << 20, torch.float32)
+    big.fill_(1.0)
+    assert malloc_in_use_bytes() - before < 1 << 20
+    assert (a.numel(), a.dtype, b.numel(), b.dtype) == (1000, torch.float32, 10, torch.bfloat16)
+    assert a.data_ptr() % PAGE_BYTES == 0 and b.data_ptr() % PAGE_BYTES == 0
+    assert torch.count_nonzero(a) == 0  # fresh pages are zeroed
+    assert arena.contains(big) and not arena.contains(torch.empty(4))
+    with pytest.raises(MemoryError, match="host arena full"):
+        arena.allocate(64 << 20, torch.float32)
+    arena.close()
+
+
+def test_malloc_counter_sees_ordinary_tensors() -> None:
+    before = malloc_in_use_bytes()
+    tensor = torch.ones(4 << 20)  # 16 MiB from the C heap
+    grown = malloc_in_use_bytes() - before
+    assert grown >= tensor.numel() * 4
+    del tensor
