@@ -4,18 +4,17 @@
     engine.backward(out.loss)      # loss / gradient_accumulation_steps (x loss scale) backward
     engine.step()                  # an optimizer update only at the window's last micro-batch
 
-At the window's end the engine averages gradients across ranks (parameters that got no gradient
-on any rank keep ``grad=None`` and AdamW skips them, as in plain PyTorch), decides the same on
-every rank whether the update is skipped (non-finite loss, fp16 overflow), clips the global norm,
-updates, steps the schedule and reports one record.
-
-This version keeps the whole model resident on every rank; the chunk engine replaces that
-storage without changing this API.
+Model state lives in chunks (``runtime.chunks.manager``): gradients are reduce-scattered into
+fp32 shards during backward. At the window's end the engine decides the same on every rank
+whether the update is skipped (non-finite loss, fp16 overflow), clips the global norm, runs AdamW
+on the shards (parameters that got no gradient on any rank are skipped, as ``torch.optim.AdamW``
+skips them), refreshes the device copies and reports one record.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,10 +26,10 @@ from profiler.plan import Plan
 from runtime.console import MetricsFile, ProgressReporter, StepRecord
 from runtime.device import DeviceInfo, synchronize
 from runtime.distributed import DistContext, destroy
-from runtime.grad_sync import average_gradients_
+from runtime.chunks.manager import ChunkManager
+from runtime.distributed import all_reduce_sum_
 from runtime.loss_scale import DynamicLossScaler
-from runtime.param_groups import build_adamw
-from runtime.schedule import build_scheduler
+from runtime.schedule import lr_factor
 from runtime.settings import TrainingSettings
 from runtime.spec import NonFiniteLossPolicy, Precision
 
@@ -63,6 +62,7 @@ class Engine:
         device: DeviceInfo,
         reporter: ProgressReporter,
         metrics: MetricsFile | None,
+        chunks: ChunkManager,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
     ) -> None:
         self.module = module
@@ -73,18 +73,8 @@ class Engine:
         self.loss_fn = loss_fn
         self._reporter = reporter
         self._metrics = metrics
-        opt = settings.optimizer
-        self.optimizer = build_adamw(
-            module,
-            lr=opt.lr,
-            betas=opt.betas,
-            eps=opt.eps,
-            weight_decay=opt.weight_decay,
-            no_decay=opt.no_decay,
-        )
-        self.scheduler = build_scheduler(self.optimizer, settings.schedule)
+        self.chunks = chunks
         self.loss_scaler = DynamicLossScaler(settings.loss_scale) if settings.loss_scale else None
-        self._params = [p for p in module.parameters() if p.requires_grad]
         self.global_step = 0
         """Optimizer updates made (skipped updates do not count)."""
         self.skipped_steps = 0
@@ -119,7 +109,8 @@ class Engine:
 
     @property
     def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
+        """The learning rate of the next update."""
+        return self.settings.optimizer.lr * lr_factor(self.global_step, self.settings.schedule)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next ``step()`` call will update the parameters."""
@@ -135,8 +126,11 @@ class Engine:
             if self._window_start is None:
                 self._window_start = time.perf_counter()
             self._window_tokens += count_tokens(args, kwargs)
-        with self._autocast():
-            return self.module(*args, **kwargs)
+        try:
+            with self._autocast(), self.chunks.saved_tensor_hooks():
+                return self.module(*args, **kwargs)
+        finally:
+            self.chunks.end_forward()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
@@ -148,7 +142,11 @@ class Engine:
         scaled = loss / self.settings.gradient_accumulation_steps
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
-        scaled.backward()
+        try:
+            scaled.backward()
+        finally:
+            # Reduce what unused parameters left incomplete, in the fixed order every rank uses.
+            self.chunks.finish_backward()
 
     def step(self) -> bool:
         """Count one micro-batch; at the accumulation boundary, update. Returns whether the
@@ -161,21 +159,20 @@ class Engine:
     # ---------------------------------------------------------------- the update
 
     def _finish_window(self) -> bool:
-        tokens_local = self._window_tokens
+        tokens_local = float(self._window_tokens)
         extras = torch.stack(
-            [
-                self._window_loss,
-                self._window_nonfinite,
-                torch.tensor(float(tokens_local), dtype=torch.float64),
-            ]
+            [self._window_loss, self._window_nonfinite, torch.tensor(tokens_local, dtype=torch.float64)]
         )
-        loss_sum, nonfinite, tokens = average_gradients_(self._params, self.dist_ctx, extras).tolist()
+        # One collective carries every rank's per-parameter gradient flags and the counters.
+        header = all_reduce_sum_(torch.cat([self.chunks.params_with_grad(), extras]), self.dist_ctx)
+        active = header[: -len(extras)] > 0
+        loss_sum, nonfinite, tokens = header[-len(extras) :].tolist()
         window_start = self._window_start or time.perf_counter()
         self._reset_window()
         losses_in_window = self.settings.gradient_accumulation_steps * self.dist_ctx.world_size
         skipped = nonfinite > 0
         if skipped and self.settings.on_nonfinite_loss is NonFiniteLossPolicy.RAISE:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.chunks.zero_grad()
             raise NonFiniteLossError(
                 f"non-finite loss in {int(nonfinite)} of {losses_in_window} micro-batches of update "
                 f"{self.global_step + 1}; set on_nonfinite_loss: skip to skip such updates"
@@ -184,17 +181,16 @@ class Engine:
         if not skipped:
             grad_norm = self._unscale_and_clip()
             if self.loss_scaler is not None:
-                overflow = not torch.isfinite(torch.tensor(grad_norm)).item()
+                overflow = not math.isfinite(grad_norm)
                 self.loss_scaler.update(overflow=overflow)
                 skipped = overflow
         lr = self.lr
         if skipped:
             self.skipped_steps += 1
         else:
-            self.optimizer.step()
-            self.scheduler.step()
+            self.chunks.step(lr=lr, active=active)
             self.global_step += 1
-        self.optimizer.zero_grad(set_to_none=True)
+        self.chunks.zero_grad()
         synchronize(self.device_info)
         elapsed = time.perf_counter() - window_start
         self._report(
@@ -212,20 +208,17 @@ class Engine:
         return not skipped
 
     def _unscale_and_clip(self) -> float:
-        """The global gradient norm (after unscaling), clipping when configured."""
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if not grads:
-            return 0.0
+        """The global gradient norm (after unscaling), clipping the shards when configured, with
+        ``torch.nn.utils.clip_grad_norm_``'s coefficient."""
         if self.loss_scaler is not None:
-            inverse = 1.0 / self.loss_scaler.scale
-            for grad in grads:
-                grad.mul_(inverse)
-        params = [p for p in self._params if p.grad is not None]
-        if self.settings.gradient_clipping > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.settings.gradient_clipping)
-        else:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-        return float(norm)
+            self.chunks.scale_grads_(1.0 / self.loss_scaler.scale)
+        norm = self.chunks.grad_norm()
+        clip = self.settings.gradient_clipping
+        if clip > 0 and math.isfinite(norm):
+            coefficient = clip / (norm + 1e-6)
+            if coefficient < 1.0:
+                self.chunks.scale_grads_(coefficient)
+        return norm
 
     def _reset_window(self) -> None:
         self._window_start = None
@@ -258,8 +251,13 @@ class Engine:
         return self
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full-precision parameters and buffers by the model's own names, detached copies."""
-        return {name: tensor.detach().clone() for name, tensor in self.module.state_dict().items()}
+        """Full-precision parameters (gathered from every rank's shard) and buffers, by the
+        model's own names (a tied parameter under each of its names); detached copies."""
+        params = self.chunks.full_parameters()
+        result: dict[str, torch.Tensor] = {}
+        for name, tensor in self.module.state_dict().items():
+            result[name] = params[name] if name in params else tensor.detach().clone()
+        return result
 
     def log(self, text: str) -> None:
         """Print on rank 0 only."""
@@ -273,6 +271,7 @@ class Engine:
         self._reporter.close()
         if self._metrics is not None:
             self._metrics.close()
+        self.chunks.close()
         destroy(self.dist_ctx)
 
     def __enter__(self) -> Engine:

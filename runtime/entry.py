@@ -17,10 +17,13 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from profiler.plan import KnobRequest, Plan, resident_plan
+from profiler.plan import BlockMode, KnobRequest, Plan, resident_plan
 from runtime.blocks import BlocksNotFoundError, find_blocks
 from runtime.budgets import auto_device_budget, auto_host_budget
-from runtime.chunks.layout import model_params
+from runtime.chunks.layout import ParamInfo, first_use_order, layout_from_params, model_params
+from runtime.chunks.manager import ChunkManager
+from runtime.param_groups import split_decay
+from runtime.settings import TrainingSettings
 from runtime.console import MetricsFile, ProgressReporter, plan_table
 from runtime.device import DeviceInfo, select_device
 from runtime.distributed import DistContext, broadcast_module_, env_int, init_distributed
@@ -37,8 +40,6 @@ from runtime.spec_io import (
 )
 from runtime.weights import WeightsSource, load_weights_
 
-BYTES_PER_PARAM_RESIDENT_FP32 = 16
-"""fp32 parameter, gradient and two Adam moments."""
 
 
 def resolve_job(
@@ -90,17 +91,21 @@ def initialize(
         load_weights_(model, weights)
     _refuse_meta(model)
     if resolved.dry_run:
-        _dry_run(model, resolved)
+        _dry_run(model, resolved, example_batch)
     device = select_device(env_int("LOCAL_RANK", 0))
     dist_ctx = init_distributed(backend=device.backend, timeout_s=spec.launcher.dist_timeout_s)
     model.to(device.device)
     broadcast_module_(model, dist_ctx)
     # Rank-offset seed: dropout masks differ across ranks, as they do under DDP with per-rank seeds.
     torch.manual_seed(spec.seed + dist_ctx.rank)
+    params = model_params(model, _execution_order(model, example_batch))
     plan = make_plan(
-        model, spec, world_size=dist_ctx.world_size, device=device, ranks_on_host=_local_world_size()
+        model, spec, params=params, world_size=dist_ctx.world_size, device=device,
+        ranks_on_host=_local_world_size(),
     )
-    _check_supported(plan, model, spec)
+    _check_supported(plan, spec)
+    settings = settings_from_spec(spec)
+    chunks = _build_chunks(model, params, plan, settings, device, dist_ctx)
     reporter = ProgressReporter(total_steps=spec.scheduler.total_steps, enabled=dist_ctx.is_main)
     metrics = _open_metrics(resolved, run_dir, dist_ctx)
     reporter.show_plan(plan)
@@ -109,17 +114,19 @@ def initialize(
     return Engine(
         module=model,
         plan=plan,
-        settings=settings_from_spec(spec),
+        settings=settings,
         dist_ctx=dist_ctx,
         device=device,
         reporter=reporter,
         metrics=metrics,
+        chunks=chunks,
         loss_fn=loss_fn,
     )
 
 
 def make_plan(
-    model: nn.Module, spec: Spec, *, world_size: int, device: DeviceInfo, ranks_on_host: int
+    model: nn.Module, spec: Spec, *, params: tuple[ParamInfo, ...], world_size: int, device: DeviceInfo,
+    ranks_on_host: int,
 ) -> Plan:
     """Fill the spec's "auto" memory knobs (the resident rule until the profiler's search)."""
     memory = spec.memory
@@ -128,7 +135,6 @@ def make_plan(
         return None if value == AUTO else int(value)
 
     num_blocks = _count_blocks(model, memory)
-    params = model_params(model)
     chosen = tuple(
         f"memory.{name}"
         for name in (
@@ -171,6 +177,9 @@ def make_plan(
         raise SpecError(str(err)) from None
 
 
+COMPUTE_DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+
+
 def compute_element_size(precision: Precision) -> int:
     """Bytes per element of the chunked compute copy of the parameters."""
     return 4 if precision is Precision.FP32 else 2
@@ -191,24 +200,62 @@ def _count_blocks(model: nn.Module, memory: MemorySpec) -> int:
         return 0
 
 
-def _check_supported(plan: Plan, model: nn.Module, spec: Spec) -> None:
-    """This engine keeps everything resident; refuse plans it cannot carry out and budgets the
-    resident model state cannot fit, before any training step."""
-    if not plan.all_resident:
+def _check_supported(plan: Plan, spec: Spec) -> None:
+    """Refuse, before any training step, plans this engine cannot carry out and model state
+    that cannot fit the device budget."""
+    if any(mode is not BlockMode.KEEP for mode in plan.block_modes):
         raise SpecError(
-            f"the plan offloads (n_persist={plan.n_persist} of {plan.num_chunks} chunks, block modes "
-            f"{sorted({m.value for m in plan.block_modes})}), but this engine keeps model state and "
-            "activations resident; leave memory.n_persist, n_swap, n_checkpoint, ssd.n_offload and "
+            f"the plan sets block modes {sorted({m.value for m in plan.block_modes})}, but activations "
+            "stay resident in this version; leave memory.n_swap, n_checkpoint, ssd.n_offload and "
             "block_modes as auto"
         )
-    num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    needed = num_params * BYTES_PER_PARAM_RESIDENT_FP32
+    element_size = compute_element_size(spec.precision)
+    chunk_numel = plan.chunk_size // element_size
+    shard_numel = -(-chunk_numel // plan.world_size)
+    # Persistent chunks: full compute copy + fp32 master, gradient and two Adam moments of the
+    # shard; plus the buffers that the other chunks pass through.
+    needed = plan.n_persist * (chunk_numel * element_size + shard_numel * 16)
+    needed += plan.n_buffer * chunk_numel * element_size
     if needed > plan.device_budget_bytes:
         raise SpecError(
-            f"memory.device_budget: the resident model state needs {needed / 2**20:.1f} MiB per rank "
-            f"({num_params:,} parameters x {BYTES_PER_PARAM_RESIDENT_FP32} bytes) but the budget is "
-            f"{plan.device_budget_bytes / 2**20:.1f} MiB; raise the budget or leave it auto"
+            f"memory.device_budget: the model state of this plan needs {needed / 2**20:.1f} MiB per rank "
+            f"(n_persist={plan.n_persist}, n_buffer={plan.n_buffer} chunks of "
+            f"{plan.chunk_size / 2**20:.2f} MiB) but the budget is "
+            f"{plan.device_budget_bytes / 2**20:.1f} MiB; raise the budget, or lower memory.n_persist"
         )
+
+
+def _execution_order(model: nn.Module, example_batch: Any) -> list[str] | None:
+    """Parameter names in first-use order from a no-grad forward on ``example_batch`` (module
+    order when there is none)."""
+    if example_batch is None:
+        return None
+    if isinstance(example_batch, dict):
+        return first_use_order(model, lambda: model(**example_batch))
+    if isinstance(example_batch, (tuple, list)):
+        return first_use_order(model, lambda: model(*example_batch))
+    return first_use_order(model, lambda: model(example_batch))
+
+
+def _build_chunks(
+    model: nn.Module, params: tuple[ParamInfo, ...], plan: Plan, settings: TrainingSettings,
+    device: DeviceInfo, dist_ctx: DistContext,
+) -> ChunkManager:
+    element_size = compute_element_size(settings.precision)
+    layout = layout_from_params(params, chunk_numel=plan.chunk_size // element_size, world_size=plan.world_size)
+    assert layout.num_chunks == plan.num_chunks, "the plan and the layout pack the same parameters"
+    optimizer = settings.optimizer
+    decay, _ = split_decay(model, optimizer.no_decay)
+    decayed = {entry.name for entry in decay}
+    weight_decay = [optimizer.weight_decay if info.name in decayed else 0.0 for info in params]
+    try:
+        return ChunkManager(
+            model=model, layout=layout, n_persist=plan.n_persist, n_buffer=plan.n_buffer,
+            compute_dtype=COMPUTE_DTYPES[settings.precision], device=device, dist_ctx=dist_ctx,
+            weight_decay=weight_decay, betas=optimizer.betas, eps=optimizer.eps, lr=optimizer.lr,
+        )
+    except ValueError as err:
+        raise SpecError(str(err)) from None
 
 
 def _refuse_meta(model: nn.Module) -> None:
@@ -236,13 +283,15 @@ def _open_metrics(resolved: ResolvedSpec, run_dir: Path | None, dist_ctx: DistCo
     return MetricsFile(run_dir / "metrics.jsonl")
 
 
-def _dry_run(model: nn.Module, resolved: ResolvedSpec) -> None:
+def _dry_run(model: nn.Module, resolved: ResolvedSpec, example_batch: Any) -> None:
     """Print the spec and the plan it resolves to, then end the process: no process group, no
     training step, no files."""
     console = Console(highlight=False)
     device = select_device(0)
+    params = model_params(model, _execution_order(model, example_batch))
     plan = make_plan(
-        model, resolved.spec, world_size=resolved.world_size, device=device, ranks_on_host=resolved.world_size
+        model, resolved.spec, params=params, world_size=resolved.world_size, device=device,
+        ranks_on_host=resolved.world_size,
     )
     console.print(
         f"[bold]Spec[/bold] from {resolved.source}"
@@ -251,7 +300,7 @@ def _dry_run(model: nn.Module, resolved: ResolvedSpec) -> None:
     console.print_json(json.dumps(resolved.spec.model_dump(mode="json")))
     console.print(plan_table(plan, title=f"Plan for {resolved.world_size} rank(s)"))
     try:
-        _check_supported(plan, model, resolved.spec)
+        _check_supported(plan, resolved.spec)
     except SpecError as err:
         console.print(f"[red]This plan cannot run:[/red] {err}")
         raise SystemExit(2) from None

@@ -90,13 +90,18 @@ def train_reference(
     eps: float = 1e-8,
     clip: float = 0.0,
     schedule: Callable[[int], float] | None = None,
+    fused: bool = True,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Plain PyTorch in one process, torch.optim.AdamW, ordinary gradient accumulation
     (``(loss / accumulation).backward()`` per micro-batch). With several ranks' data, each rank's
     micro-batches are accumulated separately and the per-rank gradients averaged, the order in
     which data-parallel training (DDP) sums them; summing every sample in one pass instead would
-    differ by rounding that Adam amplifies beyond the tolerance on near-zero gradients."""
-    optimizer = torch.optim.AdamW(reference_param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps)
+    differ by rounding that Adam amplifies beyond the tolerance on near-zero gradients.
+    ``fused``: torch's fused AdamW kernel, the one the engine runs (bit-exact comparisons);
+    False: the default for-loop implementation (comparisons within the tolerance)."""
+    optimizer = torch.optim.AdamW(
+        reference_param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule or (lambda step: 1.0))
     params = [p for p in model.parameters() if p.requires_grad]
     losses = []

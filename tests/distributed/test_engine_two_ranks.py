@@ -158,3 +158,28 @@ def test_pool_reports_a_failing_rank_and_recovers(rank_pool: RankPool, tmp_path:
         rank_pool.run(failing_body)
     results = rank_pool.run(nonfinite_on_rank_one, output_dir=str(tmp_path), policy="skip")
     assert len(results) == 2
+
+
+def run_offloaded(*, rank: int, output_dir: str, accumulation: int, clip: float, n_persist: int,
+                  n_buffer: int) -> dict[str, Any]:
+    config = _config(output_dir, accumulation, clip, {"type": "constant"})
+    config["memory"] = {"chunk_size": "64KiB", "n_persist": n_persist, "n_buffer": n_buffer}
+    data = lm_batches(micro_batch_size=2, accumulation=accumulation, world_size=2)
+    state, losses = train_engine(tiny_gpt(0), data, config, steps=8, rank=rank)
+    return {"state": state, "losses": losses}
+
+
+@pytest.mark.parametrize(
+    ("n_persist", "n_buffer", "accumulation", "clip"),
+    [(0, 2, 1, 0.0), (5, 3, 4, 0.05)],
+    ids=["all-offloaded-min-buffers", "some-persistent-accumulation-clip"],
+)
+def test_two_ranks_with_offloaded_chunks_match_plain_pytorch(
+    rank_pool: RankPool, tmp_path: Path, n_persist: int, n_buffer: int, accumulation: int, clip: float
+) -> None:
+    results = rank_pool.run(run_offloaded, output_dir=str(tmp_path), accumulation=accumulation, clip=clip,
+                            n_persist=n_persist, n_buffer=n_buffer)
+    assert_state_equal(results[1]["state"], results[0]["state"])
+    data = lm_batches(micro_batch_size=2, accumulation=accumulation, world_size=2)
+    expected, _ = train_reference(tiny_gpt(0), data, steps=8, lr=1e-3, weight_decay=0.1, clip=clip)
+    assert_state_close(results[0]["state"], expected)

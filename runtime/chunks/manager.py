@@ -1,0 +1,458 @@
+"""Model state in chunks: ZeRO-3 shards, persistent chunks, device buffers, gradient reduction.
+
+Each chunk of the layout is one flat buffer of ``chunk_numel`` elements, split evenly over the
+ranks. This rank keeps its shard in fp32 (master weights, gradient) with the optimizer state:
+on the device for the first ``n_persist`` chunks, in host memory for the others. Compute uses a
+full, all-gathered copy in the compute dtype: persistent chunks own one for the whole run;
+the others borrow one of ``n_buffer`` preallocated device slots while they are needed.
+
+Parameters are ordinary ``nn.Parameter`` objects whose ``.data`` points into the chunk's full
+copy while it is resident. When a chunk leaves its slot, its parameters point at a zero-byte
+placeholder of the right shape filled with NaN (a stride-0 expansion of one element): autograd's
+gradient accumulation needs the parameter's shape even when its data is gone, and a stray read
+gives NaN, which the engine's non-finite check turns into an error.
+
+Gradients: a hook after each parameter's gradient accumulation copies the gradient into the
+chunk's gradient buffer; when every trainable parameter of a chunk has reported, the chunk is
+ready. Ready chunks are reduce-scattered into the fp32 shard gradient strictly in reverse chunk
+order, the same order on every rank, so collectives always pair up (chunks left incomplete by
+unused parameters are flushed, in that order, when backward ends).
+
+The optimizer runs at the accumulation boundary (deferred, not speculative): the global norm is
+known then, clipping and fp16 overflow need no rollback, and the update is exactly AdamW's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runtime.chunks.layout import ChunkInfo, ChunkLayout
+from runtime.chunks.residency import Residency, check_move
+from runtime.cpu_adam import ShardAdamW
+from runtime.device import DeviceInfo, MmapArena
+from runtime.distributed import DistContext, all_reduce_sum_
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """The part of one parameter that lies in this rank's shard of a chunk."""
+
+    param: int
+    shard_offset: int
+    param_offset: int
+    numel: int
+
+
+def shard_segments(layout: ChunkLayout, chunk: ChunkInfo, rank: int) -> list[Segment]:
+    shard = layout.shard_numel
+    lo, hi = rank * shard, (rank + 1) * shard
+    segments = []
+    for index in chunk.params:
+        start = layout.slots[index].offset
+        end = start + layout.params[index].numel
+        a, b = max(lo, start), min(hi, end)
+        if a < b:
+            segments.append(Segment(param=index, shard_offset=a - lo, param_offset=a - start, numel=b - a))
+    return segments
+
+
+@dataclass(frozen=True, slots=True)
+class SavedAlias:
+    """A saved tensor that views chunk memory, kept as a recipe instead of a reference."""
+
+    chunk: int
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class Chunk:
+    """One chunk's state on this rank."""
+
+    def __init__(self, info: ChunkInfo, *, persistent: bool) -> None:
+        self.info = info
+        self.index = info.index
+        self.persistent = persistent
+        self.residency = Residency.PERSISTENT if persistent else Residency.HOST
+        self.full: torch.Tensor | None = None
+        self.slot: int | None = None
+        self.master: torch.Tensor | None = None
+        """fp32 shard (trainable chunks) or compute-dtype shard (frozen chunks)."""
+        self.grad_shard: torch.Tensor | None = None
+        self.segments: list[Segment] = []
+        self.optimizer: ShardAdamW | None = None
+
+    def move(self, target: Residency) -> None:
+        self.residency = check_move(self.index, self.residency, target)
+
+
+class ChunkManager:
+    """Owns every chunk, the device slots and the hooks that move data; see module docstring."""
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        layout: ChunkLayout,
+        n_persist: int,
+        n_buffer: int,
+        compute_dtype: torch.dtype,
+        device: DeviceInfo,
+        dist_ctx: DistContext,
+        weight_decay: Sequence[float],
+        betas: tuple[float, float],
+        eps: float,
+        lr: float,
+    ) -> None:
+        self.model = model
+        self.layout = layout
+        self.compute_dtype = compute_dtype
+        self.device = device
+        self.dist_ctx = dist_ctx
+        self.params = [model.get_parameter(info.name) for info in layout.params]
+        self._index_of = {id(p): i for i, p in enumerate(self.params)}
+        self.chunk_of_param = [slot.chunk for slot in layout.slots]
+        self.chunks = [Chunk(info, persistent=info.index < n_persist) for info in layout.chunks]
+        self.n_buffer = n_buffer
+        self._check_buffers()
+        self.host_arena = self._build_host_arena()
+        self._build_storage(weight_decay, betas=betas, eps=eps, lr=lr)
+        self.slots = [
+            torch.empty(layout.chunk_numel, dtype=compute_dtype, device=device.device) for _ in range(n_buffer)
+        ]
+        self._slot_owner: list[int | None] = [None] * n_buffer
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._slot_storage = {slot.untyped_storage().data_ptr(): i for i, slot in enumerate(self.slots)}
+        self._pinned: set[int] = set()
+        self._nan: torch.Tensor | None = None
+        for chunk in self.chunks:
+            self._point_params(chunk)
+        self._grad_buffers: dict[int, torch.Tensor] = {}
+        self._remaining = [0] * len(self.chunks)
+        self._fired = torch.zeros(len(self.params), dtype=torch.bool)
+        self._fired_in_window = torch.zeros(len(self.params), dtype=torch.bool)
+        self._reduce_order = [c.index for c in reversed(self.chunks) if c.info.trainable]
+        self._next_reduction = 0
+        self.num_gathers = 0
+        """Gathers of non-persistent chunks into slots (a chunk reused from its slot is not one)."""
+        self._handles: list[Any] = []
+        self._install_hooks()
+        self.reset_backward()
+
+    # ------------------------------------------------------------------ building
+
+    def _check_buffers(self) -> None:
+        offloaded = [c for c in self.chunks if not c.persistent]
+        if not offloaded:
+            return
+        need = 1
+        owner = ""
+        for name, module in self.model.named_modules():
+            chunks = {self.chunk_of_param[self._index_of[id(p)]] for p in module.parameters(recurse=False)}
+            count = sum(1 for c in chunks if not self.chunks[c].persistent)
+            if count > need:
+                need, owner = count, name
+        if self.n_buffer < need:
+            where = f"module {owner!r} uses {need} non-persistent chunks at once" if owner else "one is needed"
+            raise ValueError(
+                f"memory.n_buffer={self.n_buffer} is too few: {where}; set memory.n_buffer >= {need} "
+                f"or raise memory.n_persist"
+            )
+
+    def _build_host_arena(self) -> MmapArena | None:
+        offloaded = [c for c in self.chunks if not c.persistent]
+        if not offloaded:
+            return None
+        # fp32 master and gradient shards of every offloaded chunk, each rounded up to a page.
+        shard_bytes = self.layout.shard_numel * 4 + 4096
+        return MmapArena(len(offloaded) * 2 * shard_bytes, pin=self.device.is_cuda)
+
+    def _build_storage(self, weight_decay: Sequence[float], *, betas: tuple[float, float], eps: float, lr: float) -> None:
+        """Copy each parameter into its chunk; keep this rank's shard; give up the originals."""
+        rank, shard = self.dist_ctx.rank, self.layout.shard_numel
+        target_device = self.device.device
+        for chunk in self.chunks:
+            flat = torch.zeros(self.layout.chunk_numel, dtype=torch.float32)
+            for index in chunk.info.params:
+                offset = self.layout.slots[index].offset
+                param = self.params[index]
+                flat[offset : offset + param.numel()].copy_(param.detach().reshape(-1))
+            mine = flat[rank * shard : (rank + 1) * shard]
+            chunk.segments = shard_segments(self.layout, chunk.info, rank)
+            if chunk.persistent:
+                chunk.full = flat.to(device=target_device, dtype=self.compute_dtype)
+            if not chunk.info.trainable:
+                chunk.master = self._place(mine.to(self.compute_dtype), chunk.persistent)
+                continue
+            chunk.master = self._place(mine, chunk.persistent)
+            chunk.grad_shard = self._place(torch.zeros(shard), chunk.persistent)
+            chunk.optimizer = ShardAdamW(
+                chunk.master,
+                [(s.shard_offset, s.numel, weight_decay[s.param]) for s in chunk.segments],
+                lr=lr,
+                betas=betas,
+                eps=eps,
+            )
+
+    def _place(self, tensor: torch.Tensor, persistent: bool) -> torch.Tensor:
+        if persistent or self.host_arena is None:
+            return tensor.to(self.device.device).clone() if persistent else tensor.clone()
+        out = self.host_arena.allocate(tensor.numel(), tensor.dtype)
+        out.copy_(tensor)
+        return out
+
+    # ------------------------------------------------------------------ residency
+
+    def _placeholder(self, param: nn.Parameter) -> torch.Tensor:
+        if self._nan is None:
+            self._nan = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=self.device.device)
+        return self._nan.expand(param.shape) if param.dim() else self._nan[0]
+
+    def _point_params(self, chunk: Chunk) -> None:
+        for index in chunk.info.params:
+            param = self.params[index]
+            if chunk.full is None:
+                param.data = self._placeholder(param)
+            else:
+                offset = self.layout.slots[index].offset
+                param.data = chunk.full[offset : offset + param.numel()].view(param.shape)
+
+    def ensure_resident(self, chunk_index: int) -> torch.Tensor:
+        """The chunk's full compute copy, gathering it into a slot (evicting the least recently
+        used unpinned chunk) when it is not on the device."""
+        chunk = self.chunks[chunk_index]
+        if chunk.residency is not Residency.HOST:
+            if not chunk.persistent:
+                self._lru.move_to_end(chunk_index)
+            assert chunk.full is not None
+            return chunk.full
+        slot = self._free_slot()
+        full = self.slots[slot]
+        self._gather(chunk, full)
+        self.num_gathers += 1
+        chunk.full, chunk.slot = full, slot
+        self._slot_owner[slot] = chunk_index
+        self._lru[chunk_index] = None
+        chunk.move(Residency.RESIDENT)
+        self._point_params(chunk)
+        return full
+
+    def _free_slot(self) -> int:
+        for slot, owner in enumerate(self._slot_owner):
+            if owner is None:
+                return slot
+        for victim in self._lru:
+            if victim not in self._pinned:
+                self.evict(victim)
+                return self._free_slot()
+        raise RuntimeError(f"all {self.n_buffer} chunk buffers are pinned; n_buffer is too small")
+
+    def evict(self, chunk_index: int) -> None:
+        chunk = self.chunks[chunk_index]
+        chunk.move(Residency.HOST)
+        assert chunk.slot is not None
+        self._slot_owner[chunk.slot] = None
+        chunk.full, chunk.slot = None, None
+        self._lru.pop(chunk_index, None)
+        self._point_params(chunk)
+
+    def _gather(self, chunk: Chunk, out: torch.Tensor) -> None:
+        assert chunk.master is not None
+        shard = chunk.master.to(device=self.device.device, dtype=self.compute_dtype, non_blocking=True)
+        if self.dist_ctx.world_size == 1:
+            out.copy_(shard)
+        else:
+            dist.all_gather_into_tensor(out, shard)
+
+    def resident_chunks(self) -> list[int]:
+        return [c.index for c in self.chunks if c.residency is Residency.RESIDENT]
+
+    # ------------------------------------------------------------------ hooks
+
+    def _install_hooks(self) -> None:
+        for module in self.model.modules():
+            owned = sorted(
+                {self.chunk_of_param[self._index_of[id(p)]] for p in module.parameters(recurse=False)}
+            )
+            if owned:
+                self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(owned)))
+        for index, param in enumerate(self.params):
+            if param.requires_grad:
+                self._handles.append(param.register_post_accumulate_grad_hook(self._make_grad_hook(index)))
+
+    def _make_pre_forward(self, owned: list[int]) -> Any:
+        def pre_forward(_module: nn.Module, _inputs: Any) -> None:
+            self._pinned = set(owned)
+            for chunk_index in owned:
+                self.ensure_resident(chunk_index)
+
+        return pre_forward
+
+    def _make_grad_hook(self, index: int) -> Any:
+        def on_grad(param: nn.Parameter) -> None:
+            self._accept_grad(index, param)
+
+        return on_grad
+
+    @torch.no_grad()
+    def _accept_grad(self, index: int, param: nn.Parameter) -> None:
+        assert param.grad is not None
+        chunk_index = self.chunk_of_param[index]
+        buffer = self._grad_buffers.get(chunk_index)
+        if buffer is None:
+            buffer = torch.zeros(self.layout.chunk_numel, dtype=self.compute_dtype, device=self.device.device)
+            self._grad_buffers[chunk_index] = buffer
+        offset = self.layout.slots[index].offset
+        buffer[offset : offset + param.numel()].add_(param.grad.reshape(-1))
+        param.grad = None
+        if not self._fired[index]:
+            self._fired[index] = True
+            self._fired_in_window[index] = True
+            self._remaining[chunk_index] -= 1
+            if self._remaining[chunk_index] == 0:
+                self._issue_ready_reductions()
+
+    def end_forward(self) -> None:
+        """Forward is over: no module's chunks need to stay put any more (backward may evict)."""
+        self._pinned = set()
+
+    def saved_tensor_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """Pack/unpack hooks for the forward pass: saved views of slot memory become recipes
+        that re-gather their chunk when backward needs them."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        slot = self._slot_storage.get(tensor.untyped_storage().data_ptr()) if self.slots else None
+        if slot is None:
+            return tensor
+        owner = self._slot_owner[slot]
+        assert owner is not None, "a saved tensor views an empty chunk buffer"
+        return SavedAlias(owner, tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()))
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, SavedAlias):
+            return packed
+        full = self.ensure_resident(packed.chunk)
+        return full.as_strided(packed.size, packed.stride, packed.offset)
+
+    # ------------------------------------------------------------------ gradient reduction
+
+    def reset_backward(self) -> None:
+        self._pinned = set()
+        self._fired.zero_()
+        self._next_reduction = 0
+        for chunk in self.chunks:
+            self._remaining[chunk.index] = sum(1 for i in chunk.info.params if self.params[i].requires_grad)
+
+    def _issue_ready_reductions(self) -> None:
+        while self._next_reduction < len(self._reduce_order):
+            chunk_index = self._reduce_order[self._next_reduction]
+            if self._remaining[chunk_index] > 0:
+                return
+            self._reduce(chunk_index)
+            self._next_reduction += 1
+
+    def finish_backward(self) -> None:
+        """Flush chunks that unused parameters left incomplete, in the fixed order."""
+        while self._next_reduction < len(self._reduce_order):
+            self._reduce(self._reduce_order[self._next_reduction])
+            self._next_reduction += 1
+        self.reset_backward()
+
+    @torch.no_grad()
+    def _reduce(self, chunk_index: int) -> None:
+        chunk = self.chunks[chunk_index]
+        buffer = self._grad_buffers.pop(chunk_index, None)
+        world = self.dist_ctx.world_size
+        if world == 1:
+            if buffer is not None:
+                assert chunk.grad_shard is not None
+                chunk.grad_shard.add_(buffer.to(chunk.grad_shard.device, torch.float32))
+            return
+        if buffer is None:  # no gradient here; other ranks may have some, so take part anyway
+            buffer = torch.zeros(self.layout.chunk_numel, dtype=self.compute_dtype, device=self.device.device)
+        reduced = torch.empty(self.layout.shard_numel, dtype=self.compute_dtype, device=self.device.device)
+        dist.reduce_scatter_tensor(reduced, buffer)
+        reduced.div_(world)
+        assert chunk.grad_shard is not None
+        chunk.grad_shard.add_(reduced.to(chunk.grad_shard.device, torch.float32))
+
+    # ------------------------------------------------------------------ the update
+
+    def params_with_grad(self) -> torch.Tensor:
+        """Per parameter, whether any micro-batch of this window produced a gradient here."""
+        return self._fired_in_window.to(torch.float64)
+
+    def grad_norm(self) -> float:
+        squares = torch.zeros((), dtype=torch.float64)
+        for chunk in self.trainable_chunks():
+            assert chunk.grad_shard is not None
+            squares += chunk.grad_shard.double().square().sum().cpu()
+        all_reduce_sum_(squares, self.dist_ctx)
+        return math.sqrt(float(squares))
+
+    def scale_grads_(self, factor: float) -> None:
+        for chunk in self.trainable_chunks():
+            assert chunk.grad_shard is not None
+            chunk.grad_shard.mul_(factor)
+
+    def step(self, *, lr: float, active: torch.Tensor) -> None:
+        """AdamW on every trainable shard (``active``: per parameter, whether any rank produced a
+        gradient this window), then refresh the device copies."""
+        for chunk in self.trainable_chunks():
+            assert chunk.optimizer is not None and chunk.grad_shard is not None
+            chunk.optimizer.step_(chunk.grad_shard, [bool(active[s.param]) for s in chunk.segments], lr=lr)
+        self.refresh_full_copies()
+
+    def zero_grad(self) -> None:
+        for chunk in self.trainable_chunks():
+            assert chunk.grad_shard is not None
+            chunk.grad_shard.zero_()
+        self._fired_in_window.zero_()
+
+    @torch.no_grad()
+    def refresh_full_copies(self) -> None:
+        for chunk in self.chunks:
+            if chunk.persistent and chunk.info.trainable:
+                assert chunk.full is not None
+                self._gather(chunk, chunk.full)
+            elif chunk.residency is Residency.RESIDENT:
+                self.evict(chunk.index)
+
+    def trainable_chunks(self) -> Iterator[Chunk]:
+        return (chunk for chunk in self.chunks if chunk.info.trainable)
+
+    # ------------------------------------------------------------------ reading the model
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter in full precision by its own names (tied ones under each name)."""
+        result: dict[str, torch.Tensor] = {}
+        for chunk in self.chunks:
+            assert chunk.master is not None
+            shard = chunk.master.to(self.device.device)
+            if self.dist_ctx.world_size == 1:
+                full = shard.clone()
+            else:
+                full = torch.empty(self.layout.chunk_numel, dtype=shard.dtype, device=self.device.device)
+                dist.all_gather_into_tensor(full, shard)
+            for index in chunk.info.params:
+                info = self.layout.params[index]
+                offset = self.layout.slots[index].offset
+                value = full[offset : offset + info.numel].view(info.shape).clone()
+                for name in (info.name, *info.aliases):
+                    result[name] = value
+        return result
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -1,0 +1,123 @@
+"""The chunk engine on one rank: offloaded chunks passing through few buffers give the same
+training as plain PyTorch, a saved view of a parameter never reads another chunk's data after its
+buffer is reused, and knobs that cannot work are refused before training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import runtime
+from runtime.chunks.residency import IllegalTransition, Residency, check_move
+from runtime.spec_io import SpecError
+from tests.helpers import assert_state_close, assert_state_equal, lm_batches, tiny_gpt, train_reference
+
+STEPS = 12
+CHUNK = "64KiB"  # the tiny GPT (~120K fp32 parameters) in 12 chunks
+
+
+def job(tmp_path: Path, **memory: Any) -> dict[str, Any]:
+    return {
+        "seed": 3, "micro_batch_size": 2, "optimizer": {"lr": 1e-3, "weight_decay": 0.1},
+        "memory": {"chunk_size": CHUNK, **memory}, "output_dir": str(tmp_path / "runs"),
+    }
+
+
+def train(engine: Any, steps: int, accumulation: int = 1) -> list[float]:
+    data = lm_batches(micro_batch_size=2, accumulation=accumulation, world_size=1)
+    losses = []
+    for update in range(steps):
+        for micro in range(accumulation):
+            out = engine(**data.batch(update, micro, 0))
+            engine.backward(out.loss)
+            engine.step()
+        losses.append(out.loss.item())
+    return losses
+
+
+NUM_CHUNKS = 12
+
+
+@pytest.mark.parametrize(("n_persist", "n_buffer"), [(0, 2), (5, 2), (0, 4), (NUM_CHUNKS, 0)])
+def test_offloaded_chunks_train_exactly_like_plain_pytorch(tmp_path: Path, n_persist: int, n_buffer: int) -> None:
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    expected, _ = train_reference(tiny_gpt(), data, steps=STEPS, lr=1e-3, weight_decay=0.1)
+    engine = runtime.initialize(tiny_gpt(), config=job(tmp_path, n_persist=n_persist, n_buffer=n_buffer))
+    assert engine.plan.num_chunks == NUM_CHUNKS
+    train(engine, STEPS)
+    assert_state_equal(engine.state_dict(), expected)
+    if n_persist < NUM_CHUNKS:
+        assert engine.chunks.num_gathers > STEPS * (NUM_CHUNKS - n_persist), "slots must have been reused"
+    engine.close()
+
+
+def test_accumulation_with_offload_matches(tmp_path: Path) -> None:
+    data = lm_batches(micro_batch_size=2, accumulation=4, world_size=1)
+    expected, _ = train_reference(tiny_gpt(), data, steps=6, lr=1e-3, weight_decay=0.1)
+    config = job(tmp_path, n_persist=2, n_buffer=2)
+    config["gradient_accumulation_steps"] = 4
+    engine = runtime.initialize(tiny_gpt(), config=config)
+    train(engine, 6, accumulation=4)
+    assert_state_close(engine.state_dict(), expected)
+    engine.close()
+
+
+class TransposedLinear(torch.nn.Module):
+    """Computes x @ w.t() itself, so autograd saves the view w.t() of chunk memory."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(width, width) / width**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.weight.t())
+
+
+def test_saved_weight_view_survives_slot_reuse(tmp_path: Path) -> None:
+    """With one buffer, every later chunk overwrites the slot before backward; the gradient of
+    the input must still use each layer's own weight."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[TransposedLinear(16) for _ in range(4)])
+    reference = [layer.weight.detach().clone() for layer in model]
+    engine = runtime.initialize(model, config=job(tmp_path, chunk_size=16 * 16 * 4, n_persist=0, n_buffer=1))
+    assert engine.plan.num_chunks == 4
+    x = torch.randn(3, 16, requires_grad=True)
+    loss = engine(x).square().mean()
+    gathers_after_forward = engine.chunks.num_gathers
+    assert gathers_after_forward == 4 and engine.chunks.resident_chunks() == [3]
+    loss.backward()
+    engine.chunks.finish_backward()
+    assert engine.chunks.num_gathers == 4 + 3, "backward re-gathers chunks 2, 1, 0 into the one slot"
+
+    x_ref = x.detach().clone().requires_grad_(True)
+    h = x_ref
+    for weight in reference:
+        h = torch.tanh(h @ weight.t())
+    h.square().mean().backward()
+    assert torch.equal(x.grad, x_ref.grad)
+    engine.close()
+
+
+def test_residency_moves_are_checked() -> None:
+    assert check_move(0, Residency.HOST, Residency.RESIDENT) is Residency.RESIDENT
+    with pytest.raises(IllegalTransition, match="chunk 3: host -> host"):
+        check_move(3, Residency.HOST, Residency.HOST)
+    with pytest.raises(IllegalTransition, match="persistent -> host"):
+        check_move(1, Residency.PERSISTENT, Residency.HOST)
+
+
+def test_evicted_parameters_hold_no_data(tmp_path: Path) -> None:
+    engine = runtime.initialize(tiny_gpt(), config=job(tmp_path, n_persist=0, n_buffer=2))
+    for param in engine.module.parameters():
+        assert param.untyped_storage().nbytes() <= 4 and torch.isnan(param).all()
+    engine.close()
+
+
+def test_too_few_buffers_is_refused_before_training(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match=r"memory.n_buffer=0 is too few: module .* uses 2 non-persistent chunks.*n_buffer >= 2"):
+        runtime.initialize(tiny_gpt(), config=job(tmp_path, n_persist=0, n_buffer=0))
+    with pytest.raises(SpecError, match="memory.n_persist=13 exceeds the model's 12 chunks"):
+        runtime.initialize(tiny_gpt(), config=job(tmp_path, n_persist=13))
