@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.spec import Spec, unsupported_settings
 from runtime.spec_io import Override, SpecError, load_spec, parse_override
 
 EXIT_OK = 0
@@ -48,7 +49,6 @@ class LaunchRequest:
     overrides: tuple[Override, ...]
     launcher_overrides: tuple[Override, ...]
     dry_run: bool
-    raw_sets: tuple[str, ...] = field(default=())
 
 
 class _Parser(argparse.ArgumentParser):
@@ -126,7 +126,6 @@ def parse_command_line(argv: list[str]) -> LaunchRequest:
         overrides=tuple(parse_override(text) for text in sets),
         launcher_overrides=tuple(launcher_overrides),
         dry_run=bool(args.dry_run),
-        raw_sets=tuple(sets),
     )
 
 
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     try:
         request = parse_command_line(argv)
-        spec = load_spec(request.config, [*request.overrides, *request.launcher_overrides])
+        spec = resolve_spec(request)
         _check_script(request.script)
     except SpecError as err:
         print(f"protrain-run: error: {err}", file=sys.stderr)
@@ -149,6 +148,17 @@ def main(argv: list[str] | None = None) -> int:
     return launch(request, spec)
 
 
+def resolve_spec(request: LaunchRequest) -> Spec:
+    """The spec file, then ``--set`` overrides in order, then launcher options (which win), all
+    validated together; knobs this version cannot carry out are refused here too."""
+    spec = load_spec(request.config, [*request.overrides, *request.launcher_overrides])
+    problems = unsupported_settings(spec)
+    if problems:
+        source = str(request.config) if request.config else "(defaults)"
+        raise SpecError("\n".join(f"{source}: {problem}" for problem in problems))
+    return spec
+
+
 def _check_script(script: Path) -> None:
     if not script.exists():
         raise UsageError(f"{script}: no such training script")
@@ -157,7 +167,11 @@ def _check_script(script: Path) -> None:
 
 
 def console_main() -> None:
-    sys.exit(main())
+    try:
+        code = main()
+    except KeyboardInterrupt:  # Ctrl-C before the ranks exist (e.g. while torch imports)
+        code = EXIT_INTERRUPTED
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 from protrain_launcher.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_RANK_FAILED, LaunchRequest
-from runtime.spec import AUTO, Spec
+from protrain_launcher.env_names import LAUNCHER_PID_ENV
+from runtime.spec import AUTO, Spec, auto_fields
 from runtime.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, write_resolved
 
-LAUNCHER_PID_ENV = "PROTRAIN_LAUNCHER_PID"
 RANK_ENTRY = ("-u", "-m", "protrain_launcher.rank_entry")
 RENDEZVOUS_TIMEOUT_S = 900
 # The rendezvous variables a parent torchrun may have left; a child job must not inherit them.
@@ -56,12 +56,12 @@ def free_port(host: str) -> int:
 def launch(request: LaunchRequest, spec: Spec) -> int:
     nproc = resolve_nproc(spec.launcher.nproc_per_node)
     world_size = nproc * spec.launcher.nnodes
-    auto = ResolvedSpec.of(spec, source="").auto
+    auto = tuple(auto_fields(spec))
     spec = spec.model_copy(update={"launcher": spec.launcher.model_copy(update={"nproc_per_node": nproc})})
     resolved = ResolvedSpec(
         spec=spec,
         source=str(request.config) if request.config else "(defaults)",
-        overrides=request.raw_sets,
+        overrides=tuple(override.source for override in request.overrides),
         auto=auto,
         dry_run=request.dry_run,
         world_size=world_size,
@@ -119,7 +119,8 @@ def _elastic_run(request: LaunchRequest, spec: Spec, nproc: int, spec_path: Path
     # Static rendezvous when this node's rank is known (one node, or a node rank given);
     # otherwise torch's c10d rendezvous assigns node ranks as nodes join.
     static = launcher.nnodes == 1 or "node_rank" in launcher.model_fields_set
-    rdzv_configs: dict[str, object] = {"timeout": RENDEZVOUS_TIMEOUT_S}
+    # "timeout" is read by the static backend, "join_timeout" by c10d.
+    rdzv_configs: dict[str, object] = {"timeout": RENDEZVOUS_TIMEOUT_S, "join_timeout": RENDEZVOUS_TIMEOUT_S}
     if static:
         rdzv_configs["rank"] = launcher.node_rank
     config = LaunchConfig(
@@ -137,7 +138,8 @@ def _elastic_run(request: LaunchRequest, spec: Spec, nproc: int, spec_path: Path
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "elastic"), redirects=Std.NONE, tee=Std.NONE),
         shutdown_timeout=max(1, math.ceil(launcher.shutdown_grace_s)),
     )
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    _quiet_torch_elastic_logs()
+    saved_env = dict(os.environ)
     os.environ.update(_child_env(spec_path, nproc))
     for name in _INHERITED_RENDEZVOUS_VARS:
         os.environ.pop(name, None)
@@ -151,17 +153,51 @@ def _elastic_run(request: LaunchRequest, spec: Spec, nproc: int, spec_path: Path
         return EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signum
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    finally:
+        # main(argv) may run in-process (tests, tools): leave the caller's environment as it was.
+        os.environ.clear()
+        os.environ.update(saved_env)
     return EXIT_OK
 
 
+def _quiet_torch_elastic_logs() -> None:
+    """The agent logs every shutdown at WARNING on its own loggers; we report outcomes ourselves."""
+    for name in (
+        "torch.distributed.elastic",
+        "torch.distributed.elastic.agent.server.api",
+        "torch.distributed.elastic.agent.server.local_elastic_agent",
+        "torch.distributed.elastic.multiprocessing.api",
+        "torch.distributed.launcher.api",
+    ):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
 def _report_failures(err: object) -> None:
+    """Name the rank that failed first as the cause; ranks the agent stopped afterwards (or that
+    lost their peer) are listed as stopped, not as failures."""
     failures = getattr(err, "failures", {}) or {}
-    for rank, failure in sorted(failures.items()):
-        code = failure.exitcode
-        how = f"signal {failure.signal_name()}" if code < 0 else f"exit code {code}"
-        message = failure.message
-        if isinstance(message, dict):
-            message = message.get("message", "")
-        first_line = str(message).strip().splitlines()[-1] if str(message).strip() else ""
-        detail = f": {first_line}" if first_line and "To enable traceback" not in first_line else ""
-        print(f"protrain-run: rank {rank} failed with {how}{detail}", file=sys.stderr)
+    if not failures:
+        print("protrain-run: the job failed", file=sys.stderr)
+        return
+    first_rank = min(failures, key=lambda rank: (failures[rank].timestamp, rank))
+    first = failures[first_rank]
+    print(f"protrain-run: rank {first_rank} failed with {_how(first)}{_detail(first)}", file=sys.stderr)
+    others = sorted(rank for rank in failures if rank != first_rank)
+    if others:
+        print(
+            f"protrain-run: stopped rank(s) {', '.join(map(str, others))} after that failure", file=sys.stderr
+        )
+
+
+def _how(failure: object) -> str:
+    code = getattr(failure, "exitcode", 1)
+    return f"signal {failure.signal_name()}" if code < 0 else f"exit code {code}"  # type: ignore[attr-defined]
+
+
+def _detail(failure: object) -> str:
+    message = getattr(failure, "message", "")
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    text = str(message).strip()
+    last_line = text.splitlines()[-1] if text else ""
+    return f": {last_line}" if last_line and "To enable traceback" not in last_line else ""

@@ -15,9 +15,8 @@ import signal
 import sys
 from types import FrameType
 
-from torch.distributed.elastic.multiprocessing.errors import record
+from protrain_launcher.env_names import LAUNCHER_PID_ENV
 
-LAUNCHER_PID_ENV = "PROTRAIN_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -41,20 +40,26 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise Terminated(128 + signal.SIGTERM)
 
 
-@record
 def run_script(script: str, args: list[str]) -> None:
-    sys.argv = [script, *args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    # torch is imported only now, after the signal handlers are in place: a Ctrl-C while it
+    # imports ends the rank quietly like any other.
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    def run() -> None:
+        sys.argv = [script, *args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
+
+    record(run)()
 
 
 def main() -> None:
-    die_with_parent()
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    if len(sys.argv) < 2:
-        print("usage: python -m protrain_launcher.rank_entry SCRIPT [ARGS...]", file=sys.stderr)
-        sys.exit(2)
     try:
+        die_with_parent()
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        if len(sys.argv) < 2:
+            print("usage: python -m protrain_launcher.rank_entry SCRIPT [ARGS...]", file=sys.stderr)
+            sys.exit(2)
         run_script(sys.argv[1], sys.argv[2:])
     except KeyboardInterrupt:
         sys.exit(130)

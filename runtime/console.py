@@ -106,7 +106,8 @@ class ProgressReporter:
         if self.console.is_terminal:
             self._live_update(record.step, summary)
         elif record.step == 1 or record.step % self._line_every == 0 or record.step == self.total_steps:
-            total = f"/{self.total_steps}" if self.total_steps else ""
+            # total_steps is the schedule's length; a script may run past it.
+            total = f"/{self.total_steps}" if self.total_steps and record.step <= self.total_steps else ""
             self.console.print(f"step {record.step}{total}  {summary}")
 
     def _live_update(self, step: int, summary: str) -> None:
@@ -122,6 +123,8 @@ class ProgressReporter:
             )
             self._progress.start()
             self._task = self._progress.add_task("train", total=self.total_steps, summary="")
+        if self.total_steps is not None and step > self.total_steps:
+            self._progress.update(self._task, total=None)
         self._progress.update(self._task, completed=step, summary=summary)
 
     def close(self) -> None:

@@ -34,6 +34,8 @@ class ShardAdamW:
     segment: each segment has its own weight decay and its own step count, and a segment marked
     inactive in a step (its parameter got no gradient) is skipped the way torch skips a
     parameter whose ``.grad is None``: no decay, no step-count increment, moments untouched.
+    Segments may be listed in any order and need not cover the shard (padding is never touched);
+    ``active`` and :meth:`step_counts` follow the order given.
 
     Mechanism (the library does the math; nothing here re-implements Adam):
 
@@ -57,21 +59,29 @@ class ShardAdamW:
     bit-identical to ``torch.optim.AdamW(fused=True)``, and within rounding of the default
     (for-loop) implementation.
 
-    Measured on the 2-core Sapphire Rapids host (torch 2.13, 100M parameters, fp32, medians of
-    interleaved repeats; the machine was shared, so figures move by 10-20 % between runs):
-    this wrapper 0.075-0.092 s/step against 0.070-0.0995 s/step for calling
-    ``torch._fused_adamw_`` directly on lists of views, i.e. the optimizer's Python bookkeeping
-    is lost in the noise (it is O(number of segments), about a microsecond each), so the public
-    API is used rather than the private op. Either reaches about 28-37 GB/s counted at 28 bytes
-    per parameter, which is the host's measured ``add_`` bandwidth: the kernel is memory bound.
+    Why the optimizer rather than calling ``torch._fused_adamw_`` on lists of views (measured on
+    the 2-core Sapphire Rapids VM, torch 2.13; the machine is shared, figures move by 10-20 %):
+    on 100M parameters in 95 GPT-block tensors both take 0.089-0.090 s per fp32 step (median of
+    interleaved repeats), about 31 GB/s at 28 bytes per parameter, more than an in-place ``add_``
+    reaches (~25 GB/s): the kernel is memory bound and the wrapper costs nothing measurable. The
+    optimizer's Python bookkeeping is ~60 us per step plus ~10 us per segment, against ~3 us per
+    segment for the bare op: below 1 % for real shards (segments of 1e4 to 1e7 elements), visible
+    only for shards of hundreds of tiny segments. That does not justify depending on a private op.
 
-    The compute copy (``copy_out``) is refreshed with one ``copy_`` over the whole shard after
-    the update. Doing it "in the same pass" was measured: processing the shard in cache-sized
-    blocks (128 Ki to 2 Mi elements; one fused call then one ``copy_`` per block, both split over
-    the same threads) was no faster (0.136-0.14 s against 0.130-0.133 s per step with a bf16
-    copy; the per-block calls cost ~12 ms per 100M and the copy did not get cheaper), because
-    torch's kernel cannot write a second output and a Python-level loop cannot keep the block in
-    L2 reliably. The separate pass costs ~6 bytes per parameter (read fp32, write bf16).
+    ``copy_out`` is refreshed by one ``copy_`` over the whole shard after the update (+44 ms per
+    100M bf16 in the benchmark, 0.134 s per step). Doing it "in the same pass" was measured:
+    updating the shard in cache-sized blocks (128 Ki to 2 Mi elements: one fused call, then that
+    block's ``copy_`` while it is in cache) was no faster (0.136-0.14 s against 0.130-0.133 s)
+    for two reasons: the per-block calls cost ~12 ms per 100M, and the copy is bound by its bf16
+    stores (write-allocate plus write-back), not by re-reading the fp32 master, so reading the
+    master from cache saved ~1 ms. torch's kernel cannot write a second output, so a real single
+    pass would need a kernel of our own, which this module avoids.
+
+    Threads: the kernel opens one parallel region per segment, even a tiny one. When the cores are
+    oversubscribed (another process, or a second OpenMP team such as backward running while a
+    worker thread updates a shard) such regions were seen to cost milliseconds each. With torch's
+    OpenMP backend, ``torch.set_num_threads(1)`` called in a worker thread left the main thread's
+    count unchanged (checked), so the engine can give the update thread fewer threads.
 
     Nothing here is CPU-specific (the fused kernel also exists on CUDA, with the step tensors on
     the master's device), but only the CPU path is tested.

@@ -1,6 +1,7 @@
 """A byte-level corpus from text that ships with Python, and a deterministic, rank-sharded
-batch source: the batch of (update, micro-batch, rank) depends only on the seed, so any world
-size sees the same global batches (the equivalence tests rely on it)."""
+batch source: the batch of (update, micro-batch, rank) is a pure function of the seed and the
+job's shape (micro-batch size, accumulation steps, world size), so a single-process reference can
+rebuild exactly what every rank saw (the equivalence tests rely on it)."""
 
 from __future__ import annotations
 

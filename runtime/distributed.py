@@ -19,6 +19,8 @@ class DistContext:
     local_rank: int
     owns_group: bool
     """True when ``initialize`` created the process group (and so destroys it)."""
+    collective_device: torch.device
+    """Where the backend's collectives run: host tensors are staged there for NCCL."""
 
     @property
     def is_main(self) -> bool:
@@ -30,33 +32,43 @@ def env_int(name: str, default: int) -> int:
     return default if value is None or value == "" else int(value)
 
 
-def init_distributed(*, backend: str, timeout_s: float) -> DistContext:
-    """Join the process group described by RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, or reuse
-    one the caller already made. Without those variables this is a single-rank job."""
-    local_rank = env_int("LOCAL_RANK", 0)
+def init_distributed(
+    *, backend: str, timeout_s: float, world_size: int, local_rank: int, collective_device: torch.device
+) -> DistContext:
+    """Join the process group torch's launcher described in the environment (init method
+    ``env://``), or reuse one the caller already made; world size 1 needs none."""
     if dist.is_available() and dist.is_initialized():
         return DistContext(
-            rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, owns_group=False
+            rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, owns_group=False,
+            collective_device=collective_device,
         )
-    world_size = env_int("WORLD_SIZE", 1)
     if world_size == 1:
-        return DistContext(rank=0, world_size=1, local_rank=local_rank, owns_group=False)
+        return DistContext(
+            rank=0, world_size=1, local_rank=local_rank, owns_group=False, collective_device=collective_device
+        )
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     return DistContext(
-        rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, owns_group=True
+        rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, owns_group=True,
+        collective_device=collective_device,
     )
 
 
+def _all_reduce_(tensor: torch.Tensor, ctx: DistContext, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
+    if ctx.world_size == 1:
+        return tensor
+    staged = tensor if tensor.device == ctx.collective_device else tensor.to(ctx.collective_device)
+    dist.all_reduce(staged, op=op)
+    if staged is not tensor:
+        tensor.copy_(staged)
+    return tensor
+
+
 def all_reduce_sum_(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
-    if ctx.world_size > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
+    return _all_reduce_(tensor, ctx, dist.ReduceOp.SUM)
 
 
-def all_reduce_max_(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
-    if ctx.world_size > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor
+def all_reduce_min_(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    return _all_reduce_(tensor, ctx, dist.ReduceOp.MIN)
 
 
 def broadcast_module_(module: nn.Module, ctx: DistContext) -> None:
@@ -65,14 +77,6 @@ def broadcast_module_(module: nn.Module, ctx: DistContext) -> None:
         return
     for tensor in list(module.parameters()) + list(module.buffers()):
         dist.broadcast(tensor.data, src=0)
-
-
-def broadcast_object(value: object, ctx: DistContext) -> object:
-    if ctx.world_size == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def destroy(ctx: DistContext) -> None:

@@ -23,11 +23,10 @@ import torch
 from torch import nn
 
 from profiler.plan import Plan
+from runtime.chunks.manager import ChunkManager
 from runtime.console import MetricsFile, ProgressReporter, StepRecord
 from runtime.device import DeviceInfo, synchronize
-from runtime.distributed import DistContext, destroy
-from runtime.chunks.manager import ChunkManager
-from runtime.distributed import all_reduce_sum_
+from runtime.distributed import DistContext, all_reduce_sum_, destroy
 from runtime.loss_scale import DynamicLossScaler
 from runtime.schedule import lr_factor
 from runtime.settings import TrainingSettings

@@ -22,14 +22,13 @@ from runtime.blocks import BlocksNotFoundError, find_blocks
 from runtime.budgets import auto_device_budget, auto_host_budget
 from runtime.chunks.layout import ParamInfo, first_use_order, layout_from_params, model_params
 from runtime.chunks.manager import ChunkManager
-from runtime.param_groups import split_decay
-from runtime.settings import TrainingSettings
 from runtime.console import MetricsFile, ProgressReporter, plan_table
 from runtime.device import DeviceInfo, select_device
-from runtime.distributed import DistContext, broadcast_module_, env_int, init_distributed
+from runtime.distributed import DistContext, all_reduce_min_, broadcast_module_, env_int, init_distributed
 from runtime.engine import Engine
-from runtime.settings import settings_from_spec
-from runtime.spec import AUTO, MemorySpec, Precision, Spec
+from runtime.param_groups import split_decay
+from runtime.settings import TrainingSettings, settings_from_spec
+from runtime.spec import AUTO, MemorySpec, Precision, Spec, auto_fields
 from runtime.spec_io import (
     RESOLVED_SPEC_ENV,
     ResolvedSpec,
@@ -39,7 +38,6 @@ from runtime.spec_io import (
     validate_spec,
 )
 from runtime.weights import WeightsSource, load_weights_
-
 
 
 def resolve_job(
@@ -93,15 +91,21 @@ def initialize(
     if resolved.dry_run:
         _dry_run(model, resolved, example_batch)
     device = select_device(env_int("LOCAL_RANK", 0))
-    dist_ctx = init_distributed(backend=device.backend, timeout_s=spec.launcher.dist_timeout_s)
+    dist_ctx = init_distributed(
+        backend=device.backend, timeout_s=spec.launcher.dist_timeout_s, world_size=env_int("WORLD_SIZE", 1),
+        local_rank=env_int("LOCAL_RANK", 0), collective_device=device.device,
+    )
     model.to(device.device)
     broadcast_module_(model, dist_ctx)
     # Rank-offset seed: dropout masks differ across ranks, as they do under DDP with per-rank seeds.
     torch.manual_seed(spec.seed + dist_ctx.rank)
     params = model_params(model, _execution_order(model, example_batch))
+    budgets = _budgets(spec, device, ranks_on_host=env_int("LOCAL_WORLD_SIZE", 1))
+    # Every rank must run the same plan (collective order depends on it): agree on the smallest.
+    agreed = all_reduce_min_(torch.tensor(budgets, dtype=torch.float64), dist_ctx)
     plan = make_plan(
-        model, spec, params=params, world_size=dist_ctx.world_size, device=device,
-        ranks_on_host=_local_world_size(),
+        model, spec, params=params, world_size=dist_ctx.world_size,
+        budgets=(int(agreed[0].item()), int(agreed[1].item())),
     )
     _check_supported(plan, spec)
     settings = settings_from_spec(spec)
@@ -125,31 +129,22 @@ def initialize(
 
 
 def make_plan(
-    model: nn.Module, spec: Spec, *, params: tuple[ParamInfo, ...], world_size: int, device: DeviceInfo,
-    ranks_on_host: int,
+    model: nn.Module,
+    spec: Spec,
+    *,
+    params: tuple[ParamInfo, ...],
+    world_size: int,
+    budgets: tuple[int, int],
 ) -> Plan:
-    """Fill the spec's "auto" memory knobs (the resident rule until the profiler's search)."""
+    """Fill the spec's "auto" memory knobs (the resident rule until the profiler's search).
+    ``budgets``: (device, host) bytes per rank, already resolved from "auto"."""
     memory = spec.memory
 
     def knob(value: int | str) -> int | None:
         return None if value == AUTO else int(value)
 
     num_blocks = _count_blocks(model, memory)
-    chosen = tuple(
-        f"memory.{name}"
-        for name in (
-            "device_budget",
-            "host_budget",
-            "chunk_size",
-            "n_persist",
-            "n_buffer",
-            "n_swap",
-            "n_checkpoint",
-        )
-        if getattr(memory, name) == AUTO
-    ) + (("memory.ssd.n_offload",) if memory.ssd.n_offload == AUTO else ())
-    device_budget = knob(memory.device_budget)
-    host_budget = knob(memory.host_budget)
+    chosen = tuple(path for path in auto_fields(spec) if path.startswith("memory."))
     try:
         return resident_plan(
             request=KnobRequest(
@@ -167,17 +162,19 @@ def make_plan(
             world_size=world_size,
             micro_batch_size=spec.micro_batch_size,
             precision=spec.precision.value,
-            device_budget_bytes=device_budget
-            if device_budget is not None
-            else auto_device_budget(device, ranks_on_host),
-            host_budget_bytes=host_budget if host_budget is not None else auto_host_budget(ranks_on_host),
+            device_budget_bytes=budgets[0],
+            host_budget_bytes=budgets[1],
             chosen=chosen,
         )
     except ValueError as err:
         raise SpecError(str(err)) from None
 
 
-COMPUTE_DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+COMPUTE_DTYPES = {
+    Precision.FP32: torch.float32,
+    Precision.BF16: torch.bfloat16,
+    Precision.FP16: torch.float16,
+}
 
 
 def compute_element_size(precision: Precision) -> int:
@@ -225,6 +222,16 @@ def _check_supported(plan: Plan, spec: Spec) -> None:
         )
 
 
+def _budgets(spec: Spec, device: DeviceInfo, *, ranks_on_host: int) -> tuple[int, int]:
+    """(device, host) budget bytes of this rank: the spec's, or measured where it says auto."""
+    memory = spec.memory
+    device_budget = (
+        auto_device_budget(device, ranks_on_host) if memory.device_budget == AUTO else int(memory.device_budget)
+    )
+    host_budget = auto_host_budget(ranks_on_host) if memory.host_budget == AUTO else int(memory.host_budget)
+    return device_budget, host_budget
+
+
 def _execution_order(model: nn.Module, example_batch: Any) -> list[str] | None:
     """Parameter names in first-use order from a no-grad forward on ``example_batch`` (module
     order when there is none)."""
@@ -238,11 +245,17 @@ def _execution_order(model: nn.Module, example_batch: Any) -> list[str] | None:
 
 
 def _build_chunks(
-    model: nn.Module, params: tuple[ParamInfo, ...], plan: Plan, settings: TrainingSettings,
-    device: DeviceInfo, dist_ctx: DistContext,
+    model: nn.Module,
+    params: tuple[ParamInfo, ...],
+    plan: Plan,
+    settings: TrainingSettings,
+    device: DeviceInfo,
+    dist_ctx: DistContext,
 ) -> ChunkManager:
     element_size = compute_element_size(settings.precision)
-    layout = layout_from_params(params, chunk_numel=plan.chunk_size // element_size, world_size=plan.world_size)
+    layout = layout_from_params(
+        params, chunk_numel=plan.chunk_size // element_size, world_size=plan.world_size
+    )
     assert layout.num_chunks == plan.num_chunks, "the plan and the layout pack the same parameters"
     optimizer = settings.optimizer
     decay, _ = split_decay(model, optimizer.no_decay)
@@ -250,9 +263,17 @@ def _build_chunks(
     weight_decay = [optimizer.weight_decay if info.name in decayed else 0.0 for info in params]
     try:
         return ChunkManager(
-            model=model, layout=layout, n_persist=plan.n_persist, n_buffer=plan.n_buffer,
-            compute_dtype=COMPUTE_DTYPES[settings.precision], device=device, dist_ctx=dist_ctx,
-            weight_decay=weight_decay, betas=optimizer.betas, eps=optimizer.eps, lr=optimizer.lr,
+            model=model,
+            layout=layout,
+            n_persist=plan.n_persist,
+            n_buffer=plan.n_buffer,
+            compute_dtype=COMPUTE_DTYPES[settings.precision],
+            device=device,
+            dist_ctx=dist_ctx,
+            weight_decay=weight_decay,
+            betas=optimizer.betas,
+            eps=optimizer.eps,
+            lr=optimizer.lr,
         )
     except ValueError as err:
         raise SpecError(str(err)) from None
@@ -262,13 +283,10 @@ def _refuse_meta(model: nn.Module) -> None:
     meta = [name for name, p in model.named_parameters() if p.is_meta]
     if meta:
         raise ValueError(
-            f"{len(meta)} parameters (e.g. {meta[0]}) are on the meta device; pass "
-            "initialize(..., weights=...) with a state dict, a safetensors directory or a callable"
+            f"{len(meta)} parameters (e.g. {meta[0]}) are on the meta device and no weights were "
+            "given; pass initialize(..., weights=...) with a state dict, a safetensors directory "
+            "or a callable"
         )
-
-
-def _local_world_size() -> int:
-    return env_int("LOCAL_WORLD_SIZE", 1)
 
 
 def _open_metrics(resolved: ResolvedSpec, run_dir: Path | None, dist_ctx: DistContext) -> MetricsFile | None:
@@ -290,8 +308,8 @@ def _dry_run(model: nn.Module, resolved: ResolvedSpec, example_batch: Any) -> No
     device = select_device(0)
     params = model_params(model, _execution_order(model, example_batch))
     plan = make_plan(
-        model, resolved.spec, params=params, world_size=resolved.world_size, device=device,
-        ranks_on_host=resolved.world_size,
+        model, resolved.spec, params=params, world_size=resolved.world_size,
+        budgets=_budgets(resolved.spec, device, ranks_on_host=resolved.world_size),
     )
     console.print(
         f"[bold]Spec[/bold] from {resolved.source}"

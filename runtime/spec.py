@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 from enum import Enum
 from typing import Annotated, Any, Callable, Literal, Union
 
@@ -141,7 +142,8 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(value: Any) -> int:
-    """Bytes from an int or a string such as ``"22GiB"``, ``"512 MiB"``, ``"1.5GB"``."""
+    """Bytes from an int or a string such as ``"22GiB"``, ``"512 MiB"``, ``"4.1GB"`` (decimal
+    arithmetic, so a size written with decimals means exactly that many bytes)."""
     if _is_int(value):
         if value < 0:
             raise ValueError(f"size must be >= 0, got {value}")
@@ -152,18 +154,10 @@ def parse_size(value: Any) -> int:
     if not match or match.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(f"cannot read {value!r} as a size")
     number, unit = match.groups()
-    size = float(number) * _SIZE_UNITS[unit.lower()]
-    if size != int(size):
+    size = Decimal(number) * _SIZE_UNITS[unit.lower()]
+    if size != size.to_integral_value():
         raise ValueError(f"{value!r} is not a whole number of bytes")
     return int(size)
-
-
-def format_size(num_bytes: int) -> str:
-    """Inverse-ish of parse_size for display: the largest binary unit that keeps 2 decimals."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.2f}{unit}"
-    return f"{num_bytes}B"
 
 
 def _positive_size(value: Any) -> int:
@@ -249,10 +243,6 @@ def _block_modes_check(value: Any) -> tuple[BlockMode, ...]:
     return tuple(BlockMode(item) for item in value)
 
 
-def _resume_check(value: Any) -> str:
-    return _str_check(value)
-
-
 Betas = Annotated[(tuple[float, float], *_leaf(_betas_check, "a list of two numbers in [0, 1)"))]
 TextList = Annotated[(tuple[str, ...], *_leaf(_text_list_check, "a list of non-empty strings"))]
 BlockModes = Annotated[
@@ -265,7 +255,7 @@ PrecisionField = Annotated[(Precision, *_enum_leaf(Precision))]
 NonFiniteField = Annotated[(NonFiniteLossPolicy, *_enum_leaf(NonFiniteLossPolicy))]
 OptimizerTypeField = Annotated[(OptimizerType, *_enum_leaf(OptimizerType))]
 SchedulerTypeField = Annotated[(SchedulerType, *_enum_leaf(SchedulerType))]
-Resume = Annotated[(str, *_leaf(_resume_check, '"auto", "never", or the path of a checkpoint directory'))]
+Resume = Annotated[(str, *_leaf(_str_check, '"auto", "never", or the path of a checkpoint directory'))]
 
 
 def cross_field_error(key: str, message: str) -> PydanticCustomError:
@@ -538,3 +528,22 @@ def auto_fields(spec: BaseModel, prefix: str = "") -> list[str]:
         elif value == AUTO and any(isinstance(m, AutoFilled) for m in info.metadata):
             found.append(path)
     return found
+
+
+def unsupported_settings(spec: Spec) -> list[str]:
+    """Settings that validate but that this version of the engine cannot carry out yet, each as
+    "key: why" (activation modes other than keep arrive with the activation engine)."""
+    memory = spec.memory
+    problems = [
+        f"memory.{key}: {value} blocks asked for, but activations stay resident in this version; "
+        f"leave it auto or 0"
+        for key, value in (
+            ("n_swap", memory.n_swap),
+            ("n_checkpoint", memory.n_checkpoint),
+            ("ssd.n_offload", memory.ssd.n_offload),
+        )
+        if value not in (AUTO, 0)
+    ]
+    if memory.block_modes is not None and any(mode is not BlockMode.KEEP for mode in memory.block_modes):
+        problems.append("memory.block_modes: only keep is available in this version")
+    return problems

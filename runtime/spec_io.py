@@ -7,6 +7,7 @@ environment strings. Importing this module must not import torch.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -33,8 +34,43 @@ class SpecError(ValueError):
 
 
 class _StrictYamlLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys and reads ``3e-4`` as a float (YAML 1.2), which
-    PyYAML's YAML 1.1 resolver would otherwise leave as the string "3e-4"."""
+    """SafeLoader with YAML 1.2 core-schema scalars and no duplicate keys.
+
+    PyYAML resolves YAML 1.1: ``3e-4`` stays a string, ``010`` is octal 8, ``1:30`` is 90,
+    ``on``/``no`` are booleans and ``2024-01-01`` is a date. A spec means what it says, so only
+    ``true``/``false``, decimal integers and decimal floats are resolved; the rest are strings."""
+
+
+_BOOL_TAG, _INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
+_StrictYamlLoader.yaml_implicit_resolvers = {
+    first: [
+        (tag, regexp)
+        for tag, regexp in resolvers
+        if tag not in (_BOOL_TAG, _INT_TAG, _FLOAT_TAG, _TIMESTAMP_TAG)
+    ]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_StrictYamlLoader.add_implicit_resolver(
+    _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+_StrictYamlLoader.add_implicit_resolver(_INT_TAG, re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
+_StrictYamlLoader.add_implicit_resolver(
+    _FLOAT_TAG,
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9]+)?\.[0-9]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?[0-9]+\.(?:[eE][-+]?[0-9]+)?
+        |[-+]?[0-9]+[eE][-+]?[0-9]+
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def _construct_decimal_int(loader: _StrictYamlLoader, node: yaml.ScalarNode) -> int:
+    return int(loader.construct_scalar(node), 10)
 
 
 def _construct_mapping(loader: _StrictYamlLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -42,26 +78,17 @@ def _construct_mapping(loader: _StrictYamlLoader, node: yaml.MappingNode, deep: 
     mapping: dict[Any, Any] = {}
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=deep)
+        line = key_node.start_mark.line + 1
+        if not isinstance(key, (str, int, float, bool)) and key is not None:
+            raise SpecError(f"a key at line {line} is a {type(key).__name__}; keys must be plain names")
         if key in mapping:
-            line = key_node.start_mark.line + 1
             raise SpecError(f"duplicate key {key!r} at line {line}")
         mapping[key] = loader.construct_object(value_node, deep=deep)
     return mapping
 
 
+_StrictYamlLoader.add_constructor(_INT_TAG, _construct_decimal_int)
 _StrictYamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-_StrictYamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-        |\.[0-9_]+(?:[eE][-+][0-9]+)?
-        |[-+]?\.(?:inf|Inf|INF)
-        |\.(?:nan|NaN|NAN))$""",
-        re.X,
-    ),
-    list("-+0123456789."),
-)
 
 
 def _reject_duplicate_json_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -82,6 +109,8 @@ def parse_text(text: str, *, json_syntax: bool) -> Any:
             raise SpecError(
                 f"JSON syntax error at line {err.lineno}, column {err.colno}: {err.msg}"
             ) from None
+        except RecursionError:
+            raise SpecError("JSON nested too deeply") from None
     try:
         return yaml.load(text, Loader=_StrictYamlLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.MarkedYAMLError as err:
@@ -90,6 +119,8 @@ def parse_text(text: str, *, json_syntax: bool) -> Any:
         raise SpecError(f"YAML syntax error{where}: {err.problem}") from None
     except yaml.YAMLError as err:
         raise SpecError(f"YAML syntax error: {err}") from None
+    except RecursionError:
+        raise SpecError("YAML nested too deeply") from None
 
 
 def read_spec_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -144,18 +175,18 @@ def parse_override(text: str, *, source: str | None = None) -> Override:
         raise SpecError(f"{label}: expected KEY.PATH=VALUE, e.g. --set memory.n_swap=2")
     if not _KEY_RE.match(key):
         raise SpecError(f"{label}: {key!r} is not a key path (dotted names, e.g. optimizer.lr)")
+    if not raw_value.strip():
+        raise SpecError(f"{label}: missing value after '='")
     try:
-        value = parse_text(raw_value, json_syntax=False) if raw_value.strip() else None
+        value = parse_text(raw_value, json_syntax=False)
     except SpecError as err:
         raise SpecError(f"{label}: {err}") from None
-    if raw_value.strip() == "":
-        raise SpecError(f"{label}: missing value after '='")
     return Override(key_path=tuple(key.split(".")), value=value, source=label)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[Override]) -> dict[str, Any]:
     """A copy of ``data`` with each override applied in order (later ones win)."""
-    result = json.loads(json.dumps(data, default=str)) if data else {}
+    result = copy.deepcopy(data) if data else {}
     for override in overrides:
         node = result
         for depth, key in enumerate(override.key_path[:-1]):

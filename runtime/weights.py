@@ -18,8 +18,12 @@ or ``fn(name, empty_tensor) -> tensor`` called once per parameter and buffer nam
 
 
 def load_weights_(model: nn.Module, weights: WeightsSource) -> None:
-    """Copy every parameter and buffer of ``model`` from ``weights``; missing or unexpected
-    names are an error naming them."""
+    """Copy every parameter (and every buffer ``weights`` holds) of ``model`` from ``weights``;
+    missing parameters or unexpected names are an error naming them. A model built on the meta
+    device (e.g. under accelerate's ``init_empty_weights``, buffers kept real) is first given
+    uninitialised host storage; its real buffers are kept."""
+    if any(p.is_meta for p in model.parameters()):
+        _materialize_empty_(model)
     expected = model.state_dict(keep_vars=True)
     if callable(weights) and not isinstance(weights, Mapping):
         values = {name: weights(name, tensor) for name, tensor in expected.items()}
@@ -28,6 +32,14 @@ def load_weights_(model: nn.Module, weights: WeightsSource) -> None:
     else:
         values = dict(weights)
     _copy_into_(model, values, source=str(weights) if isinstance(weights, (str, os.PathLike)) else "weights")
+
+
+def _materialize_empty_(model: nn.Module) -> None:
+    real_buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, value in real_buffers.items():
+            model.get_buffer(name).copy_(value)
 
 
 def _read_safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
@@ -48,13 +60,15 @@ def _copy_into_(model: nn.Module, values: dict[str, torch.Tensor], *, source: st
     expected = model.state_dict(keep_vars=True)
     # Tied weights are saved once (e.g. lm_head.weight shares wte.weight): accept either name.
     aliases = _alias_groups(model)
+    buffers = {name for name, _ in model.named_buffers()}
     missing = []
     for name, target in expected.items():
         value = values.get(name)
         if value is None:
             value = next((values[alias] for alias in aliases.get(name, ()) if alias in values), None)
         if value is None:
-            missing.append(name)
+            if name not in buffers:  # a buffer absent from a checkpoint keeps its own value
+                missing.append(name)
             continue
         if value.shape != target.shape:
             raise ValueError(

@@ -100,7 +100,7 @@ def main() -> None:
         seed=spec.seed,
     )
     engine = runtime.initialize(model, example_batch=data.batch(0, 0, 0))
-    # The global batch of each update depends only on the seed, whatever the world size.
+    # Each rank takes its own slice of every update's global batch.
     data = dataclasses.replace(data, world_size=engine.world_size)
     steps = args.steps or spec.scheduler.total_steps or 100
     with engine:

@@ -126,7 +126,8 @@ class ChunkManager:
         self.host_arena = self._build_host_arena()
         self._build_storage(weight_decay, betas=betas, eps=eps, lr=lr)
         self.slots = [
-            torch.empty(layout.chunk_numel, dtype=compute_dtype, device=device.device) for _ in range(n_buffer)
+            torch.empty(layout.chunk_numel, dtype=compute_dtype, device=device.device)
+            for _ in range(n_buffer)
         ]
         self._slot_owner: list[int | None] = [None] * n_buffer
         self._lru: OrderedDict[int, None] = OrderedDict()
@@ -161,7 +162,9 @@ class ChunkManager:
             if count > need:
                 need, owner = count, name
         if self.n_buffer < need:
-            where = f"module {owner!r} uses {need} non-persistent chunks at once" if owner else "one is needed"
+            where = (
+                f"module {owner!r} uses {need} non-persistent chunks at once" if owner else "one is needed"
+            )
             raise ValueError(
                 f"memory.n_buffer={self.n_buffer} is too few: {where}; set memory.n_buffer >= {need} "
                 f"or raise memory.n_persist"
@@ -175,7 +178,9 @@ class ChunkManager:
         shard_bytes = self.layout.shard_numel * 4 + 4096
         return MmapArena(len(offloaded) * 2 * shard_bytes, pin=self.device.is_cuda)
 
-    def _build_storage(self, weight_decay: Sequence[float], *, betas: tuple[float, float], eps: float, lr: float) -> None:
+    def _build_storage(
+        self, weight_decay: Sequence[float], *, betas: tuple[float, float], eps: float, lr: float
+    ) -> None:
         """Copy each parameter into its chunk; keep this rank's shard; give up the originals."""
         rank, shard = self.dist_ctx.rank, self.layout.shard_numel
         target_device = self.device.device

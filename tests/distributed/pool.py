@@ -33,10 +33,16 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
-    os.environ.update({
-        "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-    })
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     import torch
     import torch.distributed as dist
 
@@ -68,7 +74,11 @@ class RankPool:
         self._tasks = [self._context.Queue() for _ in range(self.world_size)]
         self._results = self._context.Queue()
         self._procs = [
-            self._context.Process(target=_worker, args=(rank, self.world_size, port, self._tasks[rank], self._results), daemon=True)
+            self._context.Process(
+                target=_worker,
+                args=(rank, self.world_size, port, self._tasks[rank], self._results),
+                daemon=True,
+            )
             for rank in range(self.world_size)
         ]
         for proc in self._procs:
@@ -92,7 +102,8 @@ class RankPool:
                     failures.append(f"rank {rank}:\n{value}")
                     break
         except queue.Empty:
-            failures.append(f"timed out after {timeout_s}s waiting for ranks {sorted(set(range(self.world_size)) - set(results))}")
+            missing = sorted(set(range(self.world_size)) - set(results))
+            failures.append(f"timed out after {timeout_s}s waiting for ranks {missing}")
         if failures:
             self.shutdown()
             raise RemoteError("\n".join(failures))

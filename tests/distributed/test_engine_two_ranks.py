@@ -26,18 +26,28 @@ STEPS = 20
 
 def _config(output_dir: str, accumulation: int, clip: float, scheduler: dict[str, Any]) -> dict[str, Any]:
     return {
-        "seed": 3, "micro_batch_size": 2, "gradient_accumulation_steps": accumulation,
-        "gradient_clipping": clip, "optimizer": {"lr": 1e-3, "weight_decay": 0.1},
-        "scheduler": scheduler, "output_dir": output_dir,
+        "seed": 3,
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": clip,
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.1},
+        "scheduler": scheduler,
+        "output_dir": output_dir,
     }
 
 
-def run_training(*, rank: int, output_dir: str, accumulation: int, clip: float, scheduler: dict[str, Any],
-                 model_seed: int) -> dict[str, Any]:
+def run_training(
+    *, rank: int, output_dir: str, accumulation: int, clip: float, scheduler: dict[str, Any], model_seed: int
+) -> dict[str, Any]:
     data = lm_batches(micro_batch_size=2, accumulation=accumulation, world_size=2)
     # Rank 1 builds a different model on purpose: initialize must start every rank from rank 0's.
-    state, losses = train_engine(tiny_gpt(model_seed + rank), data, _config(output_dir, accumulation, clip, scheduler),
-                                 steps=STEPS, rank=rank)
+    state, losses = train_engine(
+        tiny_gpt(model_seed + rank),
+        data,
+        _config(output_dir, accumulation, clip, scheduler),
+        steps=STEPS,
+        rank=rank,
+    )
     return {"state": state, "losses": losses}
 
 
@@ -49,18 +59,26 @@ def run_training(*, rank: int, output_dir: str, accumulation: int, clip: float, 
     ],
     ids=["accumulation-1", "accumulation-4-clip-cosine"],
 )
-def test_two_ranks_match_plain_pytorch(rank_pool: RankPool, tmp_path: Path, accumulation: int, clip: float,
-                                       scheduler: dict[str, Any]) -> None:
-    results = rank_pool.run(run_training, output_dir=str(tmp_path), accumulation=accumulation, clip=clip,
-                            scheduler=scheduler, model_seed=0)
+def test_two_ranks_match_plain_pytorch(
+    rank_pool: RankPool, tmp_path: Path, accumulation: int, clip: float, scheduler: dict[str, Any]
+) -> None:
+    results = rank_pool.run(
+        run_training,
+        output_dir=str(tmp_path),
+        accumulation=accumulation,
+        clip=clip,
+        scheduler=scheduler,
+        model_seed=0,
+    )
     assert_state_equal(results[1]["state"], results[0]["state"])
     data = lm_batches(micro_batch_size=2, accumulation=accumulation, world_size=2)
     schedule = None if scheduler["type"] == "constant" else reference_warmup_cosine(5, STEPS, 0.1)
-    expected, ref_losses = train_reference(tiny_gpt(0), data, steps=STEPS, lr=1e-3, weight_decay=0.1, clip=clip,
-                                           schedule=schedule)
+    expected, ref_losses = train_reference(
+        tiny_gpt(0), data, steps=STEPS, lr=1e-3, weight_decay=0.1, clip=clip, schedule=schedule
+    )
     assert_state_close(results[0]["state"], expected)  # thread counts differ: rounding only
     # Each rank reports its own micro-batches' loss; their mean is the global loss.
-    mean_losses = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[1]["losses"])]
+    mean_losses = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[1]["losses"], strict=True)]
     assert mean_losses == pytest.approx(ref_losses, rel=1e-5)
 
 
@@ -82,8 +100,13 @@ def nonfinite_on_rank_one(*, rank: int, output_dir: str, policy: str) -> dict[st
     out = engine(**data.batch(1, 0, rank))
     engine.backward(out.loss)
     engine.step()
-    result = {"updated": updated, "unchanged": unchanged, "global_step": engine.global_step,
-              "skipped": engine.skipped_steps, "state": engine.state_dict()}
+    result = {
+        "updated": updated,
+        "unchanged": unchanged,
+        "global_step": engine.global_step,
+        "skipped": engine.skipped_steps,
+        "state": engine.state_dict(),
+    }
     engine.close()
     return result
 
@@ -103,13 +126,15 @@ def test_nonfinite_loss_on_one_rank_raises_on_both(rank_pool: RankPool, tmp_path
 
 def branch_on_rank_zero_only(*, rank: int, output_dir: str) -> dict[str, torch.Tensor]:
     """A parameter that gets a gradient on rank 0 only, and one that gets none anywhere."""
-    import runtime
     from torch import nn
+
+    import runtime
 
     torch.manual_seed(5)
     model = nn.ModuleDict({"trunk": nn.Linear(4, 4), "branch": nn.Linear(4, 4), "never": nn.Linear(4, 4)})
-    engine = runtime.initialize(model, config={"seed": 1, "optimizer": {"lr": 0.1, "weight_decay": 0.1},
-                                               "output_dir": output_dir})
+    engine = runtime.initialize(
+        model, config={"seed": 1, "optimizer": {"lr": 0.1, "weight_decay": 0.1}, "output_dir": output_dir}
+    )
     torch.manual_seed(10 + rank)
     x = torch.randn(3, 4)
     for _ in range(3):
@@ -132,14 +157,22 @@ def test_parameter_used_on_one_rank_only(rank_pool: RankPool, tmp_path: Path) ->
     model = nn.ModuleDict({"trunk": nn.Linear(4, 4), "branch": nn.Linear(4, 4), "never": nn.Linear(4, 4)})
     initial_never = {k: v.clone() for k, v in model["never"].state_dict().items()}
     optimizer = torch.optim.AdamW(
-        [{"params": [m.weight for m in model.values()], "weight_decay": 0.1},
-         {"params": [m.bias for m in model.values()], "weight_decay": 0.0}], lr=0.1, betas=(0.9, 0.95))
+        [
+            {"params": [m.weight for m in model.values()], "weight_decay": 0.1},
+            {"params": [m.bias for m in model.values()], "weight_decay": 0.0},
+        ],
+        lr=0.1,
+        betas=(0.9, 0.95),
+    )
     inputs = []
     for rank in range(2):
         torch.manual_seed(10 + rank)
         inputs.append(torch.randn(3, 4))
     for _ in range(3):
-        losses = [model["branch"](model["trunk"](inputs[0])).square().mean(), model["trunk"](inputs[1]).square().mean()]
+        losses = [
+            model["branch"](model["trunk"](inputs[0])).square().mean(),
+            model["trunk"](inputs[1]).square().mean(),
+        ]
         ((losses[0] + losses[1]) / 2).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -160,8 +193,9 @@ def test_pool_reports_a_failing_rank_and_recovers(rank_pool: RankPool, tmp_path:
     assert len(results) == 2
 
 
-def run_offloaded(*, rank: int, output_dir: str, accumulation: int, clip: float, n_persist: int,
-                  n_buffer: int) -> dict[str, Any]:
+def run_offloaded(
+    *, rank: int, output_dir: str, accumulation: int, clip: float, n_persist: int, n_buffer: int
+) -> dict[str, Any]:
     config = _config(output_dir, accumulation, clip, {"type": "constant"})
     config["memory"] = {"chunk_size": "64KiB", "n_persist": n_persist, "n_buffer": n_buffer}
     data = lm_batches(micro_batch_size=2, accumulation=accumulation, world_size=2)
@@ -177,8 +211,14 @@ def run_offloaded(*, rank: int, output_dir: str, accumulation: int, clip: float,
 def test_two_ranks_with_offloaded_chunks_match_plain_pytorch(
     rank_pool: RankPool, tmp_path: Path, n_persist: int, n_buffer: int, accumulation: int, clip: float
 ) -> None:
-    results = rank_pool.run(run_offloaded, output_dir=str(tmp_path), accumulation=accumulation, clip=clip,
-                            n_persist=n_persist, n_buffer=n_buffer)
+    results = rank_pool.run(
+        run_offloaded,
+        output_dir=str(tmp_path),
+        accumulation=accumulation,
+        clip=clip,
+        n_persist=n_persist,
+        n_buffer=n_buffer,
+    )
     assert_state_equal(results[1]["state"], results[0]["state"])
     data = lm_batches(micro_batch_size=2, accumulation=accumulation, world_size=2)
     expected, _ = train_reference(tiny_gpt(0), data, steps=8, lr=1e-3, weight_decay=0.1, clip=clip)

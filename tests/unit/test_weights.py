@@ -21,7 +21,9 @@ def test_state_dict_and_callable(tmp_path: Path) -> None:
     engine = runtime.initialize(tiny_gpt(seed=0), config=config(tmp_path), weights=source)
     assert_state_equal(engine.state_dict(), source)
     engine.close()
-    engine = runtime.initialize(tiny_gpt(seed=0), config=config(tmp_path), weights=lambda name, t: source[name])
+    engine = runtime.initialize(
+        tiny_gpt(seed=0), config=config(tmp_path), weights=lambda name, t: source[name]
+    )
     assert_state_equal(engine.state_dict(), source)
     engine.close()
 
@@ -51,3 +53,27 @@ def test_missing_and_misshapen_weights_are_named(tmp_path: Path) -> None:
         runtime.initialize(tiny_gpt(), config=config(tmp_path), weights=bad)
     with pytest.raises(ValueError, match="no .safetensors files"):
         runtime.initialize(tiny_gpt(), config=config(tmp_path), weights=tmp_path)
+
+
+def test_meta_model_is_materialised_from_weights_keeping_real_buffers(tmp_path: Path) -> None:
+    from accelerate import init_empty_weights
+
+    source = tiny_gpt(seed=13)
+    with init_empty_weights():
+        empty = tiny_gpt(seed=0)
+    empty.register_buffer("scale", torch.tensor([2.5]))  # a real buffer, not in the weights
+    assert empty.wte.weight.is_meta
+    engine = runtime.initialize(empty, config=config(tmp_path), weights=source.state_dict())
+    state = engine.state_dict()
+    assert_state_equal({k: v for k, v in state.items() if k != "scale"}, source.state_dict())
+    assert torch.equal(state["scale"], torch.tensor([2.5]))
+    engine.close()
+
+
+def test_meta_model_without_weights_is_refused(tmp_path: Path) -> None:
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        empty = tiny_gpt()
+    with pytest.raises(ValueError, match="meta device and no weights were given"):
+        runtime.initialize(empty, config=config(tmp_path))
