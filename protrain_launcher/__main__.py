@@ -1,3 +1,3 @@
-from protrain_launcher.cli import console_main
+from protrain_launcher.entrypoint import run
 
-console_main()
+run()

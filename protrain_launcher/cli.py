@@ -166,13 +166,5 @@ def _check_script(script: Path) -> None:
         raise UsageError(f"{script}: is not a file (expected a Python training script)")
 
 
-def console_main() -> None:
-    try:
-        code = main()
-    except KeyboardInterrupt:  # Ctrl-C before the ranks exist (e.g. while torch imports)
-        code = EXIT_INTERRUPTED
-    sys.exit(code)
-
-
 if __name__ == "__main__":
-    console_main()
+    sys.exit(main())

@@ -39,7 +39,10 @@ def init_distributed(
     ``env://``), or reuse one the caller already made; world size 1 needs none."""
     if dist.is_available() and dist.is_initialized():
         return DistContext(
-            rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, owns_group=False,
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            local_rank=local_rank,
+            owns_group=False,
             collective_device=collective_device,
         )
     if world_size == 1:
@@ -48,7 +51,10 @@ def init_distributed(
         )
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     return DistContext(
-        rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, owns_group=True,
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        owns_group=True,
         collective_device=collective_device,
     )
 

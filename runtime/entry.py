@@ -92,8 +92,11 @@ def initialize(
         _dry_run(model, resolved, example_batch)
     device = select_device(env_int("LOCAL_RANK", 0))
     dist_ctx = init_distributed(
-        backend=device.backend, timeout_s=spec.launcher.dist_timeout_s, world_size=env_int("WORLD_SIZE", 1),
-        local_rank=env_int("LOCAL_RANK", 0), collective_device=device.device,
+        backend=device.backend,
+        timeout_s=spec.launcher.dist_timeout_s,
+        world_size=env_int("WORLD_SIZE", 1),
+        local_rank=env_int("LOCAL_RANK", 0),
+        collective_device=device.device,
     )
     model.to(device.device)
     broadcast_module_(model, dist_ctx)
@@ -104,7 +107,10 @@ def initialize(
     # Every rank must run the same plan (collective order depends on it): agree on the smallest.
     agreed = all_reduce_min_(torch.tensor(budgets, dtype=torch.float64), dist_ctx)
     plan = make_plan(
-        model, spec, params=params, world_size=dist_ctx.world_size,
+        model,
+        spec,
+        params=params,
+        world_size=dist_ctx.world_size,
         budgets=(int(agreed[0].item()), int(agreed[1].item())),
     )
     _check_supported(plan, spec)
@@ -226,7 +232,9 @@ def _budgets(spec: Spec, device: DeviceInfo, *, ranks_on_host: int) -> tuple[int
     """(device, host) budget bytes of this rank: the spec's, or measured where it says auto."""
     memory = spec.memory
     device_budget = (
-        auto_device_budget(device, ranks_on_host) if memory.device_budget == AUTO else int(memory.device_budget)
+        auto_device_budget(device, ranks_on_host)
+        if memory.device_budget == AUTO
+        else int(memory.device_budget)
     )
     host_budget = auto_host_budget(ranks_on_host) if memory.host_budget == AUTO else int(memory.host_budget)
     return device_budget, host_budget
@@ -308,7 +316,10 @@ def _dry_run(model: nn.Module, resolved: ResolvedSpec, example_batch: Any) -> No
     device = select_device(0)
     params = model_params(model, _execution_order(model, example_batch))
     plan = make_plan(
-        model, resolved.spec, params=params, world_size=resolved.world_size,
+        model,
+        resolved.spec,
+        params=params,
+        world_size=resolved.world_size,
         budgets=_budgets(resolved.spec, device, ranks_on_host=resolved.world_size),
     )
     console.print(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -125,7 +124,3 @@ def pid_alive(pid: int) -> bool:
 @pytest.fixture
 def job(tmp_path: Path) -> Job:
     return Job(tmp_path)
-
-
-def dedent(text: str) -> str:
-    return textwrap.dedent(text)

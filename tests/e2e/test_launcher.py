@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import time
 import socket
 
 import pytest
 
-from tests.e2e.conftest import ROOT, Job, pid_alive, wait_for
+from tests.e2e.conftest import ROOT, Job, clean_env, pid_alive, wait_for
 
 
 def test_two_ranks_train_lm_demo_script(job: Job) -> None:
@@ -38,7 +41,11 @@ def test_failing_rank_ends_the_job_and_the_other_rank(job: Job) -> None:
     result = job.run("--nproc-per-node", "2", str(job.script), "fail", "--config", str(job.spec), timeout=120)
     assert result.returncode == 1
     assert "rank one fails on purpose" in result.stderr
-    assert "protrain-run: rank 1 failed with exit code 1" in result.stderr
+    assert (
+        "protrain-run: rank 1 failed with exit code 1: RuntimeError: rank one fails on purpose"
+        in result.stderr
+    )
+    assert "rank 0 failed" not in result.stderr, "the rank stopped after the failure is not the cause"
     survivor = int((job.workdir / "rank0.pid").read_text())
     wait_for(lambda: not pid_alive(survivor), 10, "rank 0 to end")
 
@@ -57,6 +64,31 @@ def test_sigint_ends_every_rank_with_130(job: Job) -> None:
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr
     for pid in pids:
+        wait_for(lambda pid=pid: not pid_alive(pid), 10, f"rank pid {pid} to end")
+
+
+@pytest.mark.parametrize("delay_s", [0.3, 2.0], ids=["while-importing", "while-starting-ranks"])
+def test_ctrl_c_during_startup_exits_130_quietly(job: Job, delay_s: float) -> None:
+    """A terminal's Ctrl-C reaches the launcher's whole process group, at any moment."""
+    proc = subprocess.Popen(
+        job.command("--nproc-per-node", "2", str(job.script), "forever", "--config", str(job.spec)),
+        cwd=job.workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+        start_new_session=True,
+    )
+    try:
+        time.sleep(delay_s)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    for pid_file in job.workdir.glob("rank*.pid"):
+        pid = int(pid_file.read_text())
         wait_for(lambda pid=pid: not pid_alive(pid), 10, f"rank pid {pid} to end")
 
 
@@ -105,14 +137,14 @@ def test_dry_run_one_child_no_group_no_files(job: Job) -> None:
         "import os, torch.distributed as dist\n"
         "print('CHILD', os.getppid(), 'RANK' in os.environ, flush=True)\n" + job.script.read_text()
     )
-    before = sorted(p.name for p in job.workdir.iterdir())
+    before = sorted(str(p.relative_to(job.workdir)) for p in job.workdir.rglob("*"))
     proc = job.start("--nproc-per-node", "2", "--dry-run", str(probe), "--config", str(job.spec))
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr
     children = [line.split() for line in stdout.splitlines() if line.startswith("CHILD")]
     assert children == [["CHILD", str(proc.pid), "False"]]
     assert "Plan for 2 rank(s)" in stdout and "dry run: no process group, no training step" in stdout
-    assert sorted(p.name for p in job.workdir.iterdir()) == before
+    assert sorted(str(p.relative_to(job.workdir)) for p in job.workdir.rglob("*")) == before
 
 
 @pytest.mark.parametrize(

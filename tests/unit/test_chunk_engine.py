@@ -21,8 +21,11 @@ CHUNK = "64KiB"  # the tiny GPT (~120K fp32 parameters) in 12 chunks
 
 def job(tmp_path: Path, **memory: Any) -> dict[str, Any]:
     return {
-        "seed": 3, "micro_batch_size": 2, "optimizer": {"lr": 1e-3, "weight_decay": 0.1},
-        "memory": {"chunk_size": CHUNK, **memory}, "output_dir": str(tmp_path / "runs"),
+        "seed": 3,
+        "micro_batch_size": 2,
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.1},
+        "memory": {"chunk_size": CHUNK, **memory},
+        "output_dir": str(tmp_path / "runs"),
     }
 
 
@@ -42,7 +45,9 @@ NUM_CHUNKS = 12
 
 
 @pytest.mark.parametrize(("n_persist", "n_buffer"), [(0, 2), (5, 2), (0, 4), (NUM_CHUNKS, 0)])
-def test_offloaded_chunks_train_exactly_like_plain_pytorch(tmp_path: Path, n_persist: int, n_buffer: int) -> None:
+def test_offloaded_chunks_train_exactly_like_plain_pytorch(
+    tmp_path: Path, n_persist: int, n_buffer: int
+) -> None:
     data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
     expected, _ = train_reference(tiny_gpt(), data, steps=STEPS, lr=1e-3, weight_decay=0.1)
     engine = runtime.initialize(tiny_gpt(), config=job(tmp_path, n_persist=n_persist, n_buffer=n_buffer))
@@ -117,7 +122,10 @@ def test_evicted_parameters_hold_no_data(tmp_path: Path) -> None:
 
 
 def test_too_few_buffers_is_refused_before_training(tmp_path: Path) -> None:
-    with pytest.raises(SpecError, match=r"memory.n_buffer=0 is too few: module .* uses 2 non-persistent chunks.*n_buffer >= 2"):
+    with pytest.raises(
+        SpecError,
+        match=r"memory.n_buffer=0 is too few: module .* uses 2 non-persistent chunks.*n_buffer >= 2",
+    ):
         runtime.initialize(tiny_gpt(), config=job(tmp_path, n_persist=0, n_buffer=0))
     with pytest.raises(SpecError, match="memory.n_persist=13 exceeds the model's 12 chunks"):
         runtime.initialize(tiny_gpt(), config=job(tmp_path, n_persist=13))

@@ -58,7 +58,11 @@ def test_model_layout_ties_first_use_and_round_trip() -> None:
     assert layout.index_of("lm_head.weight") == 0
     frozen = layout.slots[layout.index_of("blocks.1.mlp.fc.weight")].chunk
     assert not layout.chunks[frozen].trainable
-    assert all(layout.params[i].trainable == layout.chunks[c.index].trainable for c in layout.chunks for i in c.params)
+    assert all(
+        layout.params[i].trainable == layout.chunks[c.index].trainable
+        for c in layout.chunks
+        for i in c.params
+    )
     again = ChunkLayout.from_dict(json.loads(json.dumps(layout.to_dict())))
     assert again == layout
 

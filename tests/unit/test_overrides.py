@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from protrain_launcher.cli import parse_command_line
+from protrain_launcher.cli import parse_command_line, resolve_spec
 from runtime.spec import Precision
 from runtime.spec_io import SpecError, load_spec, parse_override
 
@@ -55,16 +55,10 @@ def test_launcher_precedence(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text("")
     request = parse_command_line(
-        [
-            "--nproc-per-node",
-            "2",
-            str(script),
-            "--config",
-            str(config),
-        ]
+        ["--nproc-per-node", "2", str(script), "--config", str(config), "--set", "launcher.nproc_per_node=3"]
     )
-    spec = load_spec(request.config, [*request.overrides, *request.launcher_overrides])
-    assert spec.launcher.nproc_per_node == 2  # command line
+    spec = resolve_spec(request)
+    assert spec.launcher.nproc_per_node == 2  # the launcher option beats the file and --set
     assert spec.launcher.nnodes == 2  # spec file
     assert spec.launcher.master_port == 1234  # spec file
     assert spec.launcher.master_addr == "127.0.0.1"  # default
