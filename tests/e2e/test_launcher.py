@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
-import socket
 
 import pytest
 
