@@ -246,7 +246,7 @@ def _check_segments(segments: Sequence[tuple[int, int, float]], *, numel: int) -
         if segment.weight_decay < 0.0:
             raise ValueError(f"{segment}: weight_decay must be >= 0")
     ordered = sorted(checked)
-    for left, right in zip(ordered, ordered[1:]):
+    for left, right in zip(ordered, ordered[1:], strict=False):
         if left.start + left.numel > right.start:
             raise ValueError(f"{left} overlaps {right}: each element belongs to one parameter")
     return checked

@@ -51,7 +51,7 @@ def reference(
     master: torch.Tensor, segments: Sequence[Segment], *, fused: bool
 ) -> tuple[list[nn.Parameter], torch.optim.AdamW]:
     params = [nn.Parameter(master[s.start : s.start + s.numel].clone()) for s in segments]
-    groups = [{"params": [p], "weight_decay": s.weight_decay} for p, s in zip(params, segments)]
+    groups = [{"params": [p], "weight_decay": s.weight_decay} for p, s in zip(params, segments, strict=False)]
     kind = {"fused": True} if fused else {"foreach": False}
     return params, torch.optim.AdamW(groups, lr=BASE_LR, betas=BETAS, eps=EPS, **kind)
 
@@ -100,7 +100,7 @@ def torch_step(
 ) -> None:
     for group in optimizer.param_groups:
         group["lr"] = BASE_LR if lr is None else lr
-    for param, segment, is_active in zip(params, segments, active):
+    for param, segment, is_active in zip(params, segments, active, strict=False):
         # Views, as the shard gets: neither AdamW writes to its gradients.
         param.grad = grad_flat[segment.start : segment.start + segment.numel] if is_active else None
     optimizer.step()
@@ -129,7 +129,10 @@ def test_matches_torch_adamw(layout: Sequence[tuple[int, float]]) -> None:
             assert torch.equal(exp_avg_sq, ref_avg_sq), f"{what}: exp_avg_sq"
             assert count == ref_count == steps_before[index] + is_active, f"{what}: step count"
             if not is_active:
-                assert all(torch.equal(a, b) for a, b in zip((value, exp_avg, exp_avg_sq), before[index]))
+                assert all(
+                    torch.equal(a, b)
+                    for a, b in zip((value, exp_avg, exp_avg_sq), before[index], strict=False)
+                )
     # Against the for-loop implementation once, at the end: differences only accumulate.
     for index in range(len(segments)):
         value, exp_avg, exp_avg_sq, _ = shard_state(shard, index)
