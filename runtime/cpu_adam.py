@@ -95,14 +95,21 @@ class ShardAdamW:
         lr: float,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
+        moments: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """``moments``: zero-filled (exp_avg, exp_avg_sq) shaped like ``master`` when the caller
+        owns their memory (the chunk engine puts offloaded shards' moments in its host arena)."""
         _check_master(master)
         self.segments: tuple[Segment, ...] = _check_segments(segments, numel=master.numel())
         _check_hyperparameters(lr=lr, betas=betas, eps=eps)
         self.master = master
         self.lr = lr
-        self.exp_avg = torch.zeros_like(master)
-        self.exp_avg_sq = torch.zeros_like(master)
+        if moments is None:
+            moments = (torch.zeros_like(master), torch.zeros_like(master))
+        for moment in moments:
+            if moment.shape != master.shape or moment.dtype != master.dtype or moment.device != master.device:
+                raise ValueError("moments must have the master's shape, dtype and device")
+        self.exp_avg, self.exp_avg_sq = moments
         # float32 because that is the dtype torch's fused AdamW keeps `step` in and reads it
         # from; exact for counts up to 2**24, as in torch itself.
         self.steps = torch.zeros(len(self.segments), dtype=torch.float32, device=master.device)

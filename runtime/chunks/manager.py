@@ -174,9 +174,10 @@ class ChunkManager:
         offloaded = [c for c in self.chunks if not c.persistent]
         if not offloaded:
             return None
-        # fp32 master and gradient shards of every offloaded chunk, each rounded up to a page.
+        # fp32 master, gradient and two Adam moments of every offloaded chunk's shard, each
+        # rounded up to a page (frozen chunks need less; the arena is only address space).
         shard_bytes = self.layout.shard_numel * 4 + 4096
-        return MmapArena(len(offloaded) * 2 * shard_bytes, pin=self.device.is_cuda)
+        return MmapArena(len(offloaded) * 4 * shard_bytes, pin=self.device.is_cuda)
 
     def _build_storage(
         self, weight_decay: Sequence[float], *, betas: tuple[float, float], eps: float, lr: float
@@ -199,12 +200,17 @@ class ChunkManager:
                 continue
             chunk.master = self._place(mine, chunk.persistent)
             chunk.grad_shard = self._place(torch.zeros(shard), chunk.persistent)
+            moments = (
+                self._place(torch.zeros(shard), chunk.persistent),
+                self._place(torch.zeros(shard), chunk.persistent),
+            )
             chunk.optimizer = ShardAdamW(
                 chunk.master,
                 [(s.shard_offset, s.numel, weight_decay[s.param]) for s in chunk.segments],
                 lr=lr,
                 betas=betas,
                 eps=eps,
+                moments=moments,
             )
 
     def _place(self, tensor: torch.Tensor, persistent: bool) -> torch.Tensor:
