@@ -35,8 +35,20 @@ def load_weights_(model: nn.Module, weights: WeightsSource) -> None:
 
 
 def _materialize_empty_(model: nn.Module) -> None:
+    """Host storage for a meta model. ``to_empty`` replaces meta parameters with new Parameter
+    objects, which unties tied weights; they are tied again afterwards."""
     real_buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
+    groups = {tuple(sorted((name, *aliases))) for name, aliases in _alias_groups(model).items() if aliases}
     model.to_empty(device="cpu")
+    for group in groups:
+        shared = model.get_parameter(group[0])
+        for name in group[1:]:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner) if owner else model, leaf, shared)
+    # Hugging Face models built under init_empty_weights leave their declared ties undone.
+    tie_weights = getattr(model, "tie_weights", None)
+    if callable(tie_weights):
+        tie_weights()
     with torch.no_grad():
         for name, value in real_buffers.items():
             model.get_buffer(name).copy_(value)

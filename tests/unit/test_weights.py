@@ -77,3 +77,30 @@ def test_meta_model_without_weights_is_refused(tmp_path: Path) -> None:
         empty = tiny_gpt()
     with pytest.raises(ValueError, match="meta device and no weights were given"):
         runtime.initialize(empty, config=config(tmp_path))
+
+
+def test_hf_model_larger_than_the_pool_from_save_pretrained_shards(tmp_path: Path) -> None:
+    """Fine-tuning start: pretrained weights written by save_pretrained (several shards), the
+    model built empty, its chunks loaded into a device pool far smaller than the model."""
+    transformers = pytest.importorskip("transformers")
+    from accelerate import init_empty_weights
+
+    config = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=2)
+    torch.manual_seed(21)
+    pretrained = transformers.GPT2LMHeadModel(config)
+    pretrained.save_pretrained(tmp_path / "pretrained", max_shard_size="100KB")
+    assert len(list((tmp_path / "pretrained").glob("*.safetensors"))) > 1
+    with init_empty_weights():
+        empty = transformers.GPT2LMHeadModel(config)
+    spec = {
+        "output_dir": str(tmp_path / "runs"),
+        "memory": {"chunk_size": "64KiB", "n_persist": 0, "n_buffer": 2},
+    }
+    engine = runtime.initialize(empty, config=spec, weights=tmp_path / "pretrained")
+    pool_bytes = sum(slot.numel() * slot.element_size() for slot in engine.chunks.slots)
+    model_bytes = sum(p.numel() * 4 for p in pretrained.parameters())
+    assert pool_bytes < model_bytes / 3
+    expected = pretrained.state_dict()
+    state = engine.state_dict()
+    assert_state_equal({k: state[k] for k in expected}, dict(expected))
+    engine.close()
