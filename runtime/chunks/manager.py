@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +37,7 @@ from torch import nn
 from runtime.chunks.layout import ChunkInfo, ChunkLayout
 from runtime.chunks.residency import Residency, check_move
 from runtime.cpu_adam import ShardAdamW
-from runtime.device import DeviceInfo, MmapArena
+from runtime.device import DeviceEvent, DeviceInfo, MmapArena, SideStream
 from runtime.distributed import DistContext, all_reduce_sum_
 
 
@@ -142,6 +142,11 @@ class ChunkManager:
         self._fired_in_window = torch.zeros(len(self.params), dtype=torch.bool)
         self._reduce_order = [c.index for c in reversed(self.chunks) if c.info.trainable]
         self._next_reduction = 0
+        self.stream = SideStream(device, name="protrain-chunks")
+        """The one thread (CUDA: stream) that issues every collective, in program order."""
+        self._fetches: dict[int, DeviceEvent] = {}
+        self._last_submitted: DeviceEvent | None = None
+        self.prefetch_depth = 0 if n_buffer <= 1 else n_buffer - 1
         self.num_gathers = 0
         """Gathers of non-persistent chunks into slots (a chunk reused from its slot is not one)."""
         self._handles: list[Any] = []
@@ -237,33 +242,68 @@ class ChunkManager:
                 param.data = chunk.full[offset : offset + param.numel()].view(param.shape)
 
     def ensure_resident(self, chunk_index: int) -> torch.Tensor:
-        """The chunk's full compute copy, gathering it into a slot (evicting the least recently
-        used unpinned chunk) when it is not on the device."""
+        """The chunk's full compute copy: waits for its prefetch, or gathers it now into a slot
+        (evicting the least recently used chunk that is neither pinned nor in flight)."""
         chunk = self.chunks[chunk_index]
-        if chunk.residency is not Residency.HOST:
-            if not chunk.persistent:
-                self._lru.move_to_end(chunk_index)
-            assert chunk.full is not None
-            return chunk.full
-        slot = self._free_slot()
-        full = self.slots[slot]
-        self._gather(chunk, full)
-        self.num_gathers += 1
-        chunk.full, chunk.slot = full, slot
-        self._slot_owner[slot] = chunk_index
-        self._lru[chunk_index] = None
-        chunk.move(Residency.RESIDENT)
-        self._point_params(chunk)
-        return full
+        if chunk.residency is Residency.HOST:
+            self._start_fetch(chunk, self._free_slot(evict=True))
+        if chunk.residency is Residency.FETCHING:
+            self.stream.make_compute_wait(self._fetches.pop(chunk_index))
+            chunk.move(Residency.RESIDENT)
+            self._point_params(chunk)
+        if not chunk.persistent:
+            self._lru.move_to_end(chunk_index)
+        assert chunk.full is not None
+        return chunk.full
 
-    def _free_slot(self) -> int:
+    def prefetch(self, chunk_indices: Sequence[int], *, evictable: Callable[[int], bool]) -> None:
+        """Start gathering these chunks on the side stream, in order, while slots allow: a free
+        slot, or one whose chunk ``evictable`` allows (never a pinned or in-flight chunk)."""
+        for chunk_index in chunk_indices:
+            chunk = self.chunks[chunk_index]
+            if chunk.residency is not Residency.HOST:
+                continue
+            slot = self._free_slot(evict=False)
+            if slot is None:
+                victim = next(
+                    (
+                        c
+                        for c in self._lru
+                        if c not in self._pinned
+                        and c != chunk_index
+                        and evictable(c)
+                        and self.chunks[c].residency is Residency.RESIDENT
+                    ),
+                    None,
+                )
+                if victim is None:
+                    return
+                self.evict(victim)
+                slot = self._free_slot(evict=False)
+            assert slot is not None
+            self._start_fetch(chunk, slot)
+
+    def _start_fetch(self, chunk: Chunk, slot: int) -> None:
+        full = self.slots[slot]
+        chunk.move(Residency.FETCHING)
+        chunk.full, chunk.slot = full, slot
+        self._slot_owner[slot] = chunk.index
+        self._lru[chunk.index] = None
+        master = chunk.master
+        assert master is not None
+        self._fetches[chunk.index] = self._submit(lambda: self._gather_shard(master, full))
+        self.num_gathers += 1
+
+    def _free_slot(self, *, evict: bool) -> int | None:
         for slot, owner in enumerate(self._slot_owner):
             if owner is None:
                 return slot
+        if not evict:
+            return None
         for victim in self._lru:
-            if victim not in self._pinned:
+            if victim not in self._pinned and self.chunks[victim].residency is Residency.RESIDENT:
                 self.evict(victim)
-                return self._free_slot()
+                return self._free_slot(evict=False)
         raise RuntimeError(f"all {self.n_buffer} chunk buffers are pinned; n_buffer is too small")
 
     def evict(self, chunk_index: int) -> None:
@@ -277,7 +317,13 @@ class ChunkManager:
 
     def _gather(self, chunk: Chunk, out: torch.Tensor) -> None:
         assert chunk.master is not None
-        shard = chunk.master.to(device=self.device.device, dtype=self.compute_dtype, non_blocking=True)
+        self._gather_shard(chunk.master, out)
+
+    def _gather_shard(self, master: torch.Tensor, out: torch.Tensor) -> None:
+        """Upload this rank's shard in the compute dtype and all-gather the full chunk into
+        ``out``. Runs on the side stream (the one thread that issues collectives) or, for
+        persistent chunks, after the stream has drained."""
+        shard = master.to(device=self.device.device, dtype=self.compute_dtype, non_blocking=True)
         if self.dist_ctx.world_size == 1:
             out.copy_(shard)
         else:
@@ -304,6 +350,11 @@ class ChunkManager:
             self._pinned = set(owned)
             for chunk_index in owned:
                 self.ensure_resident(chunk_index)
+            # Forward walks the chunks in index order: fetch the next ones now, reusing slots of
+            # chunks forward is done with.
+            low = min(owned)
+            upcoming = [c for c in range(max(owned) + 1, len(self.chunks)) if not self.chunks[c].persistent]
+            self.prefetch(upcoming[: self.prefetch_depth], evictable=lambda c: c < low)
 
         return pre_forward
 
@@ -352,7 +403,15 @@ class ChunkManager:
         if not isinstance(packed, SavedAlias):
             return packed
         full = self.ensure_resident(packed.chunk)
+        if self.prefetch_depth:
+            # Backward walks the chunks in reverse: fetch the previous ones, into slots of
+            # chunks whose gradients are all in (backward will not read them again).
+            earlier = [c for c in range(packed.chunk - 1, -1, -1) if not self.chunks[c].persistent]
+            self.prefetch(earlier[: self.prefetch_depth], evictable=self._backward_done)
         return full.as_strided(packed.size, packed.stride, packed.offset)
+
+    def _backward_done(self, chunk_index: int) -> bool:
+        return self.chunks[chunk_index].info.trainable and self._remaining[chunk_index] == 0
 
     # ------------------------------------------------------------------ gradient reduction
 
@@ -372,29 +431,49 @@ class ChunkManager:
             self._next_reduction += 1
 
     def finish_backward(self) -> None:
-        """Flush chunks that unused parameters left incomplete, in the fixed order."""
+        """Flush chunks that unused parameters left incomplete, in the fixed order, and wait for
+        every reduction to land in the shards."""
         while self._next_reduction < len(self._reduce_order):
             self._reduce(self._reduce_order[self._next_reduction])
             self._next_reduction += 1
+        self.drain()
         self.reset_backward()
 
-    @torch.no_grad()
     def _reduce(self, chunk_index: int) -> None:
+        """Queue the chunk's reduce-scatter (and the fp32 accumulation into its shard) on the
+        side stream; backward goes on meanwhile."""
         chunk = self.chunks[chunk_index]
         buffer = self._grad_buffers.pop(chunk_index, None)
-        world = self.dist_ctx.world_size
-        if world == 1:
-            if buffer is not None:
-                assert chunk.grad_shard is not None
-                chunk.grad_shard.add_(buffer.to(chunk.grad_shard.device, torch.float32))
+        if buffer is None and self.dist_ctx.world_size == 1:
             return
         if buffer is None:  # no gradient here; other ranks may have some, so take part anyway
             buffer = torch.zeros(self.layout.chunk_numel, dtype=self.compute_dtype, device=self.device.device)
+        grad_shard = chunk.grad_shard
+        assert grad_shard is not None
+        self._submit(lambda: self._reduce_into(buffer, grad_shard))
+
+    @torch.no_grad()
+    def _reduce_into(self, buffer: torch.Tensor, grad_shard: torch.Tensor) -> None:
+        world = self.dist_ctx.world_size
+        if world == 1:
+            grad_shard.add_(buffer.to(grad_shard.device, torch.float32))
+            return
         reduced = torch.empty(self.layout.shard_numel, dtype=self.compute_dtype, device=self.device.device)
         dist.reduce_scatter_tensor(reduced, buffer)
         reduced.div_(world)
-        assert chunk.grad_shard is not None
-        chunk.grad_shard.add_(reduced.to(chunk.grad_shard.device, torch.float32))
+        grad_shard.add_(reduced.to(grad_shard.device, torch.float32))
+
+    def _submit(self, work: Callable[[], None]) -> DeviceEvent:
+        self._last_submitted = self.stream.submit(work)
+        return self._last_submitted
+
+    def drain(self) -> None:
+        """Wait for everything queued on the side stream (it runs in order, so the last event
+        suffices). Collectives from the main thread may only follow a drain: every rank must
+        issue its collectives in one order."""
+        if self._last_submitted is not None:
+            self._last_submitted.wait()
+            self._last_submitted = None
 
     # ------------------------------------------------------------------ the update
 
@@ -403,6 +482,7 @@ class ChunkManager:
         return self._fired_in_window.to(torch.float64)
 
     def grad_norm(self) -> float:
+        self.drain()
         squares = torch.zeros((), dtype=torch.float64)
         for chunk in self.trainable_chunks():
             assert chunk.grad_shard is not None
@@ -431,10 +511,16 @@ class ChunkManager:
 
     @torch.no_grad()
     def refresh_full_copies(self) -> None:
+        """After an update: re-gather persistent chunks; drop every buffered copy of the others
+        (including prefetches that arrived with pre-update data)."""
+        self.drain()
         for chunk in self.chunks:
             if chunk.persistent and chunk.info.trainable:
                 assert chunk.full is not None
                 self._gather(chunk, chunk.full)
+            elif chunk.residency is Residency.FETCHING:
+                self.ensure_resident(chunk.index)
+                self.evict(chunk.index)
             elif chunk.residency is Residency.RESIDENT:
                 self.evict(chunk.index)
 
@@ -446,6 +532,7 @@ class ChunkManager:
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter in full precision by its own names (tied ones under each name)."""
+        self.drain()
         result: dict[str, torch.Tensor] = {}
         for chunk in self.chunks:
             assert chunk.master is not None
@@ -467,3 +554,4 @@ class ChunkManager:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.stream.close()

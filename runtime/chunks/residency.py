@@ -1,11 +1,12 @@
 """A chunk's residency: one state and a table of allowed moves; an illegal move raises.
 
     PERSISTENT            always on the device (the first n_persist chunks)
-    HOST ──gather──▶ RESIDENT ──evict──▶ HOST      (non-persistent chunks pass through buffers)
+    HOST ──fetch──▶ FETCHING ──arrived──▶ RESIDENT ──evict──▶ HOST
+                                                       (non-persistent chunks pass through buffers)
 
-A RESIDENT chunk occupies one of the n_buffer device slots and its parameters point into it; a
-HOST chunk's parameters are shrunk to size 0, so a stray read fails instead of reading another
-chunk's data.
+A FETCHING chunk owns a slot that the side stream is gathering into; nothing may read it or
+evict it until the copy has arrived. A RESIDENT chunk's parameters point into its slot; a HOST
+chunk's parameters point at a zero-byte NaN placeholder.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from enum import Enum
 class Residency(str, Enum):
     PERSISTENT = "persistent"
     HOST = "host"
+    FETCHING = "fetching"
     RESIDENT = "resident"
 
 
 ALLOWED_MOVES: dict[Residency, frozenset[Residency]] = {
     Residency.PERSISTENT: frozenset(),
-    Residency.HOST: frozenset({Residency.RESIDENT}),
+    Residency.HOST: frozenset({Residency.FETCHING}),
+    Residency.FETCHING: frozenset({Residency.RESIDENT}),
     Residency.RESIDENT: frozenset({Residency.HOST}),
 }
 

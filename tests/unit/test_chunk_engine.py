@@ -107,7 +107,10 @@ def test_saved_weight_view_survives_slot_reuse(tmp_path: Path) -> None:
 
 
 def test_residency_moves_are_checked() -> None:
-    assert check_move(0, Residency.HOST, Residency.RESIDENT) is Residency.RESIDENT
+    assert check_move(0, Residency.HOST, Residency.FETCHING) is Residency.FETCHING
+    assert check_move(0, Residency.FETCHING, Residency.RESIDENT) is Residency.RESIDENT
+    with pytest.raises(IllegalTransition, match="chunk 2: fetching -> host"):
+        check_move(2, Residency.FETCHING, Residency.HOST)
     with pytest.raises(IllegalTransition, match="chunk 3: host -> host"):
         check_move(3, Residency.HOST, Residency.HOST)
     with pytest.raises(IllegalTransition, match="persistent -> host"):
