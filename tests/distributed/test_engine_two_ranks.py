@@ -223,3 +223,37 @@ def test_two_ranks_with_offloaded_chunks_match_plain_pytorch(
     data = lm_batches(micro_batch_size=2, accumulation=accumulation, world_size=2)
     expected, _ = train_reference(tiny_gpt(0), data, steps=8, lr=1e-3, weight_decay=0.1, clip=clip)
     assert_state_close(results[0]["state"], expected)
+
+
+def fp16_overflow_on_rank_one(*, rank: int, output_dir: str) -> dict[str, Any]:
+    import runtime
+
+    config = {
+        "seed": 3,
+        "micro_batch_size": 2,
+        "precision": "fp16",
+        "output_dir": output_dir,
+        "loss_scaling": {"initial": 1024.0, "growth_interval": 1000, "min_scale": 1.0},
+        "memory": {"chunk_size": "64KiB", "n_persist": 2, "n_buffer": 2},
+    }
+    engine = runtime.initialize(tiny_gpt(0), config=config)
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=2)
+    updated = []
+    for update in range(4):
+        loss = engine(**data.batch(update, 0, rank)).loss
+        if update == 2 and rank == 1:
+            loss = loss * 1e30  # overflows this rank's fp16 gradients in this step only
+        engine.backward(loss)
+        updated.append(engine.step())
+    assert engine.loss_scaler is not None
+    result = {"updated": updated, "scale": engine.loss_scaler.scale, "state": engine.state_dict()}
+    engine.close()
+    return result
+
+
+def test_fp16_overflow_on_one_rank_skips_that_step_on_every_rank(rank_pool: RankPool, tmp_path: Path) -> None:
+    results = rank_pool.run(fp16_overflow_on_rank_one, output_dir=str(tmp_path))
+    for result in results:
+        assert result["updated"] == [True, True, False, True]
+        assert result["scale"] == 512.0
+    assert_state_equal(results[1]["state"], results[0]["state"])
