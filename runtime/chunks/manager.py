@@ -454,6 +454,10 @@ class ChunkManager:
 
     @torch.no_grad()
     def _reduce_into(self, buffer: torch.Tensor, grad_shard: torch.Tensor) -> None:
+        if buffer.is_cuda:
+            # Allocated on the compute stream, used here on the side stream: keep the caching
+            # allocator from handing it out again before this work is done.
+            buffer.record_stream(torch.cuda.current_stream(buffer.device))
         world = self.dist_ctx.world_size
         if world == 1:
             grad_shard.add_(buffer.to(grad_shard.device, torch.float32))
