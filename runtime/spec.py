@@ -431,7 +431,8 @@ class LauncherSpec(SpecModel):
     max_restarts: NonNegInt = 0
     """Times the elastic agent restarts the whole group after a rank fails."""
     shutdown_grace_s: PositiveFloat = 30.0
-    """Seconds ranks get after SIGTERM before SIGKILL."""
+    """Seconds ranks get after Ctrl-C/SIGTERM of the launcher before SIGKILL (when a rank fails,
+    torch's agent stops the others with its own 30 s)."""
     dist_timeout_s: PositiveFloat = 600.0
     """Timeout of collectives in the process group."""
 
