@@ -141,6 +141,9 @@ class Engine:
         scaled = loss / self.settings.gradient_accumulation_steps
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
+        elif self.is_gradient_accumulation_boundary():
+            # fp16 gradients are still scaled and often overflow: only fp32/bf16 speculate.
+            self.chunks.begin_last_backward(lr=self.lr)
         try:
             scaled.backward()
         finally:
@@ -170,6 +173,8 @@ class Engine:
         self._reset_window()
         losses_in_window = self.settings.gradient_accumulation_steps * self.dist_ctx.world_size
         skipped = nonfinite > 0
+        if skipped:
+            self.chunks.discard_speculation()
         if skipped and self.settings.on_nonfinite_loss is NonFiniteLossPolicy.RAISE:
             self.chunks.zero_grad()
             raise NonFiniteLossError(
@@ -216,6 +221,8 @@ class Engine:
         if clip > 0 and math.isfinite(norm):
             coefficient = clip / (norm + 1e-6)
             if coefficient < 1.0:
+                # Updates made before the norm was known used unclipped gradients.
+                self.chunks.discard_speculation()
                 self.chunks.scale_grads_(coefficient)
         return norm
 

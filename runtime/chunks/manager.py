@@ -89,6 +89,10 @@ class Chunk:
         self.grad_shard: torch.Tensor | None = None
         self.segments: list[Segment] = []
         self.optimizer: ShardAdamW | None = None
+        self.snapshot: tuple[torch.Tensor, ...] | None = None
+        """Host copies of (master, exp_avg, exp_avg_sq, steps) taken before a speculative update."""
+        self.speculated_active: list[bool] | None = None
+        """The per-segment activity a speculative update assumed; None: not updated this window."""
 
     def move(self, target: Residency) -> None:
         self.residency = check_move(self.index, self.residency, target)
@@ -147,7 +151,17 @@ class ChunkManager:
         self._fetches: dict[int, DeviceEvent] = {}
         self._last_submitted: DeviceEvent | None = None
         self.prefetch_depth = 0 if n_buffer <= 1 else n_buffer - 1
+        self.speculative_cpu_adam = True
+        """Update offloaded chunks during the window's last backward, as soon as their gradient
+        is reduced (restored from a snapshot when clipping, a skip or another rank says
+        otherwise); False defers every update to the accumulation boundary."""
+        self._cpu_adam = SideStream(DeviceInfo(torch.device("cpu"), "gloo"), name="protrain-cpu-adam")
+        self._speculation_lr: float | None = None
+        self._last_adam: DeviceEvent | None = None
         self.num_gathers = 0
+        self.num_speculations = 0
+        self.num_restores = 0
+        """Speculative chunk updates undone (clip, skip, or a segment active on another rank)."""
         """Gathers of non-persistent chunks into slots (a chunk reused from its slot is not one)."""
         self._handles: list[Any] = []
         self._install_hooks()
@@ -179,10 +193,11 @@ class ChunkManager:
         offloaded = [c for c in self.chunks if not c.persistent]
         if not offloaded:
             return None
-        # fp32 master, gradient and two Adam moments of every offloaded chunk's shard, each
-        # rounded up to a page (frozen chunks need less; the arena is only address space).
+        # fp32 master, gradient, two Adam moments and the snapshot of master and moments taken
+        # before a speculative update, per offloaded chunk's shard, each rounded up to a page
+        # (frozen chunks need less; unused arena is only address space).
         shard_bytes = self.layout.shard_numel * 4 + 4096
-        return MmapArena(len(offloaded) * 4 * shard_bytes, pin=self.device.is_cuda)
+        return MmapArena(len(offloaded) * 7 * shard_bytes, pin=self.device.is_cuda)
 
     def _build_storage(
         self, weight_decay: Sequence[float], *, betas: tuple[float, float], eps: float, lr: float
@@ -437,6 +452,7 @@ class ChunkManager:
             self._reduce(self._reduce_order[self._next_reduction])
             self._next_reduction += 1
         self.drain()
+        self._speculation_lr = None  # queued updates finish on their own; step() waits for them
         self.reset_backward()
 
     def _reduce(self, chunk_index: int) -> None:
@@ -444,13 +460,19 @@ class ChunkManager:
         side stream; backward goes on meanwhile."""
         chunk = self.chunks[chunk_index]
         buffer = self._grad_buffers.pop(chunk_index, None)
-        if buffer is None and self.dist_ctx.world_size == 1:
+        if buffer is None and self.dist_ctx.world_size == 1 and self._speculation_lr is None:
             return
+        if buffer is None and self.dist_ctx.world_size == 1:
+            buffer = torch.zeros(self.layout.chunk_numel, dtype=self.compute_dtype, device=self.device.device)
         if buffer is None:  # no gradient here; other ranks may have some, so take part anyway
             buffer = torch.zeros(self.layout.chunk_numel, dtype=self.compute_dtype, device=self.device.device)
         grad_shard = chunk.grad_shard
         assert grad_shard is not None
-        self._submit(lambda: self._reduce_into(buffer, grad_shard))
+        reduced = self._submit(lambda: self._reduce_into(buffer, grad_shard))
+        if self._speculation_lr is not None and not chunk.persistent:
+            active = [bool(self._fired_in_window[s.param]) for s in chunk.segments]
+            lr = self._speculation_lr
+            self._last_adam = self._cpu_adam.submit(lambda: self._speculate(chunk, reduced, active, lr))
 
     @torch.no_grad()
     def _reduce_into(self, buffer: torch.Tensor, grad_shard: torch.Tensor) -> None:
@@ -479,6 +501,68 @@ class ChunkManager:
             self._last_submitted.wait()
             self._last_submitted = None
 
+    # ------------------------------------------------------------------ speculative CPU Adam
+
+    def begin_last_backward(self, *, lr: float) -> None:
+        """The coming backward ends the accumulation window: update offloaded chunks as their
+        gradients arrive, overlapping the rest of backward (the engine calls this)."""
+        if self.speculative_cpu_adam and any(not c.persistent and c.info.trainable for c in self.chunks):
+            self._speculation_lr = lr
+
+    def _speculate(self, chunk: Chunk, reduced: DeviceEvent, active: list[bool], lr: float) -> None:
+        """On the CPU-Adam thread: wait for the chunk's reduced gradient, keep a snapshot of what
+        the update changes, update. One thread, so it does not take the cores backward uses."""
+        torch.set_num_threads(1)
+        reduced.wait()
+        assert chunk.optimizer is not None and chunk.grad_shard is not None and chunk.master is not None
+        optimizer = chunk.optimizer
+        if chunk.snapshot is None:
+            chunk.snapshot = tuple(
+                self._host_like(t) for t in (chunk.master, optimizer.exp_avg, optimizer.exp_avg_sq)
+            )
+            chunk.snapshot += (optimizer.steps.clone(),)
+        for saved, live in zip(
+            chunk.snapshot,
+            (chunk.master, optimizer.exp_avg, optimizer.exp_avg_sq, optimizer.steps),
+            strict=True,
+        ):
+            saved.copy_(live)
+        optimizer.step_(chunk.grad_shard, active, lr=lr)
+        chunk.speculated_active = active
+        self.num_speculations += 1
+
+    def _host_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.host_arena is None:
+            return torch.empty_like(tensor)
+        return self.host_arena.allocate(tensor.numel(), tensor.dtype)
+
+    def finish_speculation(self) -> None:
+        """Wait for the CPU-Adam thread; no more speculation in this window."""
+        self._speculation_lr = None
+        if self._last_adam is not None:
+            self._last_adam.wait()
+            self._last_adam = None
+
+    def discard_speculation(self) -> None:
+        """Undo every speculative update of this window (the step is skipped or clipped)."""
+        self.finish_speculation()
+        for chunk in self.trainable_chunks():
+            self._restore(chunk)
+
+    def _restore(self, chunk: Chunk) -> None:
+        if chunk.speculated_active is None:
+            return
+        assert chunk.snapshot is not None and chunk.optimizer is not None and chunk.master is not None
+        optimizer = chunk.optimizer
+        for saved, live in zip(
+            chunk.snapshot,
+            (chunk.master, optimizer.exp_avg, optimizer.exp_avg_sq, optimizer.steps),
+            strict=True,
+        ):
+            live.copy_(saved)
+        chunk.speculated_active = None
+        self.num_restores += 1
+
     # ------------------------------------------------------------------ the update
 
     def params_with_grad(self) -> torch.Tensor:
@@ -501,10 +585,19 @@ class ChunkManager:
 
     def step(self, *, lr: float, active: torch.Tensor) -> None:
         """AdamW on every trainable shard (``active``: per parameter, whether any rank produced a
-        gradient this window), then refresh the device copies."""
+        gradient this window), then refresh the device copies. A chunk already updated
+        speculatively with the same activity is left as it is; otherwise it is restored and
+        updated here."""
+        self.finish_speculation()
         for chunk in self.trainable_chunks():
             assert chunk.optimizer is not None and chunk.grad_shard is not None
-            chunk.optimizer.step_(chunk.grad_shard, [bool(active[s.param]) for s in chunk.segments], lr=lr)
+            wanted = [bool(active[s.param]) for s in chunk.segments]
+            if chunk.speculated_active is not None:
+                if chunk.speculated_active == wanted:
+                    chunk.speculated_active = None
+                    continue
+                self._restore(chunk)
+            chunk.optimizer.step_(chunk.grad_shard, wanted, lr=lr)
         self.refresh_full_copies()
 
     def zero_grad(self) -> None:
@@ -559,3 +652,4 @@ class ChunkManager:
             handle.remove()
         self._handles.clear()
         self.stream.close()
+        self._cpu_adam.close()

@@ -56,6 +56,9 @@ def test_offloaded_chunks_train_exactly_like_plain_pytorch(
     assert_state_equal(engine.state_dict(), expected)
     if n_persist < NUM_CHUNKS:
         assert engine.chunks.num_gathers > STEPS * (NUM_CHUNKS - n_persist), "slots must have been reused"
+        # Offloaded chunks were updated during backward, never undone (no clip, no skip).
+        assert engine.chunks.num_speculations == STEPS * (NUM_CHUNKS - n_persist)
+        assert engine.chunks.num_restores == 0
     engine.close()
 
 
@@ -132,3 +135,21 @@ def test_too_few_buffers_is_refused_before_training(tmp_path: Path) -> None:
         runtime.initialize(tiny_gpt(), config=job(tmp_path, n_persist=0, n_buffer=0))
     with pytest.raises(SpecError, match="memory.n_persist=13 exceeds the model's 12 chunks"):
         runtime.initialize(tiny_gpt(), config=job(tmp_path, n_persist=13))
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "deferred"])
+def test_clipping_undoes_speculative_updates_and_matches(tmp_path: Path, speculative: bool) -> None:
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    expected, _ = train_reference(tiny_gpt(), data, steps=6, lr=1e-3, weight_decay=0.1, clip=0.05)
+    config = job(tmp_path, n_persist=3, n_buffer=2)
+    config["gradient_clipping"] = 0.05
+    engine = runtime.initialize(tiny_gpt(), config=config)
+    engine.chunks.speculative_cpu_adam = speculative
+    train(engine, 6)
+    assert_state_close(engine.state_dict(), expected)
+    offloaded = engine.plan.num_chunks - 3
+    if speculative:  # every update clips here, so every speculative update was undone and redone
+        assert engine.chunks.num_speculations == engine.chunks.num_restores == 6 * offloaded
+    else:
+        assert engine.chunks.num_speculations == engine.chunks.num_restores == 0
+    engine.close()
