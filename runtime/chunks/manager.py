@@ -574,7 +574,9 @@ class ChunkManager:
         squares = torch.zeros((), dtype=torch.float64)
         for chunk in self.trainable_chunks():
             assert chunk.grad_shard is not None
-            squares += chunk.grad_shard.double().square().sum().cpu()
+            # One fp32 pass per shard (as clip_grad_norm_ takes per-tensor norms); the sum of
+            # squares across shards and ranks in float64.
+            squares += torch.linalg.vector_norm(chunk.grad_shard).double().cpu().square()
         all_reduce_sum_(squares, self.dist_ctx)
         return math.sqrt(float(squares))
 
