@@ -71,6 +71,13 @@ class DeviceEvent:
         self._done = threading.Event()
         self._error: BaseException | None = None
 
+    @classmethod
+    def completed(cls) -> DeviceEvent:
+        """An event that has already happened (for work that needed no stream)."""
+        event = cls()
+        event._finish()
+        return event
+
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error
         self._done.set()

@@ -218,7 +218,12 @@ class ChunkManager:
             if not chunk.info.trainable:
                 chunk.master = self._place(mine.to(self.compute_dtype), chunk.persistent)
                 continue
-            chunk.master = self._place(mine, chunk.persistent)
+            if self._master_is_full_copy(chunk):
+                # One rank, fp32 compute: the full copy already is the fp32 shard; keep one.
+                assert chunk.full is not None
+                chunk.master = chunk.full
+            else:
+                chunk.master = self._place(mine, chunk.persistent)
             chunk.grad_shard = self._place(torch.zeros(shard), chunk.persistent)
             moments = (
                 self._place(torch.zeros(shard), chunk.persistent),
@@ -232,6 +237,20 @@ class ChunkManager:
                 eps=eps,
                 moments=moments,
             )
+
+    def _master_is_full_copy(self, chunk: Chunk) -> bool:
+        return chunk.persistent and self.dist_ctx.world_size == 1 and self.compute_dtype == torch.float32
+
+    def _direct_grads(self, chunk: Chunk) -> bool:
+        """One rank, fp32 compute, shard gradient on the compute device: there is nothing to
+        reduce, so gradients accumulate straight into the fp32 shard."""
+        grad_shard = chunk.grad_shard
+        return (
+            self.dist_ctx.world_size == 1
+            and self.compute_dtype == torch.float32
+            and grad_shard is not None
+            and grad_shard.device == self.device.device
+        )
 
     def _place(self, tensor: torch.Tensor, persistent: bool) -> torch.Tensor:
         if persistent or self.host_arena is None:
@@ -383,7 +402,8 @@ class ChunkManager:
     def _accept_grad(self, index: int, param: nn.Parameter) -> None:
         assert param.grad is not None
         chunk_index = self.chunk_of_param[index]
-        buffer = self._grad_buffers.get(chunk_index)
+        chunk = self.chunks[chunk_index]
+        buffer = chunk.grad_shard if self._direct_grads(chunk) else self._grad_buffers.get(chunk_index)
         if buffer is None:
             buffer = torch.zeros(self.layout.chunk_numel, dtype=self.compute_dtype, device=self.device.device)
             self._grad_buffers[chunk_index] = buffer
@@ -459,16 +479,19 @@ class ChunkManager:
         """Queue the chunk's reduce-scatter (and the fp32 accumulation into its shard) on the
         side stream; backward goes on meanwhile."""
         chunk = self.chunks[chunk_index]
-        buffer = self._grad_buffers.pop(chunk_index, None)
-        if buffer is None and self.dist_ctx.world_size == 1 and self._speculation_lr is None:
-            return
-        if buffer is None and self.dist_ctx.world_size == 1:
-            buffer = torch.zeros(self.layout.chunk_numel, dtype=self.compute_dtype, device=self.device.device)
-        if buffer is None:  # no gradient here; other ranks may have some, so take part anyway
-            buffer = torch.zeros(self.layout.chunk_numel, dtype=self.compute_dtype, device=self.device.device)
         grad_shard = chunk.grad_shard
         assert grad_shard is not None
-        reduced = self._submit(lambda: self._reduce_into(buffer, grad_shard))
+        buffer = self._grad_buffers.pop(chunk_index, None)
+        if self._direct_grads(chunk):
+            reduced = DeviceEvent.completed()  # the gradients are in the shard already
+        elif buffer is None and self.dist_ctx.world_size == 1:
+            reduced = DeviceEvent.completed()  # no gradient, nothing to add
+        else:
+            if buffer is None:  # no gradient here; other ranks may have some, so take part anyway
+                buffer = torch.zeros(
+                    self.layout.chunk_numel, dtype=self.compute_dtype, device=self.device.device
+                )
+            reduced = self._submit(lambda: self._reduce_into(buffer, grad_shard))
         if self._speculation_lr is not None and not chunk.persistent:
             active = [bool(self._fired_in_window[s.param]) for s in chunk.segments]
             lr = self._speculation_lr
@@ -616,7 +639,8 @@ class ChunkManager:
         for chunk in self.chunks:
             if chunk.persistent and chunk.info.trainable:
                 assert chunk.full is not None
-                self._gather(chunk, chunk.full)
+                if chunk.master is not chunk.full:
+                    self._gather(chunk, chunk.full)
             elif chunk.residency is Residency.FETCHING:
                 self.ensure_resident(chunk.index)
                 self.evict(chunk.index)
