@@ -203,6 +203,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--extra-buffers", type=int, default=1, help="a second offloaded engine with this many more buffers"
     )
+    parser.add_argument(
+        "--compare-deferred",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the minimum-buffer plan with CPU Adam deferred to the window's end",
+    )
     parser.add_argument("--steps", type=int, default=4, help="timed steps per engine per repeat")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per engine first")
@@ -355,9 +361,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             n_buffer = minimum.plan.n_buffer + args.extra_buffers
             more = offloaded_engine(args, output_dir, chunk_size, batches[0], first_n_buffer=n_buffer)
             offloaded.append(more)
+        if args.compare_deferred:
+            # The same minimum-buffer plan with every CPU Adam update deferred to the end of the
+            # window instead of made speculatively during backward.
+            deferred = offloaded_engine(args, output_dir, chunk_size, batches[0], first_n_buffer=1)
+            deferred.chunks.speculative_cpu_adam = False
+            offloaded.append(deferred)
         for engine in offloaded:
             stack.enter_context(engine)
             label = " (minimum)" if engine is minimum else ""
+            if not engine.chunks.speculative_cpu_adam:
+                label = " (minimum), CPU Adam deferred"
             name = f"offload, n_buffer={engine.plan.n_buffer}{label}"
             configs.append(Config(name, engine, ExclusiveTimer()))
         for config in configs:
