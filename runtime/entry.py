@@ -102,7 +102,7 @@ def initialize(
     broadcast_module_(model, dist_ctx)
     # Rank-offset seed: dropout masks differ across ranks, as they do under DDP with per-rank seeds.
     torch.manual_seed(spec.seed + dist_ctx.rank)
-    params = model_params(model, _execution_order(model, example_batch))
+    params = model_params(model, _execution_order(model, _to_device(example_batch, device.device)))
     budgets = _budgets(spec, device, ranks_on_host=env_int("LOCAL_WORLD_SIZE", 1))
     # Every rank must run the same plan (collective order depends on it): agree on the smallest.
     agreed = all_reduce_min_(torch.tensor(budgets, dtype=torch.float64), dist_ctx)
@@ -238,6 +238,17 @@ def _budgets(spec: Spec, device: DeviceInfo, *, ranks_on_host: int) -> tuple[int
     )
     host_budget = auto_host_budget(ranks_on_host) if memory.host_budget == AUTO else int(memory.host_budget)
     return device_budget, host_budget
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor in it moved to ``device`` (dicts, lists and tuples followed)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {key: _to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(value, device) for value in batch)
+    return batch
 
 
 def _execution_order(model: nn.Module, example_batch: Any) -> list[str] | None:
