@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from protrain_launcher.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_RANK_FAILED, LaunchRequest
 from protrain_launcher.env_names import LAUNCHER_PID_ENV
@@ -137,20 +138,26 @@ def _elastic_run(request: LaunchRequest, spec: Spec, nproc: int, spec_path: Path
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "elastic"), redirects=Std.NONE, tee=Std.NONE),
         shutdown_timeout=max(1, math.ceil(launcher.shutdown_grace_s)),
+        # SIGINT is ours (see _InterruptAsTerminate): the agent stops ranks with SIGTERM.
+        signals_to_handle="SIGTERM,SIGHUP,SIGQUIT",
     )
     _quiet_torch_elastic_logs()
     saved_env = dict(os.environ)
     os.environ.update(_child_env(spec_path, nproc))
     for name in _INHERITED_RENDEZVOUS_VARS:
         os.environ.pop(name, None)
+    interrupt = _InterruptAsTerminate()
     try:
-        elastic_launch(config, sys.executable)(*RANK_ENTRY, str(request.script), *request.script_args)
+        with interrupt:
+            elastic_launch(config, sys.executable)(*RANK_ENTRY, str(request.script), *request.script_args)
     except ChildFailedError as err:
+        if interrupt.received:
+            return EXIT_INTERRUPTED
         _report_failures(err)
         return EXIT_RANK_FAILED
     except SignalException as err:
         signum = int(err.sigval)
-        return EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signum
+        return EXIT_INTERRUPTED if interrupt.received or signum == signal.SIGINT else 128 + signum
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     finally:
@@ -158,6 +165,31 @@ def _elastic_run(request: LaunchRequest, spec: Spec, nproc: int, spec_path: Path
         os.environ.clear()
         os.environ.update(saved_env)
     return EXIT_OK
+
+
+class _InterruptAsTerminate:
+    """Ctrl-C while the elastic agent runs becomes a SIGTERM to the agent, which then stops the
+    ranks with SIGTERM. A rank that is still starting dies of it silently (its default action),
+    while a forwarded SIGINT would raise KeyboardInterrupt wherever the rank happens to be (an
+    import, a C++ callback) and print a traceback. Before the agent has its SIGTERM handler in
+    place, Ctrl-C stays a KeyboardInterrupt (no rank exists yet)."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _InterruptAsTerminate:
+        self._previous = signal.signal(signal.SIGINT, self._on_interrupt)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+    def _on_interrupt(self, signum: int, frame: object) -> None:
+        self.received = True
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _quiet_torch_elastic_logs() -> None:
