@@ -56,15 +56,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from bench_common import SEED, Batch, add_model_arguments, build_gpt, gpt_config, make_batches
 
 import runtime
 from runtime.chunks.manager import ChunkManager
-from runtime.data import LMBatches, stdlib_text_corpus
 from runtime.engine import Engine
-from runtime.models.gpt import GPT, GPTConfig
+from runtime.models.gpt import GPT
 from runtime.spec_io import SpecError
 
-SEED = 1234
 LR = 3e-4
 WEIGHT_DECAY = 0.1
 CHUNK_ALIGN_BYTES = 4096
@@ -82,8 +81,6 @@ TIMED_METHODS = {
 }
 # Timed when the engine has them: waits for (or undoing of) the speculative CPU Adam.
 OPTIONAL_METHODS = {"finish_speculation": OPTIMIZER, "discard_speculation": OPTIMIZER}
-
-Batch = dict[str, torch.Tensor]
 
 
 class ExclusiveTimer:
@@ -193,11 +190,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--layers", type=int, default=6, help="transformer blocks")
-    parser.add_argument("--width", type=int, default=512, help="model width (d_model)")
-    parser.add_argument("--heads", type=int, default=8, help="attention heads")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sample")
-    parser.add_argument("--batch", type=int, default=4, help="samples per step")
+    add_model_arguments(parser)
     parser.add_argument("--min-chunks", type=int, default=8, help="split the model into at least this many")
     parser.add_argument("--chunk-size", type=int, default=None, help="bytes per chunk (default: derived)")
     parser.add_argument(
@@ -225,27 +218,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_model(args: argparse.Namespace) -> GPT:
-    """The same initial weights on every call."""
-    torch.manual_seed(SEED)
-    config = GPTConfig(
-        vocab_size=256, seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads, d_model=args.width
-    )
-    return GPT(config)
-
-
-def make_batches(args: argparse.Namespace, count: int) -> list[Batch]:
-    data = LMBatches(
-        tokens=stdlib_text_corpus(),
-        seq_len=args.seq_len,
-        micro_batch_size=args.batch,
-        gradient_accumulation_steps=1,
-        world_size=1,
-        seed=SEED,
-    )
-    return [data.batch(update, 0, 0) for update in range(count)]
-
-
 def derive_chunk_size(model: GPT, min_chunks: int) -> int:
     """Bytes per chunk so that the fp32 model needs more than ``min_chunks`` chunks (whole
     parameters per chunk waste some room, so aim a little above) while its largest parameter
@@ -270,7 +242,7 @@ def quiet_initialize(args: argparse.Namespace, config: dict[str, Any], batch: Ba
     """``runtime.initialize`` with the plan table and progress lines sent to a buffer (the
     engine's console binds stdout when it is built)."""
     with contextlib.redirect_stdout(io.StringIO()):
-        return runtime.initialize(build_model(args), config=config, example_batch=batch)
+        return runtime.initialize(build_gpt(gpt_config(args)), config=config, example_batch=batch)
 
 
 def offloaded_engine(
@@ -339,7 +311,7 @@ def print_table(configs: Sequence[Config], *, header: str, args: argparse.Namesp
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     batches = make_batches(args, args.warmup + args.steps * args.repeats)
-    chunk_size = args.chunk_size or derive_chunk_size(build_model(args), args.min_chunks)
+    chunk_size = args.chunk_size or derive_chunk_size(build_gpt(gpt_config(args)), args.min_chunks)
     with tempfile.TemporaryDirectory(prefix="bench-offload-") as output_dir, contextlib.ExitStack() as stack:
         resident = quiet_initialize(args, job_spec(args, output_dir, {"chunk_size": chunk_size}), batches[0])
         stack.enter_context(resident)
@@ -377,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for config in configs:
             config.instrument()
         run_interleaved(configs, batches, args)
-    num_params = sum(p.numel() for p in build_model(args).parameters())
+    num_params = sum(p.numel() for p in build_gpt(gpt_config(args)).parameters())
     header = (
         f"Offloading every chunk vs keeping every chunk persistent; CPU figures (torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads), fp32\n"

@@ -29,22 +29,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from bench_common import SEED, Batch, add_model_arguments, build_gpt, gpt_config, make_batches
 
 import runtime
-from runtime.data import LMBatches, stdlib_text_corpus
 from runtime.engine import Engine
-from runtime.models.gpt import GPT, GPTConfig
+from runtime.models.gpt import GPT
 from runtime.param_groups import split_decay
 
-SEED = 1234
 LR = 3e-4
 BETAS = (0.9, 0.95)
 EPS = 1e-8
 WEIGHT_DECAY = 0.1
 NO_DECAY = ("bias", "norm")
 TARGET_RATIO = 1.03
-
-Batch = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -78,11 +75,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--layers", type=int, default=6, help="transformer blocks")
-    parser.add_argument("--width", type=int, default=512, help="model width (d_model)")
-    parser.add_argument("--heads", type=int, default=8, help="attention heads")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sample")
-    parser.add_argument("--batch", type=int, default=4, help="samples per step")
+    add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per candidate per repeat")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per candidate first")
@@ -96,31 +89,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
     return args
-
-
-def model_config(args: argparse.Namespace) -> GPTConfig:
-    return GPTConfig(
-        vocab_size=256, seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads, d_model=args.width
-    )
-
-
-def build_model(config: GPTConfig) -> GPT:
-    """The same initial weights on every call."""
-    torch.manual_seed(SEED)
-    return GPT(config)
-
-
-def make_batches(args: argparse.Namespace, count: int) -> list[Batch]:
-    """``count`` byte-level batches of Python's help text, fixed by the seed."""
-    data = LMBatches(
-        tokens=stdlib_text_corpus(),
-        seq_len=args.seq_len,
-        micro_batch_size=args.batch,
-        gradient_accumulation_steps=1,
-        world_size=1,
-        seed=SEED,
-    )
-    return [data.batch(update, 0, 0) for update in range(count)]
 
 
 def job_spec(args: argparse.Namespace, output_dir: str, **memory: Any) -> dict[str, Any]:
@@ -216,17 +184,17 @@ def print_table(plain: Candidate, ours: Candidate, *, args: argparse.Namespace, 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    config = model_config(args)
+    config = gpt_config(args)
     batches = make_batches(args, args.warmup + args.steps * args.repeats)
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as output_dir:
-        engine = quiet_initialize(build_model(config), job_spec(args, output_dir), batches[0])
+        engine = quiet_initialize(build_gpt(config), job_spec(args, output_dir), batches[0])
         plan = engine.plan
         if plan.n_persist != plan.num_chunks:
             raise SystemExit(
                 f"the resident plan keeps only {plan.n_persist} of {plan.num_chunks} chunks on the "
                 "device; free memory or set memory.device_budget so that every chunk is persistent"
             )
-        plain_model = build_model(config)
+        plain_model = build_gpt(config)
         num_params = sum(p.numel() for p in plain_model.parameters())
         plain = Candidate("plain PyTorch (AdamW fused)", plain_step(plain_model))
         chunks = f"{plan.num_chunks} chunk{'s' if plan.num_chunks != 1 else ''}"
