@@ -151,6 +151,13 @@ def make_plan(
 
     num_blocks = _count_blocks(model, memory)
     chosen = tuple(path for path in auto_fields(spec) if path.startswith("memory."))
+    element_size = compute_element_size(spec.precision)
+    largest = max(params, key=lambda info: info.numel)
+    if memory.chunk_size != AUTO and largest.numel * element_size > int(memory.chunk_size):
+        raise SpecError(
+            f"memory.chunk_size={memory.chunk_size} is too small: parameter {largest.name} takes "
+            f"{largest.numel * element_size:,} bytes in {spec.precision.value}; use at least that, or auto"
+        )
     try:
         return resident_plan(
             request=KnobRequest(
@@ -163,7 +170,7 @@ def make_plan(
                 block_modes=memory.block_modes,
             ),
             param_sizes=[(p.numel, p.trainable) for p in params],
-            element_size=compute_element_size(spec.precision),
+            element_size=element_size,
             num_blocks=num_blocks,
             world_size=world_size,
             micro_batch_size=spec.micro_batch_size,

@@ -153,3 +153,10 @@ def test_clipping_undoes_speculative_updates_and_matches(tmp_path: Path, specula
     else:
         assert engine.chunks.num_speculations == engine.chunks.num_restores == 0
     engine.close()
+
+
+def test_chunk_smaller_than_a_parameter_is_refused_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(
+        SpecError, match=r"memory.chunk_size=32768 is too small: parameter wte.weight takes 65,536"
+    ):
+        runtime.initialize(tiny_gpt(), config=job(tmp_path, chunk_size=32768))
