@@ -12,14 +12,25 @@ placeholder of the right shape filled with NaN (a stride-0 expansion of one elem
 gradient accumulation needs the parameter's shape even when its data is gone, and a stray read
 gives NaN, which the engine's non-finite check turns into an error.
 
-Gradients: a hook after each parameter's gradient accumulation copies the gradient into the
-chunk's gradient buffer; when every trainable parameter of a chunk has reported, the chunk is
-ready. Ready chunks are reduce-scattered into the fp32 shard gradient strictly in reverse chunk
-order, the same order on every rank, so collectives always pair up (chunks left incomplete by
-unused parameters are flushed, in that order, when backward ends).
+Transfers: one side stream (a worker thread on CPU) issues every collective in program order,
+so all ranks pair them up: gathers ahead of use (prefetch) and reduce-scatters during backward.
+The main thread only issues collectives after draining it. With offloaded chunks every rank must
+therefore run the same modules in a step (as with any ZeRO-3 implementation).
 
-The optimizer runs at the accumulation boundary (deferred, not speculative): the global norm is
-known then, clipping and fp16 overflow need no rollback, and the update is exactly AdamW's.
+Gradients: a hook after each parameter's gradient accumulation copies the gradient into the
+chunk's gradient buffer (one rank in fp32: straight into the fp32 shard); when every trainable
+parameter of a chunk has reported, the chunk is ready. Ready chunks are reduce-scattered into
+the fp32 shard gradient strictly in reverse chunk order, the same on every rank (chunks left
+incomplete by unused parameters are flushed, in that order, when backward ends).
+
+Optimizer: persistent chunks are updated at the accumulation boundary. Offloaded chunks are
+updated on a CPU-Adam thread during the window's last backward, as soon as their gradient is
+reduced (speculative: the global norm is not known yet). A snapshot of what the update changes
+is kept in the host arena and restored, and the update redone, when the clip triggers, the step
+is skipped, or another rank's gradient flags differ from the ones assumed. Measured on CPU
+(scripts/bench_offload.py): exposed optimizer time 0.0004 s/step speculative vs 0.042 s/step
+deferred, for 13 chunks of 7.3 MiB; the cost is one snapshot copy per update, plus a redo when
+clipping triggers. fp16 defers (its gradients are still scaled and often overflow).
 """
 
 from __future__ import annotations
