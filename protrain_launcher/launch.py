@@ -7,6 +7,7 @@ The resolved spec is written once as JSON into the run directory; ranks find it 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -21,6 +22,7 @@ from typing import Any
 
 from protrain_launcher.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_RANK_FAILED, LaunchRequest
 from protrain_launcher.env_names import LAUNCHER_PID_ENV
+from protrain_launcher.signal_hold import import_torch
 from runtime.spec import AUTO, Spec, auto_fields
 from runtime.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, write_resolved
 
@@ -55,6 +57,8 @@ def free_port(host: str) -> int:
 
 
 def launch(request: LaunchRequest, spec: Spec) -> int:
+    # Every later torch import is then a cache hit: none can swallow a Ctrl-C.
+    import_torch()
     nproc = resolve_nproc(spec.launcher.nproc_per_node)
     world_size = nproc * spec.launcher.nnodes
     auto = tuple(auto_fields(spec))
@@ -211,7 +215,7 @@ def _report_failures(err: object) -> None:
     if not failures:
         print("protrain-run: the job failed", file=sys.stderr)
         return
-    first_rank = min(failures, key=lambda rank: (failures[rank].timestamp, rank))
+    first_rank = min(failures, key=lambda rank: _cause_order(rank, failures[rank]))
     first = failures[first_rank]
     print(f"protrain-run: rank {first_rank} failed with {_how(first)}{_detail(first)}", file=sys.stderr)
     others = sorted(rank for rank in failures if rank != first_rank)
@@ -219,6 +223,20 @@ def _report_failures(err: object) -> None:
         print(
             f"protrain-run: stopped rank(s) {', '.join(map(str, others))} after that failure", file=sys.stderr
         )
+
+
+def _cause_order(rank: int, failure: Any) -> tuple[int, int, int]:
+    """Which failure caused the others. A rank that exited by itself with an error comes before
+    one the agent killed (a negative exit code: it was stopped, whatever it was printing then);
+    then the earlier error, by its error file's time in nanoseconds (the recorded timestamp has
+    whole seconds, so two ranks failing within a second would tie), then the lower rank."""
+    killed = 1 if getattr(failure, "exitcode", 1) < 0 else 0
+    when_ns = int(getattr(failure, "timestamp", 0)) * 1_000_000_000
+    error_file = getattr(failure, "error_file", "")
+    if error_file:
+        with contextlib.suppress(OSError):
+            when_ns = os.stat(error_file).st_mtime_ns
+    return killed, when_ns, rank
 
 
 def _how(failure: object) -> str:

@@ -16,6 +16,7 @@ import sys
 from types import FrameType
 
 from protrain_launcher.env_names import LAUNCHER_PID_ENV
+from protrain_launcher.signal_hold import import_torch
 
 _PR_SET_PDEATHSIG = 1
 
@@ -41,8 +42,9 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def run_script(script: str, args: list[str]) -> None:
-    # torch is imported only now, after the signal handlers are in place: a Ctrl-C while it
-    # imports ends the rank quietly like any other.
+    # torch is imported only now, after the signal handlers are in place, and with the stop
+    # signals held during the import (see signal_hold): a SIGTERM then still ends the rank quietly.
+    import_torch()
     from torch.distributed.elastic.multiprocessing.errors import record
 
     def run() -> None:
