@@ -1,0 +1,61 @@
+"""Which rank protrain-run names as the cause when several fail: the one that failed by itself,
+not the one the agent stopped afterwards (which often prints a peer-lost error of its own)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from protrain_launcher.launch import _report_failures
+
+
+@dataclass
+class Failure:
+    exitcode: int
+    timestamp: int
+    error_file: str
+    message: str
+
+    def signal_name(self) -> str:
+        return "SIGTERM" if self.exitcode == -15 else f"signal {-self.exitcode}"
+
+
+@dataclass
+class ChildFailed:
+    failures: dict[int, Failure]
+
+
+def _error_file(tmp_path: Path, name: str, mtime_ns: int) -> str:
+    path = tmp_path / name
+    path.write_text("{}")
+    os.utime(path, ns=(mtime_ns, mtime_ns))
+    return str(path)
+
+
+def test_the_rank_that_exited_is_named_before_one_the_agent_killed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    second = 1_700_000_000
+    stopped = Failure(-15, second, _error_file(tmp_path, "r0", second * 10**9 + 1), "RuntimeError: peer lost")
+    cause = Failure(1, second, _error_file(tmp_path, "r1", second * 10**9 + 9), "RuntimeError: boom")
+    _report_failures(ChildFailed({0: stopped, 1: cause}))
+    err = capsys.readouterr().err
+    assert "rank 1 failed with exit code 1: RuntimeError: boom" in err
+    assert "stopped rank(s) 0 after that failure" in err
+
+
+def test_within_one_second_the_earlier_error_file_wins(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    second = 1_700_000_000
+    later = Failure(
+        1, second, _error_file(tmp_path, "r0", second * 10**9 + 900_000_000), "RuntimeError: late"
+    )
+    earlier = Failure(
+        1, second, _error_file(tmp_path, "r1", second * 10**9 + 100_000_000), "RuntimeError: first"
+    )
+    _report_failures(ChildFailed({0: later, 1: earlier}))
+    assert "rank 1 failed with exit code 1: RuntimeError: first" in capsys.readouterr().err
