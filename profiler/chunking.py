@@ -127,3 +127,19 @@ def search_chunk_size(sizes: Sequence[tuple[int, bool]], element_size: int, worl
             best = key
     assert best is not None
     return -best[1]
+
+
+def min_buffers(packing: Packing, module_params: Sequence[Sequence[int]], n_persist: int) -> int:
+    """The fewest device chunk buffers with which every module can run: a module's own
+    parameters must be resident together, so it is the most non-persistent chunks one module's
+    parameters span (at least 1 when any chunk is offloaded; 0 when none is).
+
+    ``module_params``: per module, the indices (into the packed sequence) of its own parameters.
+    """
+    if n_persist >= packing.num_chunks:
+        return 0
+    need = 1
+    for members in module_params:
+        offloaded = {packing.placement[i][0] for i in members} - set(range(n_persist))
+        need = max(need, len(offloaded))
+    return need

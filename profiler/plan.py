@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
 
-from profiler.chunking import ChunkTooSmallError, pack, search_chunk_size
+from profiler.chunking import ChunkTooSmallError, min_buffers, pack, search_chunk_size
 
 PLAN_VERSION = 1
 
@@ -192,15 +192,20 @@ def resident_plan(
     device_budget_bytes: int,
     host_budget_bytes: int,
     chosen: tuple[str, ...],
+    module_params: Sequence[Sequence[int]] = (),
 ) -> Plan:
     """Fill every "auto" knob so that nothing leaves the device: all chunks persistent, no
-    buffers, every block kept. Hand-set knobs are kept as given.
+    buffers, every block kept. Hand-set knobs are kept as given; when a hand-set ``n_persist``
+    offloads chunks, an "auto" ``n_buffer`` is the fewest buffers every module needs plus one to
+    prefetch into (at most one per offloaded chunk).
 
     ``param_sizes``: (numel, trainable) of each unique parameter in execution order;
-    ``element_size``: bytes per element of the chunked (compute-precision) parameters."""
+    ``element_size``: bytes per element of the chunked (compute-precision) parameters;
+    ``module_params``: per module, the indices into ``param_sizes`` of its own parameters."""
     chunk_size = request.chunk_size or search_chunk_size(param_sizes, element_size, world_size)
     try:
-        num_chunks = pack(param_sizes, max(1, chunk_size // element_size), world_size).num_chunks
+        packing = pack(param_sizes, max(1, chunk_size // element_size), world_size)
+        num_chunks = packing.num_chunks
     except ChunkTooSmallError as err:
         raise ValueError(f"memory.chunk_size={_bytes(chunk_size)} is too small: {err}") from None
     if request.block_modes is not None:
@@ -224,6 +229,10 @@ def resident_plan(
         raise ValueError(
             f"memory.n_persist={n_persist} exceeds the model's {num_chunks} chunks of {_bytes(chunk_size)}"
         )
+    n_buffer = request.n_buffer
+    if n_buffer is None:
+        need = min_buffers(packing, module_params, n_persist)
+        n_buffer = min(need + 1, num_chunks - n_persist) if need else 0
     return Plan(
         world_size=world_size,
         micro_batch_size=micro_batch_size,
@@ -231,7 +240,7 @@ def resident_plan(
         chunk_size=chunk_size,
         num_chunks=num_chunks,
         n_persist=n_persist,
-        n_buffer=0 if request.n_buffer is None else request.n_buffer,
+        n_buffer=n_buffer,
         n_swap=modes.count(BlockMode.SWAP),
         n_checkpoint=modes.count(BlockMode.CHECKPOINT),
         n_offload=modes.count(BlockMode.SSD),

@@ -178,9 +178,24 @@ def make_plan(
             device_budget_bytes=budgets[0],
             host_budget_bytes=budgets[1],
             chosen=chosen,
+            module_params=_module_params(model, params),
         )
     except ValueError as err:
         raise SpecError(str(err)) from None
+
+
+def _module_params(model: nn.Module, params: tuple[ParamInfo, ...]) -> list[list[int]]:
+    """Per module, the indices into ``params`` of its own (not its children's) parameters."""
+    index_of_name = {name: i for i, info in enumerate(params) for name in (info.name, *info.aliases)}
+    index_of_id = {
+        id(param): index_of_name[name]
+        for name, param in model.named_parameters(remove_duplicate=False)
+        if name in index_of_name
+    }
+    return [
+        [index_of_id[id(param)] for param in module.parameters(recurse=False) if id(param) in index_of_id]
+        for module in model.modules()
+    ]
 
 
 COMPUTE_DTYPES = {
@@ -300,6 +315,7 @@ def _build_chunks(
             betas=optimizer.betas,
             eps=optimizer.eps,
             lr=optimizer.lr,
+            undo_snapshots=settings.gradient_clipping > 0,
         )
     except ValueError as err:
         raise SpecError(str(err)) from None

@@ -63,6 +63,20 @@ def test_resident_rule_keeps_everything_and_respects_hand_set_knobs() -> None:
     assert not hand.all_resident
 
 
+def test_auto_buffers_for_a_hand_set_n_persist_are_what_modules_need_plus_one_to_prefetch() -> None:
+    # Four 25 MiB parameters in 25 MiB chunks: one chunk each. Module 0 owns parameters 0-1,
+    # module 1 parameters 2-3, so a module spans two chunks.
+    modules = [[0, 1], [2, 3]]
+    plan = make_plan(request=KnobRequest(chunk_size=25 << 20, n_persist=0), module_params=modules)
+    assert (plan.num_chunks, plan.n_buffer) == (4, 3)
+    # Chunks 0-1 persistent: module 1 still needs two buffers; only two chunks are offloaded.
+    plan = make_plan(request=KnobRequest(chunk_size=25 << 20, n_persist=2), module_params=modules)
+    assert plan.n_buffer == 2
+    plan = make_plan(request=KnobRequest(chunk_size=25 << 20, n_persist=3), module_params=modules)
+    assert plan.n_buffer == 1
+    assert make_plan(request=KnobRequest(chunk_size=25 << 20), module_params=modules).n_buffer == 0
+
+
 def test_impossible_knobs_are_refused() -> None:
     with pytest.raises(ValueError, match="exceeds the model's 4 chunks"):
         make_plan(request=KnobRequest(chunk_size=25 << 20, n_persist=5))
