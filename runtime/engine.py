@@ -143,7 +143,10 @@ class Engine:
             scaled = scaled * self.loss_scaler.scale
         elif self.is_gradient_accumulation_boundary():
             # fp16 gradients are still scaled and often overflow: only fp32/bf16 speculate.
-            self.chunks.begin_last_backward(lr=self.lr)
+            self.chunks.begin_last_backward(
+                lr=self.lr,
+                local_nonfinite=bool(self._window_nonfinite > 0),
+            )
         try:
             scaled.backward()
         finally:

@@ -25,12 +25,16 @@ incomplete by unused parameters are flushed, in that order, when backward ends).
 
 Optimizer: persistent chunks are updated at the accumulation boundary. Offloaded chunks are
 updated on a CPU-Adam thread during the window's last backward, as soon as their gradient is
-reduced (speculative: the global norm is not known yet). A snapshot of what the update changes
-is kept in the host arena and restored, and the update redone, when the clip triggers, the step
-is skipped, or another rank's gradient flags differ from the ones assumed. Measured on CPU
+reduced (speculative: the global norm is not known yet). The ranks agree before that backward
+whether any saw a non-finite loss (then the step is skipped and nothing is updated early). With
+gradient clipping on, a snapshot of what the update changes is kept in the host arena and
+restored, and the update redone, when the clip triggers; without clipping nothing can undo an
+early update, so no snapshot is taken (no memory, no copy). A segment that had no gradient here
+but had one on another rank is updated at the boundary. Measured on CPU
 (scripts/bench_offload.py): exposed optimizer time 0.0004 s/step speculative vs 0.042 s/step
-deferred, for 13 chunks of 7.3 MiB; the cost is one snapshot copy per update, plus a redo when
-clipping triggers. fp16 defers (its gradients are still scaled and often overflow).
+deferred, for 13 chunks of 7.3 MiB; with clipping the cost is one snapshot copy per update,
+plus a redo when the clip triggers. fp16 defers (its gradients are still scaled and often
+overflow).
 """
 
 from __future__ import annotations
@@ -104,6 +108,8 @@ class Chunk:
         """Host copies of (master, exp_avg, exp_avg_sq, steps) taken before a speculative update."""
         self.speculated_active: list[bool] | None = None
         """The per-segment activity a speculative update assumed; None: not updated this window."""
+        self.speculation_undoable = False
+        """Whether ``snapshot`` holds the state from before this window's speculative update."""
 
     def move(self, target: Residency) -> None:
         self.residency = check_move(self.index, self.residency, target)
@@ -126,6 +132,7 @@ class ChunkManager:
         betas: tuple[float, float],
         eps: float,
         lr: float,
+        undo_snapshots: bool = True,
     ) -> None:
         self.model = model
         self.layout = layout
@@ -138,6 +145,9 @@ class ChunkManager:
         self.chunks = [Chunk(info, persistent=info.index < n_persist) for info in layout.chunks]
         self.n_buffer = n_buffer
         self._check_buffers()
+        self.undo_snapshots = undo_snapshots
+        """Snapshot what an early (speculative) update changes so it can be undone: needed only
+        when gradient clipping is on (see begin_last_backward)."""
         self.host_arena = self._build_host_arena()
         self._build_storage(weight_decay, betas=betas, eps=eps, lr=lr)
         self.slots = [
@@ -164,16 +174,17 @@ class ChunkManager:
         self.prefetch_depth = 0 if n_buffer <= 1 else n_buffer - 1
         self.speculative_cpu_adam = True
         """Update offloaded chunks during the window's last backward, as soon as their gradient
-        is reduced (restored from a snapshot when clipping, a skip or another rank says
-        otherwise); False defers every update to the accumulation boundary."""
+        is reduced (see begin_last_backward); False defers every update to the accumulation
+        boundary."""
         self._cpu_adam = SideStream(DeviceInfo(torch.device("cpu"), "gloo"), name="protrain-cpu-adam")
         self._speculation_lr: float | None = None
+        self._speculation_allowed: tuple[DeviceEvent, torch.Tensor] | None = None
         self._last_adam: DeviceEvent | None = None
         self.num_gathers = 0
+        """Gathers of non-persistent chunks into slots (a chunk reused from its slot is not one)."""
         self.num_speculations = 0
         self.num_restores = 0
-        """Speculative chunk updates undone (clip, skip, or a segment active on another rank)."""
-        """Gathers of non-persistent chunks into slots (a chunk reused from its slot is not one)."""
+        """Speculative chunk updates undone from their snapshot (a triggering clip)."""
         self._handles: list[Any] = []
         self._install_hooks()
         self.reset_backward()
@@ -204,11 +215,12 @@ class ChunkManager:
         offloaded = [c for c in self.chunks if not c.persistent]
         if not offloaded:
             return None
-        # fp32 master, gradient, two Adam moments and the snapshot of master and moments taken
-        # before a speculative update, per offloaded chunk's shard, each rounded up to a page
-        # (frozen chunks need less; unused arena is only address space).
+        # fp32 master, gradient, two Adam moments and, when early updates may be undone, the
+        # snapshot of master and moments, per offloaded chunk's shard, each rounded up to a page
+        # (frozen chunks need less; unused arena is only address space, but pinned on CUDA).
         shard_bytes = self.layout.shard_numel * 4 + 4096
-        return MmapArena(len(offloaded) * 7 * shard_bytes, pin=self.device.is_cuda)
+        per_chunk = 7 if self.undo_snapshots else 4
+        return MmapArena(len(offloaded) * per_chunk * shard_bytes, pin=self.device.is_cuda)
 
     def _build_storage(
         self, weight_decay: Sequence[float], *, betas: tuple[float, float], eps: float, lr: float
@@ -537,32 +549,53 @@ class ChunkManager:
 
     # ------------------------------------------------------------------ speculative CPU Adam
 
-    def begin_last_backward(self, *, lr: float) -> None:
+    def begin_last_backward(self, *, lr: float, local_nonfinite: bool) -> None:
         """The coming backward ends the accumulation window: update offloaded chunks as their
-        gradients arrive, overlapping the rest of backward (the engine calls this)."""
-        if self.speculative_cpu_adam and any(not c.persistent and c.info.trainable for c in self.chunks):
-            self._speculation_lr = lr
+        gradients arrive, overlapping the rest of backward (the engine calls this).
+
+        A non-finite loss on any rank skips the step, so the ranks first agree (one tiny
+        all-reduce, queued on the side stream ahead of the reductions) whether any had one; if so
+        nothing is updated early. The other undo, a triggering clip, needs a snapshot of what
+        each early update changes, kept when ``undo_snapshots`` says so (clipping is on).
+        Without it an early update is final; a parameter that had no gradient here but had one
+        on another rank is simply updated at the step (segments are updated independently)."""
+        if not (
+            self.speculative_cpu_adam and any(not c.persistent and c.info.trainable for c in self.chunks)
+        ):
+            return
+        flag = torch.tensor([1.0 if local_nonfinite else 0.0], dtype=torch.float64)
+        agreed = self._submit(lambda: all_reduce_sum_(flag, self.dist_ctx))
+        self._speculation_lr = lr
+        self._speculation_allowed = (agreed, flag)
 
     def _speculate(self, chunk: Chunk, reduced: DeviceEvent, active: list[bool], lr: float) -> None:
         """On the CPU-Adam thread: wait for the chunk's reduced gradient, keep a snapshot of what
-        the update changes, update. One thread, so it does not take the cores backward uses."""
+        the update changes when it may have to be undone, update. One thread, so it does not
+        take the cores backward uses."""
         torch.set_num_threads(1)
+        assert self._speculation_allowed is not None
+        agreed, any_nonfinite = self._speculation_allowed
+        agreed.wait()
+        if float(any_nonfinite) > 0:
+            return  # the step will be skipped on every rank
         reduced.wait()
         assert chunk.optimizer is not None and chunk.grad_shard is not None and chunk.master is not None
         optimizer = chunk.optimizer
-        if chunk.snapshot is None:
-            chunk.snapshot = tuple(
-                self._host_like(t) for t in (chunk.master, optimizer.exp_avg, optimizer.exp_avg_sq)
-            )
-            chunk.snapshot += (optimizer.steps.clone(),)
-        for saved, live in zip(
-            chunk.snapshot,
-            (chunk.master, optimizer.exp_avg, optimizer.exp_avg_sq, optimizer.steps),
-            strict=True,
-        ):
-            saved.copy_(live)
+        if self.undo_snapshots:
+            if chunk.snapshot is None:
+                chunk.snapshot = tuple(
+                    self._host_like(t) for t in (chunk.master, optimizer.exp_avg, optimizer.exp_avg_sq)
+                )
+                chunk.snapshot += (optimizer.steps.clone(),)
+            for saved, live in zip(
+                chunk.snapshot,
+                (chunk.master, optimizer.exp_avg, optimizer.exp_avg_sq, optimizer.steps),
+                strict=True,
+            ):
+                saved.copy_(live)
         optimizer.step_(chunk.grad_shard, active, lr=lr)
         chunk.speculated_active = active
+        chunk.speculation_undoable = self.undo_snapshots
         self.num_speculations += 1
 
     def _host_like(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -586,6 +619,11 @@ class ChunkManager:
     def _restore(self, chunk: Chunk) -> None:
         if chunk.speculated_active is None:
             return
+        if not chunk.speculation_undoable:
+            raise RuntimeError(
+                f"chunk {chunk.info.index} was updated early without a snapshot and cannot be undone "
+                "(early updates keep one only when gradient clipping is on)"
+            )
         assert chunk.snapshot is not None and chunk.optimizer is not None and chunk.master is not None
         optimizer = chunk.optimizer
         for saved, live in zip(
@@ -628,11 +666,14 @@ class ChunkManager:
         for chunk in self.trainable_chunks():
             assert chunk.optimizer is not None and chunk.grad_shard is not None
             wanted = [bool(active[s.param]) for s in chunk.segments]
-            if chunk.speculated_active is not None:
-                if chunk.speculated_active == wanted:
-                    chunk.speculated_active = None
+            speculated = chunk.speculated_active
+            chunk.speculated_active = None
+            if speculated is not None:
+                # Only another rank's gradient can make a segment active that was not active
+                # here; such a segment was left untouched early, so update just those now.
+                wanted = [want and not done for want, done in zip(wanted, speculated, strict=True)]
+                if not any(wanted):
                     continue
-                self._restore(chunk)
             chunk.optimizer.step_(chunk.grad_shard, wanted, lr=lr)
         self.refresh_full_copies()
 

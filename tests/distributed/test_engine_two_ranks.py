@@ -82,10 +82,25 @@ def test_two_ranks_match_plain_pytorch(
     assert mean_losses == pytest.approx(ref_losses, rel=1e-5)
 
 
-def nonfinite_on_rank_one(*, rank: int, output_dir: str, policy: str) -> dict[str, Any]:
+OFFLOAD = pytest.mark.parametrize("offload", [False, True], ids=["resident", "offloaded"])
+"""Every chunk on the device, or every chunk offloaded (their CPU Adam updates early, during the
+last backward, which a skip or another rank's gradient must not get wrong)."""
+
+
+def _memory(offload: bool) -> dict[str, Any]:
+    return {"memory": {"n_persist": 0}} if offload else {}
+
+
+def nonfinite_on_rank_one(*, rank: int, output_dir: str, policy: str, offload: bool) -> dict[str, Any]:
     import runtime
 
-    config = {"seed": 3, "micro_batch_size": 2, "on_nonfinite_loss": policy, "output_dir": output_dir}
+    config = {
+        "seed": 3,
+        "micro_batch_size": 2,
+        "on_nonfinite_loss": policy,
+        "output_dir": output_dir,
+        **_memory(offload),
+    }
     engine = runtime.initialize(tiny_gpt(0), config=config)
     data = lm_batches(micro_batch_size=2, accumulation=1, world_size=2)
     before = engine.state_dict()
@@ -103,6 +118,7 @@ def nonfinite_on_rank_one(*, rank: int, output_dir: str, policy: str) -> dict[st
     result = {
         "updated": updated,
         "unchanged": unchanged,
+        "early_updates": engine.chunks.num_speculations,
         "global_step": engine.global_step,
         "skipped": engine.skipped_steps,
         "state": engine.state_dict(),
@@ -111,20 +127,25 @@ def nonfinite_on_rank_one(*, rank: int, output_dir: str, policy: str) -> dict[st
     return result
 
 
-def test_nonfinite_loss_on_one_rank_is_skipped_on_both(rank_pool: RankPool, tmp_path: Path) -> None:
-    results = rank_pool.run(nonfinite_on_rank_one, output_dir=str(tmp_path), policy="skip")
+@OFFLOAD
+def test_nonfinite_loss_on_one_rank_is_skipped_on_both(
+    rank_pool: RankPool, tmp_path: Path, offload: bool
+) -> None:
+    results = rank_pool.run(nonfinite_on_rank_one, output_dir=str(tmp_path), policy="skip", offload=offload)
     for result in results:
         assert result["updated"] is False and result["unchanged"]
         assert (result["global_step"], result["skipped"]) == (1, 1)
+        if offload:  # the skipped step updated nothing early; the next one did
+            assert 0 < result["early_updates"] == results[0]["early_updates"]
     assert_state_equal(results[1]["state"], results[0]["state"])
 
 
 def test_nonfinite_loss_on_one_rank_raises_on_both(rank_pool: RankPool, tmp_path: Path) -> None:
-    results = rank_pool.run(nonfinite_on_rank_one, output_dir=str(tmp_path), policy="raise")
+    results = rank_pool.run(nonfinite_on_rank_one, output_dir=str(tmp_path), policy="raise", offload=True)
     assert all("non-finite loss in 1 of 2 micro-batches" in r["raised"] for r in results)
 
 
-def branch_on_rank_zero_only(*, rank: int, output_dir: str) -> dict[str, torch.Tensor]:
+def branch_on_rank_zero_only(*, rank: int, output_dir: str, offload: bool) -> dict[str, torch.Tensor]:
     """A parameter that gets a gradient on rank 0 only, and one that gets none anywhere."""
     from torch import nn
 
@@ -132,9 +153,8 @@ def branch_on_rank_zero_only(*, rank: int, output_dir: str) -> dict[str, torch.T
 
     torch.manual_seed(5)
     model = nn.ModuleDict({"trunk": nn.Linear(4, 4), "branch": nn.Linear(4, 4), "never": nn.Linear(4, 4)})
-    engine = runtime.initialize(
-        model, config={"seed": 1, "optimizer": {"lr": 0.1, "weight_decay": 0.1}, "output_dir": output_dir}
-    )
+    config = {"seed": 1, "optimizer": {"lr": 0.1, "weight_decay": 0.1}, "output_dir": output_dir}
+    engine = runtime.initialize(model, config={**config, **_memory(offload)})
     torch.manual_seed(10 + rank)
     x = torch.randn(3, 4)
     for _ in range(3):
@@ -148,8 +168,9 @@ def branch_on_rank_zero_only(*, rank: int, output_dir: str) -> dict[str, torch.T
     return state
 
 
-def test_parameter_used_on_one_rank_only(rank_pool: RankPool, tmp_path: Path) -> None:
-    results = rank_pool.run(branch_on_rank_zero_only, output_dir=str(tmp_path))
+@OFFLOAD
+def test_parameter_used_on_one_rank_only(rank_pool: RankPool, tmp_path: Path, offload: bool) -> None:
+    results = rank_pool.run(branch_on_rank_zero_only, output_dir=str(tmp_path), offload=offload)
     assert_state_equal(results[1], results[0])
     torch.manual_seed(5)
     from torch import nn
@@ -189,7 +210,7 @@ def failing_body(*, rank: int) -> None:
 def test_pool_reports_a_failing_rank_and_recovers(rank_pool: RankPool, tmp_path: Path) -> None:
     with pytest.raises(RemoteError, match="boom on rank 1"):
         rank_pool.run(failing_body)
-    results = rank_pool.run(nonfinite_on_rank_one, output_dir=str(tmp_path), policy="skip")
+    results = rank_pool.run(nonfinite_on_rank_one, output_dir=str(tmp_path), policy="skip", offload=False)
     assert len(results) == 2
 
 

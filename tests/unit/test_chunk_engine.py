@@ -59,6 +59,8 @@ def test_offloaded_chunks_train_exactly_like_plain_pytorch(
         # Offloaded chunks were updated during backward, never undone (no clip, no skip).
         assert engine.chunks.num_speculations == STEPS * (NUM_CHUNKS - n_persist)
         assert engine.chunks.num_restores == 0
+        # Without clipping nothing can undo them: no snapshot was taken.
+        assert all(chunk.snapshot is None for chunk in engine.chunks.chunks)
     engine.close()
 
 
