@@ -88,3 +88,17 @@ def broadcast_module_(module: nn.Module, ctx: DistContext) -> None:
 def destroy(ctx: DistContext) -> None:
     if ctx.owns_group and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def all_gather_flat(output: torch.Tensor, shard: torch.Tensor) -> None:
+    """Every rank's ``shard`` concatenated into ``output`` (world size x shard elements)."""
+    # torch 2.13 renamed the flat collectives and warns on the old names, which are all that
+    # torch 2.4-2.12 have.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, shard)
+
+
+def reduce_scatter_flat(output: torch.Tensor, flat: torch.Tensor) -> None:
+    """The sum over ranks of ``flat``, this rank's slice of it into ``output``."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(output, flat)

@@ -46,14 +46,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from runtime.chunks.layout import ChunkInfo, ChunkLayout
 from runtime.chunks.residency import Residency, check_move
 from runtime.cpu_adam import ShardAdamW
 from runtime.device import DeviceEvent, DeviceInfo, MmapArena, SideStream
-from runtime.distributed import DistContext, all_reduce_sum_
+from runtime.distributed import DistContext, all_gather_flat, all_reduce_sum_, reduce_scatter_flat
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,7 +383,7 @@ class ChunkManager:
         if self.dist_ctx.world_size == 1:
             out.copy_(shard)
         else:
-            dist.all_gather_into_tensor(out, shard)
+            all_gather_flat(out, shard)
 
     def resident_chunks(self) -> list[int]:
         return [c.index for c in self.chunks if c.residency is Residency.RESIDENT]
@@ -531,7 +530,7 @@ class ChunkManager:
             grad_shard.add_(buffer.to(grad_shard.device, torch.float32))
             return
         reduced = torch.empty(self.layout.shard_numel, dtype=self.compute_dtype, device=self.device.device)
-        dist.reduce_scatter_tensor(reduced, buffer)
+        reduce_scatter_flat(reduced, buffer)
         reduced.div_(world)
         grad_shard.add_(reduced.to(grad_shard.device, torch.float32))
 
@@ -716,7 +715,7 @@ class ChunkManager:
                 full = shard.clone()
             else:
                 full = torch.empty(self.layout.chunk_numel, dtype=shard.dtype, device=self.device.device)
-                dist.all_gather_into_tensor(full, shard)
+                all_gather_flat(full, shard)
             for index in chunk.info.params:
                 info = self.layout.params[index]
                 offset = self.layout.slots[index].offset
