@@ -143,3 +143,21 @@ def min_buffers(packing: Packing, module_params: Sequence[Sequence[int]], n_pers
         offloaded = {packing.placement[i][0] for i in members} - set(range(n_persist))
         need = max(need, len(offloaded))
     return need
+
+
+def min_buffers_by_persist(packing: Packing, module_params: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """``min_buffers`` for every ``n_persist`` in [0, num_chunks], in one pass over the modules."""
+    n = packing.num_chunks
+    # most[c]: the largest count j such that some module's j-th chunk from its last is chunk c;
+    # with the first n_persist chunks persistent, that module spans j offloaded chunks if c >= n_persist.
+    most = [0] * n
+    for members in module_params:
+        chunks = sorted({packing.placement[i][0] for i in members})
+        for j, chunk in enumerate(reversed(chunks), start=1):
+            most[chunk] = max(most[chunk], j)
+    need = [0] * (n + 1)
+    running = 0
+    for p in range(n - 1, -1, -1):
+        running = max(running, most[p])
+        need[p] = max(1, running)
+    return tuple(need)

@@ -1,0 +1,259 @@
+"""Predicted step time and peak memory of a plan, from saved profiles (ProTrain's cost model).
+
+Pure functions over ``ModelProfile`` and ``HardwareProfile``; no torch, nothing of the runtime.
+
+Time (one micro-batch; PAPERS.md "Cost models"), with chunks in execution order and the first
+``n_persist`` of them persistent::
+
+    step     = forward + max(backward + device_adam, cpu_adam)     # CPU Adam overlaps backward
+    forward  = sum over chunks: persistent  fwd(c)
+                                offloaded   max(fwd(c), fetch(c))   with a spare buffer to
+                                            fwd(c) + fetch(c)       prefetch into, else serial
+    backward = sum over chunks, in reverse: persistent       max(bwd(c), reduce(c))
+                                            still in a buffer max(bwd(c), reduce(c) + offload(c))
+                                            re-fetched        max(bwd(c), fetch(c) + reduce(c) + offload(c))
+                                                              (serial: bwd(c) + fetch(c))
+    fetch(c)  = shard bytes / host->device + (world > 1) all-gather of the chunk + latency
+    reduce(c) = (world > 1) reduce-scatter of the chunk's gradient + latency
+    offload(c)= gradient shard bytes / device->host
+
+``fwd(c)``/``bwd(c)`` share each block's measured time among the chunks holding its parameters,
+in proportion to parameter elements (time outside the blocks goes to parameters outside them,
+or stays a constant when there are none). The last ``n_buffer`` offloaded chunks are still in a
+buffer when forward ends and are reused by backward without a fetch.
+
+Peak device memory (bytes per rank)::
+
+    persistent chunks  full compute copy + fp32 master shard (shared with the copy for one rank
+                       in fp32) + fp32 gradient shard + two fp32 Adam moments (frozen: a shard
+                       in compute precision)
+    + n_buffer x chunk + gradient buffers in flight (two chunks; none when every gradient goes
+      straight into a persistent fp32 shard) + saved activations + the transient peak
+
+Host memory: the offloaded chunks' fp32 master, gradient and moment shards (plus a snapshot of
+master and moments when early CPU Adam updates may be undone, i.e. with gradient clipping).
+Every formula is O(1) per plan: per chunk size, ``chunk_costs`` builds prefix sums once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+from profiler.chunking import Packing, min_buffers_by_persist, pack
+from profiler.profile import HardwareProfile, ModelProfile
+
+GRADIENT_BUFFERS_IN_FLIGHT = 2
+"""Chunk-sized gradient buffers alive at once: one being accumulated, one being reduced."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkCosts:
+    """Everything about one chunk size that the formulas need, as prefix sums over the chunks
+    in execution order (index i holds the sum over chunks [0, i))."""
+
+    chunk_size: int
+    chunk_numel: int
+    shard_numel: int
+    num_chunks: int
+    world_size: int
+    element_size: int
+    need: tuple[int, ...]
+    """Fewest buffers for each n_persist in [0, num_chunks] (0 at num_chunks)."""
+    fwd: tuple[float, ...]
+    fwd_overlapped: tuple[float, ...]
+    fwd_serial: tuple[float, ...]
+    bwd_persistent: tuple[float, ...]
+    bwd_reused: tuple[float, ...]
+    bwd_fetched: tuple[float, ...]
+    bwd_fetched_serial: tuple[float, ...]
+    adam_params: tuple[float, ...]
+    persistent_bytes: tuple[int, ...]
+    host_bytes: tuple[int, ...]
+    """Host bytes of chunks [0, i) if they were offloaded (suffix = total - prefix)."""
+    snapshot_bytes: tuple[int, ...]
+    unattributed_forward_s: float
+    unattributed_backward_s: float
+    direct_grads_possible: bool
+    """One rank in fp32: persistent chunks' gradients need no chunk-sized buffer."""
+    activation_bytes: int
+    transient_bytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Prediction:
+    step_s: float
+    forward_s: float
+    backward_s: float
+    device_adam_s: float
+    cpu_adam_s: float
+    peak_device_bytes: int
+    host_bytes: int
+    persistent_bytes: int
+    buffer_bytes: int
+    gradient_buffer_bytes: int
+    activation_bytes: int
+    transient_bytes: int
+
+
+def chunk_costs(model: ModelProfile, hardware: HardwareProfile, chunk_size: int) -> ChunkCosts:
+    """Pack the parameters at ``chunk_size`` bytes and precompute the per-chunk terms."""
+    e = model.element_size
+    world = hardware.world_size
+    packing = pack(model.param_sizes, max(1, chunk_size // e), world)
+    fwd_c, bwd_c, rest_f, rest_b = _compute_per_chunk(model, packing)
+    chunk_numel = packing.chunk_numel
+    shard = chunk_numel // world
+    chunk_bytes = chunk_numel * e
+    latency = hardware.collective_latency_s if world > 1 else 0.0
+    gather = chunk_bytes / hardware.all_gather_bytes_per_s + latency if world > 1 else 0.0
+    scatter = chunk_bytes / hardware.reduce_scatter_bytes_per_s + latency if world > 1 else 0.0
+    fetch = shard * e / hardware.h2d_bytes_per_s + gather
+    offload = shard * e / hardware.d2h_bytes_per_s
+    alias = world == 1 and e == 4
+    rows: dict[str, list[float]] = {name: [] for name in _PREFIXED}
+    for index, chunk in enumerate(packing.chunks):
+        f, b = fwd_c[index], bwd_c[index]
+        reduce = scatter if chunk.trainable else 0.0
+        off = offload if chunk.trainable else 0.0
+        rows["fwd"].append(f)
+        rows["fwd_overlapped"].append(max(f, fetch))
+        rows["fwd_serial"].append(f + fetch)
+        rows["bwd_persistent"].append(max(b, reduce))
+        rows["bwd_reused"].append(max(b, reduce + off))
+        rows["bwd_fetched"].append(max(b, fetch + reduce + off))
+        rows["bwd_fetched_serial"].append(max(b + fetch, reduce + off))
+        rows["adam_params"].append(chunk.used / world if chunk.trainable else 0.0)
+        if chunk.trainable:
+            rows["persistent_bytes"].append(chunk_bytes + shard * ((0 if alias else 4) + 4 + 8))
+            rows["host_bytes"].append(shard * 16)
+            rows["snapshot_bytes"].append(shard * 12)
+        else:
+            rows["persistent_bytes"].append(chunk_bytes + shard * e)
+            rows["host_bytes"].append(shard * e)
+            rows["snapshot_bytes"].append(0)
+    need = min_buffers_by_persist(packing, model.module_params)
+    prefixed = {name: tuple(accumulate(values, initial=0)) for name, values in rows.items()}
+    return ChunkCosts(
+        chunk_size=chunk_size,
+        chunk_numel=chunk_numel,
+        shard_numel=shard,
+        num_chunks=packing.num_chunks,
+        world_size=world,
+        element_size=e,
+        need=need,
+        unattributed_forward_s=rest_f,
+        unattributed_backward_s=rest_b,
+        direct_grads_possible=alias,
+        activation_bytes=model.activation_bytes,
+        transient_bytes=model.transient_bytes,
+        **{k: tuple(int(v) for v in vs) if k.endswith("bytes") else vs for k, vs in prefixed.items()},  # type: ignore[arg-type]
+    )
+
+
+_PREFIXED = (
+    "fwd",
+    "fwd_overlapped",
+    "fwd_serial",
+    "bwd_persistent",
+    "bwd_reused",
+    "bwd_fetched",
+    "bwd_fetched_serial",
+    "adam_params",
+    "persistent_bytes",
+    "host_bytes",
+    "snapshot_bytes",
+)
+
+
+def _compute_per_chunk(
+    model: ModelProfile, packing: Packing
+) -> tuple[list[float], list[float], float, float]:
+    """Forward and backward seconds per chunk; plus time no parameter can carry."""
+    block_numel = [0] * len(model.blocks)
+    other_numel = 0
+    for (numel, _), block in zip(model.param_sizes, model.param_block, strict=True):
+        if block >= 0:
+            block_numel[block] += numel
+        else:
+            other_numel += numel
+    fwd = [0.0] * packing.num_chunks
+    bwd = [0.0] * packing.num_chunks
+    for index, (numel, _) in enumerate(model.param_sizes):
+        chunk = packing.placement[index][0]
+        block = model.param_block[index]
+        if block >= 0:
+            share = numel / block_numel[block]
+            fwd[chunk] += model.blocks[block].forward_s * share
+            bwd[chunk] += model.blocks[block].backward_s * share
+        else:
+            fwd[chunk] += model.other_forward_s * numel / other_numel
+            bwd[chunk] += model.other_backward_s * numel / other_numel
+    rest_f = sum(b.forward_s for b, n in zip(model.blocks, block_numel, strict=True) if n == 0)
+    rest_b = sum(b.backward_s for b, n in zip(model.blocks, block_numel, strict=True) if n == 0)
+    if other_numel == 0:
+        rest_f += model.other_forward_s
+        rest_b += model.other_backward_s
+    return fwd, bwd, rest_f, rest_b
+
+
+def _span(prefix: Sequence[float], start: int, stop: int) -> float:
+    return prefix[stop] - prefix[start]
+
+
+def predict(
+    model: ModelProfile,
+    hardware: HardwareProfile,
+    costs: ChunkCosts,
+    *,
+    n_persist: int,
+    n_buffer: int,
+    undo_snapshots: bool = False,
+) -> Prediction:
+    """Step time and memory of the plan (``costs.chunk_size``, ``n_persist``, ``n_buffer``),
+    every block keeping its activations."""
+    n = costs.num_chunks
+    p = n_persist
+    if not 0 <= p <= n:
+        raise ValueError(f"n_persist={p} is outside [0, {n}]")
+    if p < n and n_buffer < costs.need[p]:
+        raise ValueError(f"n_buffer={n_buffer} is below the {costs.need[p]} buffers n_persist={p} needs")
+    prefetch = n_buffer >= 2
+    reused = min(n_buffer, n - p)
+    forward = _span(costs.fwd, 0, p) + _span(costs.fwd_overlapped if prefetch else costs.fwd_serial, p, n)
+    fetched = costs.bwd_fetched if prefetch else costs.bwd_fetched_serial
+    backward = (
+        _span(costs.bwd_persistent, 0, p)
+        + _span(fetched, p, n - reused)
+        + _span(costs.bwd_reused, n - reused, n)
+    )
+    forward += costs.unattributed_forward_s
+    backward += costs.unattributed_backward_s
+    device_adam = _span(costs.adam_params, 0, p) / hardware.device_adam_params_per_s
+    cpu_adam = _span(costs.adam_params, p, n) / hardware.cpu_adam_params_per_s
+    step = forward + max(backward + device_adam, cpu_adam)
+
+    chunk_bytes = costs.chunk_numel * costs.element_size
+    persistent = int(_span(costs.persistent_bytes, 0, p))
+    buffers = (n_buffer if p < n else 0) * chunk_bytes
+    direct = costs.direct_grads_possible and p == n
+    gradient_buffers = 0 if direct else min(GRADIENT_BUFFERS_IN_FLIGHT, n) * chunk_bytes
+    host = int(_span(costs.host_bytes, p, n))
+    if undo_snapshots:
+        host += int(_span(costs.snapshot_bytes, p, n))
+    peak = persistent + buffers + gradient_buffers + costs.activation_bytes + costs.transient_bytes
+    return Prediction(
+        step_s=step,
+        forward_s=forward,
+        backward_s=backward,
+        device_adam_s=device_adam,
+        cpu_adam_s=cpu_adam,
+        peak_device_bytes=peak,
+        host_bytes=host,
+        persistent_bytes=persistent,
+        buffer_bytes=buffers,
+        gradient_buffer_bytes=gradient_buffers,
+        activation_bytes=costs.activation_bytes,
+        transient_bytes=costs.transient_bytes,
+    )

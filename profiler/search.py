@@ -1,0 +1,238 @@
+"""The knob search: the fastest plan whose predicted memory fits, the runners-up, and what binds.
+
+Enumerates chunk size x ``n_persist`` x ``n_buffer`` (every block keeps its activations until the
+activation engine lands; its knobs then join the same loop). Knobs set by hand stay fixed.
+
+Pruning, memory first (PAPERS.md "Search"): for one chunk size, device memory grows with
+``n_buffer`` at fixed ``n_persist``, so the buffer loop stops at the first plan that does not
+fit; and the smallest plan at ``n_persist + 1`` never needs less than the smallest at
+``n_persist`` (a persistent chunk takes at least a buffer's bytes and frees at most one buffer),
+so the ``n_persist`` loop stops at the first ``n_persist`` whose smallest plan does not fit.
+Pruning never drops a plan that fits, so the result equals a brute-force search, and a larger
+budget never gives a slower best plan.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from profiler.chunking import ChunkTooSmallError, candidate_chunk_bytes
+from profiler.cost_model import ChunkCosts, Prediction, chunk_costs, predict
+from profiler.profile import HardwareProfile, ModelProfile
+
+MEMORY_MARGIN = 0.05
+"""Predicted device peak times (1 + margin) must fit the budget: allocator slack and what the
+profile did not see."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Candidate:
+    chunk_size: int
+    num_chunks: int
+    n_persist: int
+    n_buffer: int
+    prediction: Prediction
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchResult:
+    best: Candidate
+    runners_up: tuple[Candidate, ...]
+    binding: str
+    """What keeps the best plan from being faster, in words."""
+    evaluated: int
+    """Plans whose cost was predicted."""
+    elapsed_s: float
+
+
+class NoPlanFitsError(ValueError):
+    """No plan fits; the message says by how much and what would make one fit."""
+
+
+def search(
+    model: ModelProfile,
+    hardware: HardwareProfile,
+    *,
+    device_budget: int,
+    host_budget: int,
+    chunk_size: int | None = None,
+    n_persist: int | None = None,
+    n_buffer: int | None = None,
+    undo_snapshots: bool = False,
+    margin: float = MEMORY_MARGIN,
+    keep: int = 3,
+) -> SearchResult:
+    """The fastest plan that fits ``device_budget`` and ``host_budget`` (bytes per rank);
+    ``chunk_size``/``n_persist``/``n_buffer``, when given, are fixed."""
+    started = time.perf_counter()
+    all_costs = list(_costs_by_size(model, hardware, chunk_size))
+    evaluated = 0
+    fitting: list[Candidate] = []
+    smallest: Candidate | None = None
+
+    def device_fits(prediction: Prediction) -> bool:
+        return prediction.peak_device_bytes * (1 + margin) <= device_budget
+
+    for costs in all_costs:
+        n = costs.num_chunks
+        if n_persist is not None and n_persist > n:
+            raise NoPlanFitsError(
+                f"memory.n_persist={n_persist} exceeds the model's {n} chunks of {_size(costs.chunk_size)}"
+            )
+        for p in range(n + 1) if n_persist is None else [n_persist]:
+            if p == n:
+                buffer_range: Iterable[int] = [0]
+            elif n_buffer is not None:
+                buffer_range = [n_buffer] if n_buffer >= costs.need[p] else []
+            else:
+                buffer_range = range(costs.need[p], n - p + 1)
+            device_full = False
+            for position, b in enumerate(buffer_range):
+                prediction = predict(
+                    model, hardware, costs, n_persist=p, n_buffer=b, undo_snapshots=undo_snapshots
+                )
+                evaluated += 1
+                candidate = Candidate(
+                    chunk_size=costs.chunk_size, num_chunks=n, n_persist=p, n_buffer=b, prediction=prediction
+                )
+                if position == 0 and (smallest is None or _memory(candidate) < _memory(smallest)):
+                    smallest = candidate
+                if not device_fits(prediction):
+                    device_full = position == 0
+                    break  # more buffers only need more device memory
+                if prediction.host_bytes > host_budget:
+                    break  # the same host bytes for every buffer count
+                fitting.append(candidate)
+            if device_full:
+                break  # the smallest plan at this n_persist does not fit: nor will larger ones
+    elapsed = time.perf_counter() - started
+    if not fitting:
+        raise NoPlanFitsError(
+            _nothing_fits(
+                smallest,
+                device_budget,
+                host_budget,
+                margin,
+                hand_set=_hand_set(chunk_size, n_persist, n_buffer),
+            )
+        )
+    ranked = sorted(fitting, key=_rank)
+    best = ranked[0]
+    return SearchResult(
+        best=best,
+        runners_up=tuple(ranked[1 : 1 + keep]),
+        binding=_binding(
+            best,
+            all_costs,
+            model,
+            hardware,
+            device_budget,
+            host_budget,
+            margin,
+            undo_snapshots,
+            n_persist,
+            n_buffer,
+        ),
+        evaluated=evaluated,
+        elapsed_s=elapsed,
+    )
+
+
+def _costs_by_size(
+    model: ModelProfile, hardware: HardwareProfile, chunk_size: int | None
+) -> Iterable[ChunkCosts]:
+    if chunk_size is not None:
+        yield chunk_costs(model, hardware, chunk_size)
+        return
+    e = model.element_size
+    total = sum(numel for numel, _ in model.param_sizes) * e
+    largest = max((numel for numel, _ in model.param_sizes), default=1) * e
+    for size in candidate_chunk_bytes(total, largest):
+        try:
+            yield chunk_costs(model, hardware, size)
+        except ChunkTooSmallError:
+            continue
+
+
+def _rank(candidate: Candidate) -> tuple[float, int, int]:
+    """Fastest first; among equals, less device memory, then larger chunks (fewer collectives)."""
+    return (candidate.prediction.step_s, candidate.prediction.peak_device_bytes, -candidate.chunk_size)
+
+
+def _memory(candidate: Candidate) -> int:
+    return candidate.prediction.peak_device_bytes
+
+
+def _hand_set(chunk_size: int | None, n_persist: int | None, n_buffer: int | None) -> list[str]:
+    named = {"memory.chunk_size": chunk_size, "memory.n_persist": n_persist, "memory.n_buffer": n_buffer}
+    return [name for name, value in named.items() if value is not None]
+
+
+def _nothing_fits(
+    smallest: Candidate | None, device_budget: int, host_budget: int, margin: float, *, hand_set: list[str]
+) -> str:
+    if smallest is None:
+        return "no plan can be formed with the hand-set knobs " + ", ".join(hand_set)
+    p = smallest.prediction
+    needed = int(p.peak_device_bytes * (1 + margin))
+    fixed = f" (with hand-set {', '.join(hand_set)})" if hand_set else ""
+    if needed > device_budget:
+        return (
+            f"no plan fits the device budget of {_size(device_budget)} per rank{fixed}: the smallest, "
+            f"chunk_size {_size(smallest.chunk_size)} with n_persist={smallest.n_persist} and "
+            f"n_buffer={smallest.n_buffer}, needs {_size(needed)} ({_size(needed - device_budget)} more), of "
+            f"which saved activations {_size(p.activation_bytes)}, "
+            f"transient peak {_size(p.transient_bytes)}, "
+            f"chunk buffers {_size(p.buffer_bytes + p.gradient_buffer_bytes)}, persistent chunks "
+            f"{_size(p.persistent_bytes)}; lower micro_batch_size (activations grow with it) or raise "
+            "memory.device_budget" + ("; or let the hand-set knobs be auto" if hand_set else "")
+        )
+    return (
+        f"no plan fits the host budget of {_size(host_budget)} per rank{fixed}: the offloaded model "
+        f"state needs {_size(p.host_bytes)} ({_size(p.host_bytes - host_budget)} more); raise "
+        "memory.host_budget or use more ranks (each holds 1/world of it)"
+    )
+
+
+def _binding(
+    best: Candidate,
+    all_costs: list[ChunkCosts],
+    model: ModelProfile,
+    hardware: HardwareProfile,
+    device_budget: int,
+    host_budget: int,
+    margin: float,
+    undo_snapshots: bool,
+    n_persist: int | None,
+    n_buffer: int | None,
+) -> str:
+    if best.n_persist == best.num_chunks:
+        return "nothing binds: every chunk stays on the device"
+    if n_persist is not None:
+        return f"memory.n_persist={n_persist} is set by hand"
+    costs = next(c for c in all_costs if c.chunk_size == best.chunk_size)
+    more = best.n_persist + 1
+    buffers = costs.need[more] if more < costs.num_chunks else 0
+    if n_buffer is not None and more < costs.num_chunks:
+        buffers = n_buffer
+    grown = predict(model, hardware, costs, n_persist=more, n_buffer=buffers, undo_snapshots=undo_snapshots)
+    needed = int(grown.peak_device_bytes * (1 + margin))
+    if needed > device_budget:
+        return (
+            f"device memory: keeping one more chunk on the device (n_persist={more}) would need "
+            f"{_size(needed)} of the {_size(device_budget)} budget"
+        )
+    return (
+        f"speed: more persistent chunks would not be faster (n_persist={more} predicts {grown.step_s:.3f} s)"
+    )
+
+
+def _size(num_bytes: int | float) -> str:
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.2f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    return f"{value:.2f} TiB"
