@@ -4,9 +4,16 @@ protrain-run processes). The marker follows the folder so no test can be left ou
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Parallel workers share the cores: one compute thread each (as torchrun gives each rank a
+    # share), set before any test imports torch. With a thread per core in every worker, OpenMP
+    # threads spinning for each other made the in-process tests 5-10x slower.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 _MARKERS = {"unit": pytest.mark.unit, "distributed": pytest.mark.dist, "e2e": pytest.mark.e2e}
 
