@@ -17,6 +17,9 @@ Time (one micro-batch; PAPERS.md "Cost models"), with chunks in execution order 
     reduce(c) = (world > 1) reduce-scatter of the chunk's gradient + latency
     offload(c)= gradient shard bytes / device->host
 
+Where copies and collectives run on the compute cores (CPU: ``copies_overlap_compute`` False),
+every max above becomes a sum; CPU Adam still overlaps (its own thread; measured hidden).
+
 ``fwd(c)``/``bwd(c)`` share each block's measured time among the chunks holding its parameters,
 in proportion to parameter elements (time outside the blocks goes to parameters outside them,
 or stays a constant when there are none). The last ``n_buffer`` offloaded chunks are still in a
@@ -112,18 +115,26 @@ def chunk_costs(model: ModelProfile, hardware: HardwareProfile, chunk_size: int)
     fetch = shard * e / hardware.h2d_bytes_per_s + gather
     offload = shard * e / hardware.d2h_bytes_per_s
     alias = world == 1 and e == 4
+    overlap = hardware.copies_overlap_compute
     rows: dict[str, list[float]] = {name: [] for name in _PREFIXED}
     for index, chunk in enumerate(packing.chunks):
         f, b = fwd_c[index], bwd_c[index]
         reduce = scatter if chunk.trainable else 0.0
         off = offload if chunk.trainable else 0.0
         rows["fwd"].append(f)
-        rows["fwd_overlapped"].append(max(f, fetch))
         rows["fwd_serial"].append(f + fetch)
-        rows["bwd_persistent"].append(max(b, reduce))
-        rows["bwd_reused"].append(max(b, reduce + off))
-        rows["bwd_fetched"].append(max(b, fetch + reduce + off))
-        rows["bwd_fetched_serial"].append(max(b + fetch, reduce + off))
+        if overlap:
+            rows["fwd_overlapped"].append(max(f, fetch))
+            rows["bwd_persistent"].append(max(b, reduce))
+            rows["bwd_reused"].append(max(b, reduce + off))
+            rows["bwd_fetched"].append(max(b, fetch + reduce + off))
+            rows["bwd_fetched_serial"].append(max(b + fetch, reduce + off))
+        else:  # the same cores do both: nothing hides
+            rows["fwd_overlapped"].append(f + fetch)
+            rows["bwd_persistent"].append(b + reduce)
+            rows["bwd_reused"].append(b + reduce + off)
+            rows["bwd_fetched"].append(b + fetch + reduce + off)
+            rows["bwd_fetched_serial"].append(b + fetch + reduce + off)
         rows["adam_params"].append(chunk.used / world if chunk.trainable else 0.0)
         if chunk.trainable:
             rows["persistent_bytes"].append(chunk_bytes + shard * ((0 if alias else 4) + 4 + 8))

@@ -17,6 +17,8 @@ from enum import Enum
 from typing import Any
 
 from profiler.chunking import ChunkTooSmallError, min_buffers, pack, search_chunk_size
+from profiler.profile import HardwareProfile, ModelProfile
+from profiler.search import SearchResult, search
 
 PLAN_VERSION = 1
 
@@ -208,22 +210,7 @@ def resident_plan(
         num_chunks = packing.num_chunks
     except ChunkTooSmallError as err:
         raise ValueError(f"memory.chunk_size={_bytes(chunk_size)} is too small: {err}") from None
-    if request.block_modes is not None:
-        modes = request.block_modes
-        if len(modes) != num_blocks:
-            raise ValueError(
-                f"memory.block_modes lists {len(modes)} modes but the model has {num_blocks} blocks"
-            )
-    else:
-        counts = [request.n_offload or 0, request.n_swap or 0, request.n_checkpoint or 0]
-        if sum(counts) > num_blocks:
-            raise ValueError(
-                f"ssd.n_offload + n_swap + n_checkpoint = {sum(counts)} exceeds the model's "
-                f"{num_blocks} blocks"
-            )
-        modes = default_block_layout(
-            num_blocks, n_offload=counts[0], n_swap=counts[1], n_checkpoint=counts[2]
-        )
+    modes = block_modes_for(request, num_blocks)
     n_persist = num_chunks if request.n_persist is None else request.n_persist
     if n_persist > num_chunks:
         raise ValueError(
@@ -272,3 +259,78 @@ def default_block_layout(
     layout = [BlockMode.SSD] * n_offload + interleaved
     layout += [BlockMode.KEEP] * (num_blocks - len(layout))
     return tuple(layout)
+
+
+def block_modes_for(request: KnobRequest, num_blocks: int) -> tuple[BlockMode, ...]:
+    """The explicit ``block_modes``, or the default layout of the hand-set counts (auto: 0)."""
+    if request.block_modes is not None:
+        modes = tuple(request.block_modes)
+        if len(modes) != num_blocks:
+            raise ValueError(
+                f"memory.block_modes lists {len(modes)} modes but the model has {num_blocks} blocks"
+            )
+    else:
+        counts = [request.n_offload or 0, request.n_swap or 0, request.n_checkpoint or 0]
+        if sum(counts) > num_blocks:
+            raise ValueError(
+                f"ssd.n_offload + n_swap + n_checkpoint = {sum(counts)} exceeds the model's "
+                f"{num_blocks} blocks"
+            )
+        modes = default_block_layout(
+            num_blocks, n_offload=counts[0], n_swap=counts[1], n_checkpoint=counts[2]
+        )
+    return tuple(modes)
+
+
+def searched_plan(
+    *,
+    request: KnobRequest,
+    model: ModelProfile,
+    hardware: HardwareProfile,
+    num_blocks: int,
+    micro_batch_size: int,
+    device_budget_bytes: int,
+    host_budget_bytes: int,
+    chosen: tuple[str, ...],
+    undo_snapshots: bool,
+) -> tuple[Plan, SearchResult]:
+    """The fastest plan that fits, by the cost model over the profiles; hand-set knobs stay.
+    Raises NoPlanFitsError (a ValueError) saying what would fit."""
+    modes = block_modes_for(request, num_blocks)
+    result = search(
+        model,
+        hardware,
+        device_budget=device_budget_bytes,
+        host_budget=host_budget_bytes,
+        chunk_size=request.chunk_size,
+        n_persist=request.n_persist,
+        n_buffer=request.n_buffer,
+        undo_snapshots=undo_snapshots,
+    )
+    best = result.best
+    plan = Plan(
+        world_size=hardware.world_size,
+        micro_batch_size=micro_batch_size,
+        precision=model.precision,
+        chunk_size=best.chunk_size,
+        num_chunks=best.num_chunks,
+        n_persist=best.n_persist,
+        n_buffer=best.n_buffer,
+        n_swap=modes.count(BlockMode.SWAP),
+        n_checkpoint=modes.count(BlockMode.CHECKPOINT),
+        n_offload=modes.count(BlockMode.SSD),
+        block_modes=modes,
+        device_budget_bytes=device_budget_bytes,
+        host_budget_bytes=host_budget_bytes,
+        chosen=chosen,
+        rule=f"search: fastest of {result.evaluated} plans that fit; {result.binding}",
+        predicted_step_s=best.prediction.step_s,
+        predicted_peak_device_bytes=best.prediction.peak_device_bytes,
+        predicted_peak_host_bytes=best.prediction.host_bytes,
+        notes=tuple(
+            f"runner-up: chunk_size {_bytes(c.chunk_size)}, n_persist={c.n_persist}, n_buffer={c.n_buffer}: "
+            f"{c.prediction.step_s:.3f} s, {_bytes(c.prediction.peak_device_bytes)}"
+            for c in result.runners_up
+        ),
+    )
+    return plan, result

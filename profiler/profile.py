@@ -16,7 +16,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeVar
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 
 T = TypeVar("T")
 
@@ -41,6 +41,9 @@ class HardwareProfile:
     """Input bytes (the whole chunk) per second at this world size; inf for one rank."""
     collective_latency_s: float
     """Fixed cost of one collective call (0 for one rank)."""
+    copies_overlap_compute: bool = True
+    """Transfers and collectives run beside compute (CUDA: copy engines and NCCL). False on CPU,
+    where they are memcpys on the cores compute uses: they add to the step instead."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -22,6 +22,9 @@ from profiler.chunking import ChunkTooSmallError, candidate_chunk_bytes
 from profiler.cost_model import ChunkCosts, Prediction, chunk_costs, predict
 from profiler.profile import HardwareProfile, ModelProfile
 
+SAME_SPEED = 0.02
+"""Relative step-time difference below which two plans count as equally fast: the cost model is
+not more exact than that (its CPU target is 10%), and persistence is the safer bet."""
 MEMORY_MARGIN = 0.05
 """Predicted device peak times (1 + margin) must fit the budget: allocator slack and what the
 profile did not see."""
@@ -118,7 +121,7 @@ def search(
                 hand_set=_hand_set(chunk_size, n_persist, n_buffer),
             )
         )
-    ranked = sorted(fitting, key=_rank)
+    ranked = _ranked(fitting)
     best = ranked[0]
     return SearchResult(
         best=best,
@@ -156,9 +159,17 @@ def _costs_by_size(
             continue
 
 
-def _rank(candidate: Candidate) -> tuple[float, int, int]:
-    """Fastest first; among equals, less device memory, then larger chunks (fewer collectives)."""
-    return (candidate.prediction.step_s, candidate.prediction.peak_device_bytes, -candidate.chunk_size)
+def _ranked(candidates: list[Candidate]) -> list[Candidate]:
+    """Fastest first. Plans within ``SAME_SPEED`` of the fastest count as equally fast (the model
+    is not that exact); among them the one keeping the most chunks on the device wins (less
+    traffic that could go wrong in ways the model does not see), then less device memory, then
+    larger chunks (fewer collectives)."""
+    by_speed = sorted(candidates, key=lambda c: (c.prediction.step_s, c.prediction.peak_device_bytes))
+    fastest = by_speed[0].prediction.step_s
+    tied = [c for c in by_speed if c.prediction.step_s <= fastest * (1 + SAME_SPEED)]
+    tied.sort(key=lambda c: (-c.n_persist, c.prediction.peak_device_bytes, -c.chunk_size))
+    rest = [c for c in by_speed if c.prediction.step_s > fastest * (1 + SAME_SPEED)]
+    return tied + rest
 
 
 def _memory(candidate: Candidate) -> int:

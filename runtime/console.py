@@ -54,6 +54,10 @@ def plan_table(plan: Plan, *, title: str = "ProTrain plan") -> Table:
     table.add_column("from")
     for knob, value, origin in plan.rows():
         table.add_row(knob, value, origin)
+    lines = [plan.rule, *plan.notes] if plan.rule else list(plan.notes)
+    if lines:
+        table.caption = "\n".join(lines)
+        table.caption_justify = "left"
     return table
 
 

@@ -17,8 +17,7 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from profiler.plan import BlockMode, KnobRequest, Plan, resident_plan
-from runtime.blocks import BlocksNotFoundError, find_blocks
+from profiler.plan import BlockMode, Plan
 from runtime.budgets import auto_device_budget, auto_host_budget
 from runtime.chunks.layout import ParamInfo, first_use_order, layout_from_params, model_params
 from runtime.chunks.manager import ChunkManager
@@ -27,8 +26,9 @@ from runtime.device import DeviceInfo, select_device
 from runtime.distributed import DistContext, all_reduce_min_, broadcast_module_, env_int, init_distributed
 from runtime.engine import Engine
 from runtime.param_groups import split_decay
+from runtime.planning import COMPUTE_DTYPES, call_model, compute_element_size, make_plan, model_state_bytes
 from runtime.settings import TrainingSettings, settings_from_spec
-from runtime.spec import AUTO, MemorySpec, Precision, Spec, auto_fields
+from runtime.spec import AUTO, Spec
 from runtime.spec_io import (
     RESOLVED_SPEC_ENV,
     ResolvedSpec,
@@ -89,7 +89,7 @@ def initialize(
         load_weights_(model, weights)
     _refuse_meta(model)
     if resolved.dry_run:
-        _dry_run(model, resolved, example_batch)
+        _dry_run(model, resolved, example_batch, loss_fn)
     device = select_device(env_int("LOCAL_RANK", 0))
     dist_ctx = init_distributed(
         backend=device.backend,
@@ -102,7 +102,8 @@ def initialize(
     broadcast_module_(model, dist_ctx)
     # Rank-offset seed: dropout masks differ across ranks, as they do under DDP with per-rank seeds.
     torch.manual_seed(spec.seed + dist_ctx.rank)
-    params = model_params(model, _execution_order(model, _to_device(example_batch, device.device)))
+    example_batch = _to_device(example_batch, device.device)
+    params = model_params(model, _execution_order(model, example_batch))
     budgets = _budgets(spec, device, ranks_on_host=env_int("LOCAL_WORLD_SIZE", 1))
     # Every rank must run the same plan (collective order depends on it): agree on the smallest.
     agreed = all_reduce_min_(torch.tensor(budgets, dtype=torch.float64), dist_ctx)
@@ -112,6 +113,10 @@ def initialize(
         params=params,
         world_size=dist_ctx.world_size,
         budgets=(int(agreed[0].item()), int(agreed[1].item())),
+        example_batch=example_batch,
+        loss_fn=loss_fn,
+        device=device,
+        dist_ctx=dist_ctx,
     )
     _check_supported(plan, spec)
     settings = settings_from_spec(spec)
@@ -134,97 +139,6 @@ def initialize(
     )
 
 
-def make_plan(
-    model: nn.Module,
-    spec: Spec,
-    *,
-    params: tuple[ParamInfo, ...],
-    world_size: int,
-    budgets: tuple[int, int],
-) -> Plan:
-    """Fill the spec's "auto" memory knobs (the resident rule until the profiler's search).
-    ``budgets``: (device, host) bytes per rank, already resolved from "auto"."""
-    memory = spec.memory
-
-    def knob(value: int | str) -> int | None:
-        return None if value == AUTO else int(value)
-
-    num_blocks = _count_blocks(model, memory)
-    chosen = tuple(path for path in auto_fields(spec) if path.startswith("memory."))
-    element_size = compute_element_size(spec.precision)
-    largest = max(params, key=lambda info: info.numel)
-    if memory.chunk_size != AUTO and largest.numel * element_size > int(memory.chunk_size):
-        raise SpecError(
-            f"memory.chunk_size={memory.chunk_size} is too small: parameter {largest.name} takes "
-            f"{largest.numel * element_size:,} bytes in {spec.precision.value}; use at least that, or auto"
-        )
-    try:
-        return resident_plan(
-            request=KnobRequest(
-                chunk_size=knob(memory.chunk_size),
-                n_persist=knob(memory.n_persist),
-                n_buffer=knob(memory.n_buffer),
-                n_swap=knob(memory.n_swap),
-                n_checkpoint=knob(memory.n_checkpoint),
-                n_offload=knob(memory.ssd.n_offload),
-                block_modes=memory.block_modes,
-            ),
-            param_sizes=[(p.numel, p.trainable) for p in params],
-            element_size=element_size,
-            num_blocks=num_blocks,
-            world_size=world_size,
-            micro_batch_size=spec.micro_batch_size,
-            precision=spec.precision.value,
-            device_budget_bytes=budgets[0],
-            host_budget_bytes=budgets[1],
-            chosen=chosen,
-            module_params=_module_params(model, params),
-        )
-    except ValueError as err:
-        raise SpecError(str(err)) from None
-
-
-def _module_params(model: nn.Module, params: tuple[ParamInfo, ...]) -> list[list[int]]:
-    """Per module, the indices into ``params`` of its own (not its children's) parameters."""
-    index_of_name = {name: i for i, info in enumerate(params) for name in (info.name, *info.aliases)}
-    index_of_id = {
-        id(param): index_of_name[name]
-        for name, param in model.named_parameters(remove_duplicate=False)
-        if name in index_of_name
-    }
-    return [
-        [index_of_id[id(param)] for param in module.parameters(recurse=False) if id(param) in index_of_id]
-        for module in model.modules()
-    ]
-
-
-COMPUTE_DTYPES = {
-    Precision.FP32: torch.float32,
-    Precision.BF16: torch.bfloat16,
-    Precision.FP16: torch.float16,
-}
-
-
-def compute_element_size(precision: Precision) -> int:
-    """Bytes per element of the chunked compute copy of the parameters."""
-    return 4 if precision is Precision.FP32 else 2
-
-
-def _count_blocks(model: nn.Module, memory: MemorySpec) -> int:
-    """Blocks in the model's block list. A model with no recognisable block list gets none
-    when nothing asks for per-block activation modes (they then simply stay resident)."""
-    blocks_path = None if memory.blocks == AUTO else str(memory.blocks)
-    wants_modes = memory.block_modes is not None or any(
-        value not in (AUTO, 0) for value in (memory.n_swap, memory.n_checkpoint, memory.ssd.n_offload)
-    )
-    try:
-        return len(find_blocks(model, blocks_path)[1])
-    except BlocksNotFoundError as err:
-        if blocks_path is not None or wants_modes:
-            raise SpecError(str(err)) from None
-        return 0
-
-
 def _check_supported(plan: Plan, spec: Spec) -> None:
     """Refuse, before any training step, plans this engine cannot carry out and model state
     that cannot fit the device budget."""
@@ -234,13 +148,7 @@ def _check_supported(plan: Plan, spec: Spec) -> None:
             "stay resident in this version; leave memory.n_swap, n_checkpoint, ssd.n_offload and "
             "block_modes as auto"
         )
-    element_size = compute_element_size(spec.precision)
-    chunk_numel = plan.chunk_size // element_size
-    shard_numel = -(-chunk_numel // plan.world_size)
-    # Persistent chunks: full compute copy + fp32 master, gradient and two Adam moments of the
-    # shard; plus the buffers that the other chunks pass through.
-    needed = plan.n_persist * (chunk_numel * element_size + shard_numel * 16)
-    needed += plan.n_buffer * chunk_numel * element_size
+    needed = model_state_bytes(plan, compute_element_size(spec.precision))
     if needed > plan.device_budget_bytes:
         raise SpecError(
             f"memory.device_budget: the model state of this plan needs {needed / 2**20:.1f} MiB per rank "
@@ -278,11 +186,7 @@ def _execution_order(model: nn.Module, example_batch: Any) -> list[str] | None:
     order when there is none)."""
     if example_batch is None:
         return None
-    if isinstance(example_batch, dict):
-        return first_use_order(model, lambda: model(**example_batch))
-    if isinstance(example_batch, (tuple, list)):
-        return first_use_order(model, lambda: model(*example_batch))
-    return first_use_order(model, lambda: model(example_batch))
+    return first_use_order(model, lambda: call_model(model, example_batch))
 
 
 def _build_chunks(
@@ -343,11 +247,17 @@ def _open_metrics(resolved: ResolvedSpec, run_dir: Path | None, dist_ctx: DistCo
     return MetricsFile(run_dir / "metrics.jsonl")
 
 
-def _dry_run(model: nn.Module, resolved: ResolvedSpec, example_batch: Any) -> None:
+def _dry_run(
+    model: nn.Module,
+    resolved: ResolvedSpec,
+    example_batch: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+) -> None:
     """Print the spec and the plan it resolves to, then end the process: no process group, no
     training step, no files."""
     console = Console(highlight=False)
     device = select_device(0)
+    example_batch = _to_device(example_batch, device.device)
     params = model_params(model, _execution_order(model, example_batch))
     plan = make_plan(
         model,
@@ -355,6 +265,9 @@ def _dry_run(model: nn.Module, resolved: ResolvedSpec, example_batch: Any) -> No
         params=params,
         world_size=resolved.world_size,
         budgets=_budgets(resolved.spec, device, ranks_on_host=resolved.world_size),
+        example_batch=example_batch,
+        loss_fn=loss_fn,
+        device=device,
     )
     console.print(
         f"[bold]Spec[/bold] from {resolved.source}"

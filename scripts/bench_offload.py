@@ -313,7 +313,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     batches = make_batches(args, args.warmup + args.steps * args.repeats)
     chunk_size = args.chunk_size or derive_chunk_size(build_gpt(gpt_config(args)), args.min_chunks)
     with tempfile.TemporaryDirectory(prefix="bench-offload-") as output_dir, contextlib.ExitStack() as stack:
-        resident = quiet_initialize(args, job_spec(args, output_dir, {"chunk_size": chunk_size}), batches[0])
+        # n_buffer 0 leaves the planner only plans that keep every chunk on the device.
+        resident = quiet_initialize(
+            args, job_spec(args, output_dir, {"chunk_size": chunk_size, "n_buffer": 0}), batches[0]
+        )
         stack.enter_context(resident)
         plan = resident.plan
         if plan.num_chunks < args.min_chunks:

@@ -187,7 +187,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = gpt_config(args)
     batches = make_batches(args, args.warmup + args.steps * args.repeats)
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as output_dir:
-        engine = quiet_initialize(build_gpt(config), job_spec(args, output_dir), batches[0])
+        # n_buffer 0 leaves the planner only plans that keep every chunk on the device.
+        engine = quiet_initialize(build_gpt(config), job_spec(args, output_dir, n_buffer=0), batches[0])
         plan = engine.plan
         if plan.n_persist != plan.num_chunks:
             raise SystemExit(

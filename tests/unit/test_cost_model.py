@@ -10,7 +10,7 @@ import pytest
 
 from profiler.cost_model import chunk_costs, predict
 from profiler.profile import BlockProfile, HardwareProfile, ModelProfile
-from profiler.search import NoPlanFitsError, search
+from profiler.search import SAME_SPEED, NoPlanFitsError, search
 
 MIB = 1 << 20
 
@@ -176,7 +176,9 @@ def test_search_equals_brute_force_and_prunes(seed: int) -> None:
             assert expected is None
             outcomes.add("none fits")
             continue
-        assert expected is not None and result.best.prediction.step_s == pytest.approx(expected, rel=1e-12)
+        # The fastest, or one as fast within SAME_SPEED that keeps more chunks on the device.
+        assert expected is not None
+        assert expected * (1 - 1e-12) <= result.best.prediction.step_s <= expected * (1 + SAME_SPEED)
         assert result.best.prediction.peak_device_bytes * 1.05 <= budget
         outcomes.add("all resident" if result.best.n_persist == result.best.num_chunks else "offloaded")
     assert {"none fits", "offloaded"} <= outcomes  # the budgets span from nothing to everything
@@ -203,8 +205,16 @@ def test_more_memory_never_gives_a_slower_best_plan() -> None:
             times.append(search(model, hw, device_budget=budget, host_budget=1 << 40).best.prediction.step_s)
         except NoPlanFitsError:
             times.append(float("inf"))
-    assert times == sorted(times, reverse=True)
-    assert times[-1] < float("inf")
+    for smaller_budget, larger_budget in zip(times, times[1:], strict=False):
+        assert larger_budget <= smaller_budget * (1 + SAME_SPEED)
+    assert times[-1] < float("inf") and times[-1] < times[0]
+
+
+def test_equally_fast_plans_keep_more_chunks_on_the_device() -> None:
+    model = four_blocks()
+    instant_link = hardware(h2d_bytes_per_s=1e15, d2h_bytes_per_s=1e15, device_adam_params_per_s=1e15)
+    result = search(model, instant_link, device_budget=1 << 40, host_budget=1 << 40)
+    assert result.best.n_persist == result.best.num_chunks
 
 
 def test_hand_set_knobs_stay_fixed() -> None:

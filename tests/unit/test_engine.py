@@ -209,5 +209,10 @@ def test_refuses_offload_knobs_it_cannot_honour(tmp_path: Path) -> None:
 
     with pytest.raises(SpecError, match="activations stay resident in this version"):
         runtime.initialize(tiny_gpt(), config=job(tmp_path, memory={"n_swap": 1}))
+    # Model state larger than the budget: every chunk offloaded (no example batch to search with).
+    engine = runtime.initialize(tiny_gpt(), config=job(tmp_path, memory={"device_budget": "1MiB"}))
+    assert engine.plan.n_persist == 0 and engine.plan.rule.startswith("conservative")
+    engine.close()
+    # Not even the buffers fit: refused before training, naming the budget.
     with pytest.raises(SpecError, match="memory.device_budget"):
-        runtime.initialize(tiny_gpt(), config=job(tmp_path, memory={"device_budget": "1MiB"}))
+        runtime.initialize(tiny_gpt(), config=job(tmp_path, memory={"device_budget": "64KiB"}))

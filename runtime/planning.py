@@ -1,0 +1,307 @@
+"""Making the plan: the spec's knobs, filled where they say "auto".
+
+With an example batch, the model and the machine are profiled (runtime/probes.py), the
+measurements agreed across ranks, and the profiler's search picks the fastest plan that fits
+(predictions included). Without one, the resident rule keeps every chunk on the device, or,
+when the model state alone exceeds the device budget, offloads every chunk (conservative).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from profiler.plan import KnobRequest, Plan, resident_plan, searched_plan
+from profiler.search import NoPlanFitsError
+from runtime.blocks import BlocksNotFoundError, find_blocks
+from runtime.chunks.layout import ParamInfo
+from runtime.device import DeviceInfo
+from runtime.distributed import DistContext
+from runtime.probes import agree_model, hardware_profile, profile_model
+from runtime.spec import AUTO, MemorySpec, Precision, Spec, auto_fields
+from runtime.spec_io import SpecError
+
+
+def make_plan(
+    model: nn.Module,
+    spec: Spec,
+    *,
+    params: tuple[ParamInfo, ...],
+    world_size: int,
+    budgets: tuple[int, int],
+    example_batch: Any = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    device: DeviceInfo | None = None,
+    dist_ctx: DistContext | None = None,
+) -> Plan:
+    """Fill the spec's "auto" memory knobs. ``budgets``: (device, host) bytes per rank, already
+    resolved from "auto" and agreed across ranks. ``example_batch`` (on the model's device) and
+    ``device`` enable profiling and the search; ``dist_ctx`` None means a dry run (one process)."""
+    memory = spec.memory
+
+    def knob(value: int | str) -> int | None:
+        return None if value == AUTO else int(value)
+
+    block_path, blocks = _find_blocks(model, memory)
+    chosen = tuple(path for path in auto_fields(spec) if path.startswith("memory."))
+    element_size = compute_element_size(spec.precision)
+    largest = max(params, key=lambda info: info.numel)
+    if memory.chunk_size != AUTO and largest.numel * element_size > int(memory.chunk_size):
+        raise SpecError(
+            f"memory.chunk_size={memory.chunk_size} is too small: parameter {largest.name} takes "
+            f"{largest.numel * element_size:,} bytes in {spec.precision.value}; use at least that, or auto"
+        )
+    request = KnobRequest(
+        chunk_size=knob(memory.chunk_size),
+        n_persist=knob(memory.n_persist),
+        n_buffer=knob(memory.n_buffer),
+        n_swap=knob(memory.n_swap),
+        n_checkpoint=knob(memory.n_checkpoint),
+        n_offload=knob(memory.ssd.n_offload),
+        block_modes=memory.block_modes,
+    )
+    module_params = _module_params(model, params)
+    searchable = None in (request.chunk_size, request.n_persist, request.n_buffer)
+    try:
+        if searchable and example_batch is not None and device is not None:
+            profiled = _profile(
+                model,
+                spec,
+                params,
+                module_params,
+                block_path,
+                blocks,
+                example_batch,
+                loss_fn,
+                device,
+                dist_ctx,
+                world_size,
+            )
+            if profiled is not None:
+                plan, _ = searched_plan(
+                    request=request,
+                    model=profiled[0],
+                    hardware=profiled[1],
+                    num_blocks=len(blocks),
+                    micro_batch_size=spec.micro_batch_size,
+                    device_budget_bytes=budgets[0],
+                    host_budget_bytes=budgets[1],
+                    chosen=chosen,
+                    undo_snapshots=bool(spec.gradient_clipping),
+                )
+                return plan
+        plan = _resident(
+            request, params, element_size, len(blocks), world_size, spec, budgets, chosen, module_params
+        )
+        if request.n_persist is None and model_state_bytes(plan, element_size) > budgets[0]:
+            conservative = KnobRequest(**{**_fields(request), "n_persist": 0})
+            plan = _resident(
+                conservative,
+                params,
+                element_size,
+                len(blocks),
+                world_size,
+                spec,
+                budgets,
+                chosen,
+                module_params,
+            )
+            plan = _with_rule(
+                plan,
+                "conservative: the model state does not fit the device budget, so every chunk is offloaded",
+            )
+        return plan
+    except NoPlanFitsError as err:
+        raise SpecError(f"memory: {err}") from None
+    except ValueError as err:
+        raise SpecError(str(err)) from None
+
+
+def _resident(
+    request: KnobRequest,
+    params: tuple[ParamInfo, ...],
+    element_size: int,
+    num_blocks: int,
+    world_size: int,
+    spec: Spec,
+    budgets: tuple[int, int],
+    chosen: tuple[str, ...],
+    module_params: list[list[int]],
+) -> Plan:
+    return resident_plan(
+        request=request,
+        param_sizes=[(p.numel, p.trainable) for p in params],
+        element_size=element_size,
+        num_blocks=num_blocks,
+        world_size=world_size,
+        micro_batch_size=spec.micro_batch_size,
+        precision=spec.precision.value,
+        device_budget_bytes=budgets[0],
+        host_budget_bytes=budgets[1],
+        chosen=chosen,
+        module_params=module_params,
+    )
+
+
+def _fields(request: KnobRequest) -> dict[str, Any]:
+    return {name: getattr(request, name) for name in KnobRequest.__dataclass_fields__}
+
+
+def _with_rule(plan: Plan, rule: str) -> Plan:
+    return Plan.from_dict({**plan.to_dict(), "rule": rule})
+
+
+def model_state_bytes(plan: Plan, element_size: int) -> int:
+    """Device bytes of the plan's model state: persistent chunks (full compute copy + fp32
+    master, gradient and two Adam moments of the shard) and the buffers the others pass through."""
+    chunk_numel = plan.chunk_size // element_size
+    shard_numel = -(-chunk_numel // plan.world_size)
+    needed = plan.n_persist * (chunk_numel * element_size + shard_numel * 16)
+    return needed + plan.n_buffer * chunk_numel * element_size
+
+
+def _profile(
+    model: nn.Module,
+    spec: Spec,
+    params: tuple[ParamInfo, ...],
+    module_params: list[list[int]],
+    block_path: str,
+    blocks: list[nn.Module],
+    example_batch: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    device: DeviceInfo,
+    dist_ctx: DistContext | None,
+    world_size: int,
+) -> tuple[Any, Any] | None:
+    """(model profile, hardware profile), agreed across ranks; None when the profiling step
+    does not fit the device (every rank then plans without a profile)."""
+    autocast = _AUTOCAST.get(spec.precision)
+
+    def run_forward() -> Any:
+        if autocast is None:
+            return call_model(model, example_batch)
+        with torch.autocast(device_type=device.autocast_type, dtype=autocast):
+            return call_model(model, example_batch)
+
+    failed = torch.zeros(1, dtype=torch.float64)
+    profile = None
+    try:
+        profile = profile_model(
+            model,
+            run_forward,
+            loss_fn=loss_fn or default_loss,
+            params=params,
+            blocks=blocks,
+            block_path=block_path,
+            module_params=module_params,
+            batch_shape=batch_shape(example_batch),
+            precision=spec.precision.value,
+            element_size=compute_element_size(spec.precision),
+            device=device,
+            warmup_steps=spec.profiler.warmup_steps,
+            profile_steps=spec.profiler.profile_steps,
+        )
+    except torch.OutOfMemoryError:
+        for param in model.parameters():
+            param.grad = None
+        failed += 1
+    if dist_ctx is not None:
+        from runtime.distributed import all_reduce_sum_
+
+        all_reduce_sum_(failed, dist_ctx)
+    if failed.item() > 0 or profile is None:
+        return None
+    if dist_ctx is not None:
+        profile = agree_model(profile, dist_ctx)
+    hardware = hardware_profile(
+        device, dist_ctx, world_size=world_size, cache_dir=Path(spec.profiler.cache_dir).expanduser()
+    )
+    return profile, hardware
+
+
+_AUTOCAST = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """``model(**batch)`` for a dict, ``model(*batch)`` for a tuple or list, else ``model(batch)``."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """``output.loss``, or the output itself when it is a scalar tensor."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, torch.Tensor) and output.dim() == 0:
+        loss = output
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(
+            "cannot find the loss in the model's output for profiling: return it as output.loss or "
+            "a scalar, or pass initialize(..., loss_fn=lambda output: ...)"
+        )
+    return loss
+
+
+def batch_shape(batch: Any) -> tuple[int, ...]:
+    """Shape of the batch's main input: ``input_ids`` if present, else its first tensor."""
+    if isinstance(batch, dict):
+        first = batch.get("input_ids")
+        candidates = [first] if first is not None else list(batch.values())
+    elif isinstance(batch, (tuple, list)):
+        candidates = list(batch)
+    else:
+        candidates = [batch]
+    for candidate in candidates:
+        if isinstance(candidate, torch.Tensor):
+            return tuple(candidate.shape)
+    return ()
+
+
+def _module_params(model: nn.Module, params: tuple[ParamInfo, ...]) -> list[list[int]]:
+    """Per module, the indices into ``params`` of its own (not its children's) parameters."""
+    index_of_name = {name: i for i, info in enumerate(params) for name in (info.name, *info.aliases)}
+    index_of_id = {
+        id(param): index_of_name[name]
+        for name, param in model.named_parameters(remove_duplicate=False)
+        if name in index_of_name
+    }
+    return [
+        [index_of_id[id(param)] for param in module.parameters(recurse=False) if id(param) in index_of_id]
+        for module in model.modules()
+    ]
+
+
+COMPUTE_DTYPES = {
+    Precision.FP32: torch.float32,
+    Precision.BF16: torch.bfloat16,
+    Precision.FP16: torch.float16,
+}
+
+
+def compute_element_size(precision: Precision) -> int:
+    """Bytes per element of the chunked compute copy of the parameters."""
+    return 4 if precision is Precision.FP32 else 2
+
+
+def _find_blocks(model: nn.Module, memory: MemorySpec) -> tuple[str, list[nn.Module]]:
+    """The model's block list (path and blocks). A model with no recognisable block list gets
+    none when nothing asks for per-block activation modes (they then simply stay resident)."""
+    blocks_path = None if memory.blocks == AUTO else str(memory.blocks)
+    wants_modes = memory.block_modes is not None or any(
+        value not in (AUTO, 0) for value in (memory.n_swap, memory.n_checkpoint, memory.ssd.n_offload)
+    )
+    try:
+        path, blocks = find_blocks(model, blocks_path)
+        return path, list(blocks)
+    except BlocksNotFoundError as err:
+        if blocks_path is not None or wants_modes:
+            raise SpecError(str(err)) from None
+        return "", []

@@ -1,0 +1,376 @@
+"""Measurements for the planner: the machine (copy rates, Adam throughput, collectives) and the
+model (per block forward time and saved bytes, backward time, the transient peak), returned as
+the profiler's plain values.
+
+The model is profiled on the example batch before it is chunked, with its parameters where the
+caller put them: this needs the model to fit, which the caller checks (a model that does not fit
+is planned without a profile). Backward time per block is the measured backward total shared in
+proportion to forward time (per block backward hooks would wrap every block's outputs).
+
+Every rank must plan alike, so ``agree_*`` reduce measurements across ranks: the longest times,
+the most bytes, the slowest rates. Hardware profiles are cached per machine under
+``profiler.cache_dir``; ranks use the cache only if every rank has it, since measuring the
+collectives takes all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from profiler.instruments import OUTSIDE, BlockTimer, PeakSampler, SavedBytes
+from profiler.profile import BlockProfile, HardwareProfile, ModelProfile, cache_key
+from runtime.chunks.layout import ParamInfo
+from runtime.cpu_adam import ShardAdamW
+from runtime.device import DeviceInfo, device_allocated_bytes, synchronize
+from runtime.distributed import (
+    DistContext,
+    all_gather_flat,
+    all_reduce_min_,
+    all_reduce_sum_,
+    reduce_scatter_flat,
+)
+
+COPY_PROBE_BYTES = 32 << 20
+ADAM_PROBE_NUMEL = 4 << 20
+COLLECTIVE_PROBE_BYTES = 8 << 20
+REFRESH_ENV = "PROTRAIN_REFRESH_PROFILE"
+"""Set to 1 to measure the hardware again instead of using the cached profile."""
+
+
+# ---------------------------------------------------------------------------------- hardware
+
+
+def hardware_profile(
+    device: DeviceInfo, dist_ctx: DistContext | None, *, world_size: int, cache_dir: Path
+) -> HardwareProfile:
+    """The cached profile of this machine at this world size, or a fresh measurement (cached).
+
+    ``dist_ctx`` None (a dry run: no process group) estimates the collectives from the copy
+    rate unless a cached profile exists."""
+    path = cache_dir / f"hardware-{_hardware_key(device, world_size)}.json"
+    cached = _read_cached(path)
+    have = torch.tensor([1.0 if cached is not None else 0.0], dtype=torch.float64)
+    if dist_ctx is not None:
+        all_reduce_min_(have, dist_ctx)
+    if cached is not None and have.item() > 0:
+        return cached
+    profile = measure_hardware(device, dist_ctx, world_size=world_size)
+    if dist_ctx is not None:
+        profile = agree_hardware(profile, dist_ctx)
+        with contextlib.suppress(OSError):
+            _write_cached(path, profile.to_dict())
+    return profile
+
+
+def measure_hardware(device: DeviceInfo, dist_ctx: DistContext | None, *, world_size: int) -> HardwareProfile:
+    h2d, d2h = _copy_rates(device)
+    cpu_adam = _in_thread(lambda: _adam_rate(torch.device("cpu"), threads=1))
+    device_adam = _adam_rate(device.device, threads=None)
+    if world_size == 1:
+        gather = scatter = float("inf")
+        latency = 0.0
+    elif dist_ctx is None:
+        # A dry run has no process group: loopback collectives move each byte through a socket
+        # at about a quarter of the copy rate here (measured: gloo 64 MiB all-gather ~140 ms).
+        gather = scatter = h2d / 4
+        latency = 1e-4
+    else:
+        gather, scatter, latency = _collective_rates(device, dist_ctx)
+    return HardwareProfile(
+        device_kind=_device_kind(device),
+        world_size=world_size,
+        h2d_bytes_per_s=h2d,
+        d2h_bytes_per_s=d2h,
+        cpu_adam_params_per_s=cpu_adam,
+        device_adam_params_per_s=device_adam,
+        all_gather_bytes_per_s=gather,
+        reduce_scatter_bytes_per_s=scatter,
+        collective_latency_s=latency,
+        copies_overlap_compute=device.is_cuda,
+    )
+
+
+def agree_hardware(profile: HardwareProfile, dist_ctx: DistContext) -> HardwareProfile:
+    """The slowest rate and the longest latency of any rank."""
+    rates = ("h2d_bytes_per_s", "d2h_bytes_per_s", "cpu_adam_params_per_s", "device_adam_params_per_s")
+    values = torch.tensor(
+        [getattr(profile, name) for name in rates] + [-profile.collective_latency_s], dtype=torch.float64
+    )
+    all_reduce_min_(values, dist_ctx)
+    agreed = dict(zip(rates, values[:-1].tolist(), strict=True))
+    return HardwareProfile.from_dict(
+        {**profile.to_dict(), **agreed, "collective_latency_s": -float(values[-1])}
+    )
+
+
+def _copy_rates(device: DeviceInfo) -> tuple[float, float]:
+    numel = COPY_PROBE_BYTES // 4
+    host = torch.empty(numel, dtype=torch.float32, pin_memory=device.is_cuda)
+    host.fill_(1.0)
+    on_device = torch.empty(numel, dtype=torch.float32, device=device.device)
+
+    def h2d() -> None:
+        on_device.copy_(host, non_blocking=device.is_cuda)
+
+    def d2h() -> None:
+        host.copy_(on_device, non_blocking=device.is_cuda)
+
+    return COPY_PROBE_BYTES / _best_time(h2d, device), COPY_PROBE_BYTES / _best_time(d2h, device)
+
+
+def _adam_rate(where: torch.device, *, threads: int | None) -> float:
+    if threads is not None:
+        torch.set_num_threads(threads)
+    master = torch.zeros(ADAM_PROBE_NUMEL, dtype=torch.float32, device=where)
+    grad = torch.full_like(master, 1e-3)
+    optimizer = ShardAdamW(master, [(0, ADAM_PROBE_NUMEL, 0.1)], lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    info = DeviceInfo(where, "nccl" if where.type == "cuda" else "gloo")
+    return ADAM_PROBE_NUMEL / _best_time(lambda: optimizer.step_(grad, [True]), info)
+
+
+def _collective_rates(device: DeviceInfo, dist_ctx: DistContext) -> tuple[float, float, float]:
+    world = dist_ctx.world_size
+    numel = COLLECTIVE_PROBE_BYTES // 4 // world * world
+    dtype = torch.float32
+    full = torch.zeros(numel, dtype=dtype, device=device.device)
+    shard = torch.ones(numel // world, dtype=dtype, device=device.device)
+    tiny = torch.zeros(1, dtype=dtype, device=device.device)
+    gather_s = _best_time(lambda: all_gather_flat(full, shard), device)
+    scatter_s = _best_time(lambda: reduce_scatter_flat(shard, full), device)
+    latency = _best_time(lambda: all_reduce_sum_(tiny, dist_ctx), device)
+    size = numel * 4
+    return size / max(gather_s - latency, 1e-9), size / max(scatter_s - latency, 1e-9), latency
+
+
+def _best_time(work: Callable[[], Any], device: DeviceInfo, repeats: int = 3) -> float:
+    work()  # warm-up: first-touch page faults, kernel selection, connections
+    synchronize(device)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        work()
+        synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return max(best, 1e-9)
+
+
+def _in_thread(work: Callable[[], float]) -> float:
+    """Run ``work`` on a fresh thread (as the CPU-Adam thread runs), so its thread setting stays there."""
+    result: list[float] = []
+    thread = threading.Thread(target=lambda: result.append(work()), name="protrain-probe")
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def _device_kind(device: DeviceInfo) -> str:
+    if device.is_cuda:
+        return f"cuda:{torch.cuda.get_device_name(device.device)}"
+    return f"cpu:{platform.processor() or platform.machine()}x{os.cpu_count()}"
+
+
+def _hardware_key(device: DeviceInfo, world_size: int) -> str:
+    return cache_key(
+        _device_kind(device), world_size, platform.node(), torch.__version__, torch.get_num_threads()
+    )
+
+
+def _read_cached(path: Path) -> HardwareProfile | None:
+    if os.environ.get(REFRESH_ENV) == "1":
+        return None
+    try:
+        return HardwareProfile.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _write_cached(path: Path, body: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(body, indent=1))
+    temporary.replace(path)  # atomic: ranks or jobs writing at once leave one whole file
+
+
+# ------------------------------------------------------------------------------------- model
+
+
+def profile_model(
+    model: nn.Module,
+    run_forward: Callable[[], Any],
+    *,
+    loss_fn: Callable[[Any], torch.Tensor],
+    params: tuple[ParamInfo, ...],
+    blocks: list[nn.Module],
+    block_path: str,
+    module_params: list[list[int]],
+    batch_shape: tuple[int, ...],
+    precision: str,
+    element_size: int,
+    device: DeviceInfo,
+    warmup_steps: int,
+    profile_steps: int,
+) -> ModelProfile:
+    """Forward, loss and backward on the example batch, ``warmup_steps`` untimed then
+    ``profile_steps`` timed (the fastest kept). Gradients are cleared afterwards and the random
+    number generators restored, so training sees the model exactly as before."""
+    devices = [device.device.index or 0] if device.is_cuda else []
+    with torch.random.fork_rng(devices=devices):
+        for _ in range(warmup_steps):
+            _one_step(model, run_forward, loss_fn, blocks, device, instruments=None)
+        runs = [
+            _one_step(model, run_forward, loss_fn, blocks, device, instruments=True)
+            for _ in range(max(1, profile_steps))
+        ]
+    for param in model.parameters():
+        param.grad = None
+    fastest = min(runs, key=lambda run: run["forward_s"] + run["backward_s"])
+    timer: BlockTimer = fastest["timer"]
+    saved: SavedBytes = fastest["saved"]
+    forward_total = max(timer.total_s, 1e-12)
+    backward_per_forward = fastest["backward_s"] / forward_total
+    param_block = _param_blocks(params, block_path, len(blocks))
+    return ModelProfile(
+        batch_shape=batch_shape,
+        precision=precision,
+        element_size=element_size,
+        param_sizes=tuple((p.numel, p.trainable) for p in params),
+        param_block=param_block,
+        module_params=tuple(tuple(m) for m in module_params if m),
+        blocks=tuple(
+            BlockProfile(
+                forward_s=timer.forward_s[i],
+                backward_s=timer.forward_s[i] * backward_per_forward,
+                activation_bytes=saved.per_block[i],
+            )
+            for i in range(len(blocks))
+        ),
+        other_forward_s=timer.outside_s,
+        other_backward_s=timer.outside_s * backward_per_forward,
+        other_activation_bytes=saved.outside,
+        transient_bytes=max(0, *(run["transient"] for run in runs)),
+    )
+
+
+def agree_model(profile: ModelProfile, dist_ctx: DistContext) -> ModelProfile:
+    """The longest times and the most bytes of any rank, per block."""
+    if dist_ctx.world_size == 1:
+        return profile
+    numbers = [
+        profile.other_forward_s,
+        profile.other_backward_s,
+        profile.other_activation_bytes,
+        profile.transient_bytes,
+    ]
+    for block in profile.blocks:
+        numbers += [block.forward_s, block.backward_s, block.activation_bytes]
+    values = -torch.tensor(numbers, dtype=torch.float64)
+    all_reduce_min_(values, dist_ctx)  # min of negatives: the maximum
+    most = (-values).tolist()
+    body = profile.to_dict()
+    body.update(
+        other_forward_s=most[0],
+        other_backward_s=most[1],
+        other_activation_bytes=int(most[2]),
+        transient_bytes=int(most[3]),
+        blocks=[
+            {"forward_s": f, "backward_s": b, "activation_bytes": int(a)}
+            for f, b, a in zip(most[4::3], most[5::3], most[6::3], strict=True)
+        ],
+    )
+    return ModelProfile.from_dict(body)
+
+
+def _one_step(
+    model: nn.Module,
+    run_forward: Callable[[], Any],
+    loss_fn: Callable[[Any], torch.Tensor],
+    blocks: list[nn.Module],
+    device: DeviceInfo,
+    *,
+    instruments: bool | None,
+) -> dict[str, Any]:
+    for param in model.parameters():
+        param.grad = None
+    if not instruments:
+        loss_fn(run_forward()).backward()
+        synchronize(device)
+        return {}
+
+    def clock() -> float:
+        synchronize(device)
+        return time.perf_counter()
+
+    timer = BlockTimer(clock, len(blocks))
+    saved = SavedBytes(len(blocks), where=lambda: timer.current)
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    grad_bytes = [0]
+    peak = PeakSampler(lambda: device_allocated_bytes(device))
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in param_storages and storage.nbytes() > 0:
+            saved.record((storage.data_ptr(), tensor.device), storage.nbytes())
+        return tensor
+
+    def sample_forward(*_: Any) -> None:
+        peak.sample(saved.total)
+
+    def sample_backward(param: torch.Tensor) -> None:
+        if param.grad is not None:
+            grad_bytes[0] += param.grad.numel() * param.grad.element_size()
+        peak.sample(saved.total + grad_bytes[0])
+
+    handles = []
+    for index, block in enumerate(blocks):
+        handles.append(block.register_forward_pre_hook(lambda *_, i=index: timer.enter(i)))
+        handles.append(block.register_forward_hook(lambda *_, i=index: timer.exit(i)))
+    for module in model.modules():
+        handles.append(module.register_forward_hook(sample_forward))
+    for param in model.parameters():
+        if param.requires_grad:
+            handles.append(param.register_post_accumulate_grad_hook(sample_backward))
+    try:
+        timer.start()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = loss_fn(run_forward())
+        timer.stop()
+        started = clock()
+        loss.backward()
+        backward_s = clock() - started
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {
+        "timer": timer,
+        "saved": saved,
+        "forward_s": timer.total_s,
+        "backward_s": backward_s,
+        "transient": peak.peak_beyond,
+    }
+
+
+def _param_blocks(params: tuple[ParamInfo, ...], block_path: str, num_blocks: int) -> tuple[int, ...]:
+    prefixes = [f"{block_path}.{i}." if block_path else f"{i}." for i in range(num_blocks)]
+    owners = []
+    for info in params:
+        owner = OUTSIDE
+        for name in (info.name, *info.aliases):
+            for index, prefix in enumerate(prefixes):
+                if name.startswith(prefix):
+                    owner = index
+                    break
+            if owner != OUTSIDE:
+                break
+        owners.append(owner)
+    return tuple(owners)

@@ -1,0 +1,173 @@
+"""initialize with an example batch: the model and machine are profiled and the search fills the
+"auto" knobs with the fastest plan that fits; hand-set knobs stay; nothing fitting is a clear
+error; profiling leaves the model and the random streams as they were."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import runtime
+from runtime.blocks import find_blocks
+from runtime.chunks.layout import model_params
+from runtime.device import select_device
+from runtime.planning import call_model, default_loss
+from runtime.probes import profile_model
+from runtime.spec_io import SpecError
+from tests.helpers import assert_state_equal, lm_batches, tiny_gpt, train_reference
+
+KIB = 1024
+
+
+def job(tmp_path: Path, **memory: Any) -> dict[str, Any]:
+    return {
+        "seed": 3,
+        "micro_batch_size": 2,
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.1},
+        "memory": {"chunk_size": "64KiB", **memory},
+        "profiler": {"cache_dir": str(tmp_path / "cache"), "warmup_steps": 1, "profile_steps": 1},
+        "output_dir": str(tmp_path / "runs"),
+    }
+
+
+def example() -> dict[str, torch.Tensor]:
+    return lm_batches(micro_batch_size=2, accumulation=1, world_size=1).batch(0, 0, 0)
+
+
+def test_a_tight_budget_gets_a_searched_plan_that_fits_and_trains_exactly(tmp_path: Path) -> None:
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    expected, _ = train_reference(tiny_gpt(), data, steps=4, lr=1e-3, weight_decay=0.1)
+    budget = 2048 * KIB  # the tiny GPT's resident model state alone needs ~2.4 MiB
+    engine = runtime.initialize(
+        tiny_gpt(), config=job(tmp_path, device_budget=budget), example_batch=example()
+    )
+    plan = engine.plan
+    assert plan.rule.startswith("search: fastest of") and "plans that fit" in plan.rule
+    assert 0 <= plan.n_persist < plan.num_chunks and plan.n_buffer >= 1
+    assert plan.predicted_step_s is not None and plan.predicted_step_s > 0
+    assert plan.predicted_peak_device_bytes is not None
+    assert plan.predicted_peak_device_bytes * 1.05 <= budget
+    assert {"memory.n_persist", "memory.n_buffer"} <= set(plan.chosen)
+    for update in range(4):
+        out = engine(**data.batch(update, 0, 0))
+        engine.backward(out.loss)
+        engine.step()
+    assert_state_equal(engine.state_dict(), expected)
+    engine.close()
+    assert (tmp_path / "cache").is_dir(), "the hardware profile is cached under profiler.cache_dir"
+
+
+def test_hand_set_knobs_are_kept_while_the_rest_is_searched(tmp_path: Path) -> None:
+    engine = runtime.initialize(
+        tiny_gpt(), config=job(tmp_path, device_budget="64MiB", n_persist=3), example_batch=example()
+    )
+    assert engine.plan.n_persist == 3 and engine.plan.rule.startswith("search")
+    assert "memory.n_persist" not in engine.plan.chosen and "memory.n_buffer" in engine.plan.chosen
+    engine.close()
+
+
+def test_nothing_fitting_is_refused_with_the_shortfall(tmp_path: Path) -> None:
+    with pytest.raises(SpecError) as err:
+        runtime.initialize(tiny_gpt(), config=job(tmp_path, device_budget="600KiB"), example_batch=example())
+    text = str(err.value)
+    assert text.startswith("memory: no plan fits the device budget of 600.00 KiB per rank")
+    assert "more)" in text and "saved activations" in text and "micro_batch_size" in text
+
+
+def test_profile_sees_every_block_and_leaves_the_model_untouched(tmp_path: Path) -> None:
+    model = tiny_gpt()
+    batch = example()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    path, blocks = find_blocks(model, None)
+    params = model_params(model, None)
+    rng = torch.get_rng_state()
+    profile = profile_model(
+        model,
+        lambda: call_model(model, batch),
+        loss_fn=default_loss,
+        params=params,
+        blocks=list(blocks),
+        block_path=path,
+        module_params=[],
+        batch_shape=tuple(batch["input_ids"].shape),
+        precision="fp32",
+        element_size=4,
+        device=select_device(0),
+        warmup_steps=1,
+        profile_steps=2,
+    )
+    assert torch.equal(torch.get_rng_state(), rng), "profiling must not move the random stream"
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert len(profile.blocks) == len(blocks) >= 2
+    assert all(b.forward_s > 0 and b.backward_s > 0 for b in profile.blocks)
+    # Identical blocks save the same bytes; the embedding and head live outside them.
+    sizes = {b.activation_bytes for b in profile.blocks}
+    assert len(sizes) == 1 and sizes.pop() > 0
+    assert profile.other_activation_bytes > 0
+    owners = dict(zip((p.name for p in params), profile.param_block, strict=True))
+    assert owners[f"{path}.0.attn.qkv.weight"] == 0 and owners[f"{path}.1.attn.qkv.weight"] == 1
+    assert owners["wte.weight"] == -1
+    assert profile.batch_shape == (2, 32)
+
+
+def test_saved_bytes_count_each_storage_once(tmp_path: Path) -> None:
+    """A tensor saved by three operators, and two views of one buffer, are stored once."""
+
+    class Shared(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.blocks[0](x)  # saves x (input) for the weight gradient
+            y = torch.sigmoid(h)  # saves its output y
+            a, b = y[:, :4], y[:, 4:]  # views of y
+            return (a * b).sum() + (y * y).sum()  # saves a, b, y, y: all storage of y
+
+    model = Shared()
+    x = torch.randn(16, 8)
+    profile = profile_model(
+        model,
+        lambda: model(x),
+        loss_fn=default_loss,
+        params=model_params(model, None),
+        blocks=list(model.blocks),
+        block_path="blocks",
+        module_params=[],
+        batch_shape=(16, 8),
+        precision="fp32",
+        element_size=4,
+        device=select_device(0),
+        warmup_steps=0,
+        profile_steps=1,
+    )
+    # Inside the block: x (16x8 fp32). Outside: y once (16x8 fp32), though saved four times.
+    assert profile.blocks[0].activation_bytes == 16 * 8 * 4
+    assert profile.other_activation_bytes == 16 * 8 * 4
+
+
+@pytest.mark.parametrize("budget", ["2MiB", "64MiB"], ids=["offloaded", "resident"])
+def test_predicted_step_time_is_in_the_right_range(tmp_path: Path, budget: str) -> None:
+    """A loose check on a busy CPU (the tight figures live in scripts/bench_cost_model.py)."""
+    engine = runtime.initialize(
+        tiny_gpt(), config=job(tmp_path, device_budget=budget), example_batch=example()
+    )
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    seconds = []
+    for update in range(8):
+        started = time.perf_counter()
+        out = engine(**data.batch(update, 0, 0))
+        engine.backward(out.loss)
+        engine.step()
+        seconds.append(time.perf_counter() - started)
+    engine.close()
+    measured = statistics.median(seconds[2:])
+    predicted = engine.plan.predicted_step_s
+    assert predicted is not None
+    assert measured / 5 < predicted < measured * 5, (predicted, measured)
