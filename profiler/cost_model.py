@@ -6,6 +6,7 @@ Time (one micro-batch; PAPERS.md "Cost models"), with chunks in execution order 
 ``n_persist`` of them persistent::
 
     step     = forward + max(backward + device_adam, cpu_adam)     # CPU Adam overlaps backward
+    device_adam = persistent shards' update + (world > 1) the all-gather refreshing their full copy
     forward  = sum over chunks: persistent  fwd(c)
                                 offloaded   max(fwd(c), fetch(c))   with a spare buffer to
                                             fwd(c) + fetch(c)       prefetch into, else serial
@@ -72,6 +73,8 @@ class ChunkCosts:
     bwd_fetched: tuple[float, ...]
     bwd_fetched_serial: tuple[float, ...]
     adam_params: tuple[float, ...]
+    refresh: tuple[float, ...]
+    """All-gather that refreshes a persistent chunk's full copy after its shard is updated."""
     persistent_bytes: tuple[int, ...]
     host_bytes: tuple[int, ...]
     """Host bytes of chunks [0, i) if they were offloaded (suffix = total - prefix)."""
@@ -136,6 +139,7 @@ def chunk_costs(model: ModelProfile, hardware: HardwareProfile, chunk_size: int)
             rows["bwd_fetched"].append(b + fetch + reduce + off)
             rows["bwd_fetched_serial"].append(b + fetch + reduce + off)
         rows["adam_params"].append(chunk.used / world if chunk.trainable else 0.0)
+        rows["refresh"].append(gather if chunk.trainable else 0.0)
         if chunk.trainable:
             rows["persistent_bytes"].append(chunk_bytes + shard * ((0 if alias else 4) + 4 + 8))
             rows["host_bytes"].append(shard * 16)
@@ -172,6 +176,7 @@ _PREFIXED = (
     "bwd_fetched",
     "bwd_fetched_serial",
     "adam_params",
+    "refresh",
     "persistent_bytes",
     "host_bytes",
     "snapshot_bytes",
@@ -242,6 +247,7 @@ def predict(
     forward += costs.unattributed_forward_s
     backward += costs.unattributed_backward_s
     device_adam = _span(costs.adam_params, 0, p) / hardware.device_adam_params_per_s
+    device_adam += _span(costs.refresh, 0, p)
     cpu_adam = _span(costs.adam_params, p, n) / hardware.cpu_adam_params_per_s
     step = forward + max(backward + device_adam, cpu_adam)
 

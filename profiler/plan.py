@@ -328,7 +328,8 @@ def searched_plan(
         predicted_peak_device_bytes=best.prediction.peak_device_bytes,
         predicted_peak_host_bytes=best.prediction.host_bytes,
         notes=tuple(
-            f"runner-up: chunk_size {_bytes(c.chunk_size)}, n_persist={c.n_persist}, n_buffer={c.n_buffer}: "
+            f"runner-up: chunk_size {_bytes(c.chunk_size)}, n_persist={c.n_persist} of {c.num_chunks}, "
+            f"n_buffer={c.n_buffer}: "
             f"{c.prediction.step_s:.3f} s, {_bytes(c.prediction.peak_device_bytes)}"
             for c in result.runners_up
         ),

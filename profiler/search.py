@@ -161,13 +161,13 @@ def _costs_by_size(
 
 def _ranked(candidates: list[Candidate]) -> list[Candidate]:
     """Fastest first. Plans within ``SAME_SPEED`` of the fastest count as equally fast (the model
-    is not that exact); among them the one keeping the most chunks on the device wins (less
+    is not that exact); among them the one keeping the largest share on the device wins (less
     traffic that could go wrong in ways the model does not see), then less device memory, then
     larger chunks (fewer collectives)."""
     by_speed = sorted(candidates, key=lambda c: (c.prediction.step_s, c.prediction.peak_device_bytes))
     fastest = by_speed[0].prediction.step_s
     tied = [c for c in by_speed if c.prediction.step_s <= fastest * (1 + SAME_SPEED)]
-    tied.sort(key=lambda c: (-c.n_persist, c.prediction.peak_device_bytes, -c.chunk_size))
+    tied.sort(key=lambda c: (-c.n_persist / c.num_chunks, c.prediction.peak_device_bytes, -c.chunk_size))
     rest = [c for c in by_speed if c.prediction.step_s > fastest * (1 + SAME_SPEED)]
     return tied + rest
 

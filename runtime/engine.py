@@ -28,6 +28,8 @@ from runtime.console import MetricsFile, ProgressReporter, StepRecord
 from runtime.device import DeviceInfo, synchronize
 from runtime.distributed import DistContext, all_reduce_sum_, destroy
 from runtime.loss_scale import DynamicLossScaler
+from runtime.plan_check import PlanCheck
+from runtime.plan_check import describe as describe_plan_check
 from runtime.schedule import lr_factor
 from runtime.settings import TrainingSettings
 from runtime.spec import NonFiniteLossPolicy, Precision
@@ -83,6 +85,7 @@ class Engine:
         self._window_nonfinite = torch.zeros((), dtype=torch.float64)
         self._window_tokens = 0
         self._closed = False
+        self._plan_check = PlanCheck(plan, accumulation=settings.gradient_accumulation_steps)
 
     # ---------------------------------------------------------------- properties
 
@@ -239,6 +242,11 @@ class Engine:
         self._reporter.update(record)
         if self._metrics is not None:
             self._metrics.write(record.to_json())
+        check = None if record.skipped else self._plan_check.observe(record.step_time_s)
+        if check is not None:
+            self._reporter.print(describe_plan_check(check))
+            if self._metrics is not None:
+                self._metrics.write(check)
 
     @contextlib.contextmanager
     def _autocast(self) -> Iterator[None]:

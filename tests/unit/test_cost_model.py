@@ -93,6 +93,10 @@ def test_two_ranks_add_collectives_and_shard_the_state() -> None:
     p2 = predict(model, two, chunk_costs(model, two, 4 * MIB), n_persist=0, n_buffer=2)
     assert p2.host_bytes == p1.host_bytes // 2
     assert p2.cpu_adam_s == pytest.approx(p1.cpu_adam_s / 2)
+    # Persistent chunks: after the update, an all-gather refreshes each one's full copy.
+    resident = predict(model, two, chunk_costs(model, two, 4 * MIB), n_persist=4, n_buffer=0)
+    gather = 4 * MIB / 1e9 + 1e-3  # the whole chunk over the all-gather rate, plus latency
+    assert resident.device_adam_s == pytest.approx(4 * (1 << 19) / 1e10 + 4 * gather)
 
 
 def test_profiles_round_trip_through_json() -> None:

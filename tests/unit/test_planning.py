@@ -171,3 +171,24 @@ def test_predicted_step_time_is_in_the_right_range(tmp_path: Path, budget: str) 
     predicted = engine.plan.predicted_step_s
     assert predicted is not None
     assert measured / 5 < predicted < measured * 5, (predicted, measured)
+
+
+def test_measured_step_time_is_set_beside_the_prediction_in_the_metrics(tmp_path: Path) -> None:
+    import json
+
+    engine = runtime.initialize(
+        tiny_gpt(), config=job(tmp_path, device_budget="64MiB"), example_batch=example()
+    )
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    for update in range(6):
+        out = engine(**data.batch(update, 0, 0))
+        engine.backward(out.loss)
+        engine.step()
+    engine.close()
+    (metrics,) = (tmp_path / "runs").glob("*/metrics.jsonl")
+    checks = [json.loads(line) for line in metrics.read_text().splitlines() if "plan_check" in line]
+    assert len(checks) == 1, "compared once, after the first updates"
+    check = checks[0]
+    assert check["predicted_step_s"] == round(engine.plan.predicted_step_s or 0.0, 6)
+    assert check["measured_step_s"] > 0 and check["updates"] == 5
+    assert check["error"] == pytest.approx(check["predicted_step_s"] / check["measured_step_s"] - 1, abs=1e-3)
