@@ -63,6 +63,9 @@ class Plan:
     predicted_peak_host_bytes: int | None = None
     predicted_ssd_bytes: int | None = None
     notes: tuple[str, ...] = field(default=())
+    batch_shape: tuple[int, ...] = ()
+    """The profiled batch's main input shape: the plan's predictions hold for no larger batch
+    (empty: made without a profile)."""
 
     def __post_init__(self) -> None:
         if self.n_persist > self.num_chunks:
@@ -92,6 +95,7 @@ class Plan:
         body["block_modes"] = [mode.value for mode in self.block_modes]
         body["chosen"] = list(self.chosen)
         body["notes"] = list(self.notes)
+        body["batch_shape"] = list(self.batch_shape)
         return body
 
     @classmethod
@@ -106,6 +110,7 @@ class Plan:
         values["block_modes"] = tuple(BlockMode(mode) for mode in body["block_modes"])
         values["chosen"] = tuple(body.get("chosen", ()))
         values["notes"] = tuple(body.get("notes", ()))
+        values["batch_shape"] = tuple(body.get("batch_shape", ()))
         return cls(**values)
 
     def rows(self) -> list[tuple[str, str, str]]:
@@ -324,6 +329,7 @@ def searched_plan(
         host_budget_bytes=host_budget_bytes,
         chosen=chosen,
         rule=f"search: fastest of {result.evaluated} plans that fit; {result.binding}",
+        batch_shape=model.batch_shape,
         predicted_step_s=best.prediction.step_s,
         predicted_peak_device_bytes=best.prediction.peak_device_bytes,
         predicted_peak_host_bytes=best.prediction.host_bytes,

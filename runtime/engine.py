@@ -30,6 +30,7 @@ from runtime.distributed import DistContext, all_reduce_sum_, destroy
 from runtime.loss_scale import DynamicLossScaler
 from runtime.plan_check import PlanCheck
 from runtime.plan_check import describe as describe_plan_check
+from runtime.planning import batch_shape
 from runtime.schedule import lr_factor
 from runtime.settings import TrainingSettings
 from runtime.spec import NonFiniteLossPolicy, Precision
@@ -124,6 +125,7 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._refuse_larger_batch(args, kwargs)
         if self.module.training and torch.is_grad_enabled():
             if self._window_start is None:
                 self._window_start = time.perf_counter()
@@ -133,6 +135,19 @@ class Engine:
                 return self.module(*args, **kwargs)
         finally:
             self.chunks.end_forward()
+
+    def _refuse_larger_batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The plan's memory prediction holds for batches no larger than the profiled one."""
+        planned = self.plan.batch_shape
+        if not planned:
+            return
+        shape = batch_shape(kwargs if kwargs else args if len(args) != 1 else args[0])
+        if len(shape) == len(planned) and any(got > limit for got, limit in zip(shape, planned, strict=True)):
+            raise ValueError(
+                f"a batch of shape {tuple(shape)} is larger than the {tuple(planned)} this plan was made "
+                "for (its memory prediction would not hold); pass the largest batch the job uses as "
+                "initialize(..., example_batch=...)"
+            )
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""

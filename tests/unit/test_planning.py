@@ -192,3 +192,18 @@ def test_measured_step_time_is_set_beside_the_prediction_in_the_metrics(tmp_path
     assert check["predicted_step_s"] == round(engine.plan.predicted_step_s or 0.0, 6)
     assert check["measured_step_s"] > 0 and check["updates"] == 5
     assert check["error"] == pytest.approx(check["predicted_step_s"] / check["measured_step_s"] - 1, abs=1e-3)
+
+
+def test_a_batch_larger_than_the_profiled_one_is_refused(tmp_path: Path) -> None:
+    engine = runtime.initialize(
+        tiny_gpt(), config=job(tmp_path, device_budget="64MiB"), example_batch=example()
+    )
+    assert engine.plan.batch_shape == (2, 32)
+    smaller = {key: value[:1, :16] for key, value in example().items()}
+    engine(**smaller)  # a smaller batch is fine
+    larger = lm_batches(micro_batch_size=4, accumulation=1, world_size=1).batch(0, 0, 0)
+    with pytest.raises(
+        ValueError, match=r"a batch of shape \(4, 32\) is larger than the \(2, 32\) this plan"
+    ):
+        engine(**larger)
+    engine.close()
