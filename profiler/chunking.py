@@ -98,11 +98,14 @@ def candidate_chunk_bytes(total_bytes: int, largest_param_bytes: int) -> list[in
     """The grid, scaled to the model: sizes 2^k x {1, 1.25, 1.5, 1.75} from a floor to a cap.
 
     Floor: 32 MiB, or about total/8 for models smaller than 8 x 32 MiB; never below the largest
-    parameter. Cap: 256 MiB, or the whole model if smaller (never below the floor).
+    parameter. Cap: 256 MiB or twice the floor, whichever is larger, but not above the whole
+    model (and never below the floor).
     """
     small_floor = 1 << max(10, math.ceil(math.log2(max(1, total_bytes // MIN_CHUNKS_FOR_SMALL_MODELS))))
     floor = max(min(PREFERRED_MIN_CHUNK_BYTES, small_floor), largest_param_bytes)
-    cap = max(floor, min(MAX_CHUNK_BYTES, total_bytes))
+    # A parameter larger than the usual cap (a big vocabulary's embedding) sets the floor; going
+    # up to twice that lets the other parameters pack without wasting a third of each chunk.
+    cap = max(floor, min(MAX_CHUNK_BYTES, total_bytes), min(2 * floor, total_bytes))
     grid: set[int] = {floor, cap}
     power = 1 << max(0, math.floor(math.log2(floor)))
     while power <= cap:

@@ -298,6 +298,7 @@ def searched_plan(
     host_budget_bytes: int,
     chosen: tuple[str, ...],
     undo_snapshots: bool,
+    extra_buffers: int | None = None,
 ) -> tuple[Plan, SearchResult]:
     """The fastest plan that fits, by the cost model over the profiles; hand-set knobs stay.
     Raises NoPlanFitsError (a ValueError) saying what would fit."""
@@ -311,6 +312,7 @@ def searched_plan(
         n_persist=request.n_persist,
         n_buffer=request.n_buffer,
         undo_snapshots=undo_snapshots,
+        extra_buffers=extra_buffers,
     )
     best = result.best
     plan = Plan(

@@ -66,9 +66,11 @@ def search(
     undo_snapshots: bool = False,
     margin: float = MEMORY_MARGIN,
     keep: int = 3,
+    extra_buffers: int | None = None,
 ) -> SearchResult:
     """The fastest plan that fits ``device_budget`` and ``host_budget`` (bytes per rank);
-    ``chunk_size``/``n_persist``/``n_buffer``, when given, are fixed."""
+    ``chunk_size``/``n_persist``/``n_buffer``, when given, are fixed. ``extra_buffers`` caps the
+    buffers tried beyond the fewest that work (for models of hundreds of chunks; None: all)."""
     started = time.perf_counter()
     all_costs = list(_costs_by_size(model, hardware, chunk_size))
     evaluated = 0
@@ -90,7 +92,8 @@ def search(
             elif n_buffer is not None:
                 buffer_range = [n_buffer] if n_buffer >= costs.need[p] else []
             else:
-                buffer_range = range(costs.need[p], n - p + 1)
+                most = n - p if extra_buffers is None else min(n - p, costs.need[p] + extra_buffers)
+                buffer_range = range(costs.need[p], most + 1)
             device_full = False
             for position, b in enumerate(buffer_range):
                 prediction = predict(

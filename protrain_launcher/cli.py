@@ -135,6 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         _build_parser().print_help()
         return EXIT_OK
+    if "--what-if" in argv:
+        # Planning for absent hardware: no script, no ranks, no torch.
+        from runtime.what_if import main as what_if
+
+        try:
+            return what_if(argv)
+        except SpecError as err:
+            print(f"protrain-run: error: {err}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     try:
         request = parse_command_line(argv)
         spec = resolve_spec(request)

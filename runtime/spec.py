@@ -178,6 +178,7 @@ Fraction = Annotated[(float, *_leaf(_float_check(0.0, 1.0), "a number in [0, 1]"
 Bool = Annotated[(bool, *_leaf(_bool_check, "true or false"))]
 Text = Annotated[(str, *_leaf(_str_check, "a non-empty string"))]
 
+Size = Annotated[(int, *_leaf(_positive_size, _SIZE_TEXT + " (> 0)"))]
 AutoSize = Annotated[(Union[int, Auto], *_leaf(_positive_size, _SIZE_TEXT + " (> 0)", auto=True))]
 AutoNonNegInt = Annotated[(Union[int, Auto], *_leaf(_int_check(0), "an integer >= 0", auto=True))]
 AutoPositiveInt = Annotated[(Union[int, Auto], *_leaf(_int_check(1), "an integer >= 1", auto=True))]

@@ -255,11 +255,11 @@ def _nested_allowed(annotation: Any) -> str | None:
     return None
 
 
-def _field_path(loc: tuple[Any, ...], *, unknown_key: bool) -> tuple[str, ...]:
+def _field_path(loc: tuple[Any, ...], *, unknown_key: bool, root: type[BaseModel] = Spec) -> tuple[str, ...]:
     """The spec key path of an error location, without pydantic's union-branch tags and list
     indices; for an unknown key, its own name is kept as the last element."""
     path: list[str] = []
-    current: type[BaseModel] | None = Spec
+    current: type[BaseModel] | None = root
     for part in loc:
         if isinstance(part, str) and current is not None and part in current.model_fields:
             path.append(part)
@@ -286,27 +286,32 @@ def _source_of(path: tuple[str, ...], sources: dict[tuple[str, ...], str], defau
 
 
 def format_validation_error(
-    err: ValidationError, *, source: str, override_sources: dict[tuple[str, ...], str] | None = None
+    err: ValidationError,
+    *,
+    source: str,
+    override_sources: dict[tuple[str, ...], str] | None = None,
+    root: type[BaseModel] = Spec,
 ) -> str:
-    """One line per problem: ``<file or --set>: <key.path>: <what is wrong>; allowed: ...``."""
+    """One line per problem: ``<file or --set>: <key.path>: <what is wrong>; allowed: ...``.
+    ``root``: the model validated (the job spec, or another file kind such as a hardware file)."""
     sources = override_sources or {}
     lines: list[str] = []
     seen: set[str] = set()
     for error in err.errors(include_url=False):
-        path = _field_path(error["loc"], unknown_key=error["type"] == "extra_forbidden")
+        path = _field_path(error["loc"], unknown_key=error["type"] == "extra_forbidden", root=root)
         kind = error["type"]
         if kind == "spec_cross_field":
             ctx = error.get("ctx", {})
             path = path + tuple(str(ctx.get("key", "")).split("."))
             message = str(ctx.get("message", error["msg"]))
         elif kind == "extra_forbidden":
-            section = _section_at(Spec, path[:-1])
+            section = _section_at(root, path[:-1])
             allowed = ", ".join(section.model_fields) if section else "none"
             message = f"unknown key {path[-1]!r}; allowed keys here: {allowed}"
         elif kind == "missing":
             message = "required key is missing"
         else:
-            allowed = allowed_text(Spec, path) if path else None
+            allowed = allowed_text(root, path) if path else None
             got = _describe(error["input"])
             message = f"got {got}; allowed: {allowed or error['msg']}"
         key = ".".join(path) or "(top level)"

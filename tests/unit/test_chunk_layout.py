@@ -39,9 +39,13 @@ def test_search_minimises_waste_over_a_grid_scaled_to_the_model() -> None:
 
 
 def test_big_models_use_the_papers_range() -> None:
-    grid = candidate_chunk_bytes(20 << 30, 200 << 20)
-    assert grid[0] == 200 << 20 and grid[-1] == 256 << 20
+    grid = candidate_chunk_bytes(20 << 30, 100 << 20)
+    assert grid[0] == 100 << 20 and grid[-1] == 256 << 20
     assert candidate_chunk_bytes(20 << 30, 1 << 20)[0] == 32 << 20
+    # A parameter above half the cap (a large vocabulary's embedding) widens the range to twice
+    # its size, so the other parameters can pack densely.
+    grid = candidate_chunk_bytes(20 << 30, 200 << 20)
+    assert grid[0] == 200 << 20 and grid[-1] == 400 << 20
 
 
 def test_model_layout_ties_first_use_and_round_trip() -> None:

@@ -1,0 +1,241 @@
+"""What-if planning: plan and predict for hardware that is not here, from a hardware file and a
+model configuration alone (an analytic profile: no weights, no torch).
+
+    protrain-run --what-if configs/hardware/a100-80gb.yaml --model-config config.json
+    protrain-run --what-if configs/hardware/a100-80gb.yaml --largest
+
+``--largest`` walks a GPT-3-shaped family from 1.3B to 175B parameters and reports, for each,
+the fastest plan or what keeps it from fitting, then the largest that fits and the resource
+that binds the next one. Every block keeps its activations (swap, recompute and SSD offload join
+the search with the activation engine), so the device must hold one micro-batch's activations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from profiler.analytic import TransformerShape, analytic_profile, shape_from_config
+from profiler.plan import KnobRequest, Plan, searched_plan
+from profiler.profile import HardwareProfile
+from profiler.search import NoPlanFitsError
+from runtime.hardware_spec import HardwareFile, load_hardware
+from runtime.spec_io import SpecError
+
+DEVICE_RESERVE_FRACTION = 0.05
+"""As runtime/budgets.py: kept free on a CUDA device for the context, NCCL and allocator slack."""
+HOST_RESERVE_BYTES = 2 << 30
+EXTRA_BUFFERS = 8
+"""Buffers tried beyond the fewest that work: beyond a few, more only helps the first backward
+chunks, and models of hundreds of chunks would otherwise mean millions of plans."""
+
+# (name, layers, hidden, heads): GPT-3's shapes (Brown et al. 2020, table 2.1) and steps between.
+GPT_FAMILY: tuple[tuple[str, int, int, int], ...] = (
+    ("gpt-1.3b", 24, 2048, 16),
+    ("gpt-2.7b", 32, 2560, 32),
+    ("gpt-6.7b", 32, 4096, 32),
+    ("gpt-13b", 40, 5120, 40),
+    ("gpt-20b", 44, 6144, 48),
+    ("gpt-30b", 48, 7168, 56),
+    ("gpt-40b", 52, 8192, 64),
+    ("gpt-50b", 64, 8192, 64),
+    ("gpt-65b", 80, 8192, 64),
+    ("gpt-75b", 80, 8704, 68),
+    ("gpt-100b", 88, 9728, 76),
+    ("gpt-130b", 96, 10752, 84),
+    ("gpt-175b", 96, 12288, 96),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Machine:
+    hardware: HardwareProfile
+    device_budget: int
+    host_budget: int
+    sustained_flops: float
+
+
+def machine_from_file(spec: HardwareFile) -> Machine:
+    gpu = spec.gpu
+    world = gpu.count
+    collective = float(gpu.collective_bandwidth) if world > 1 else float("inf")
+    hardware = HardwareProfile(
+        device_kind=f"what-if:{gpu.name}",
+        world_size=world,
+        h2d_bytes_per_s=float(gpu.host_to_device),
+        d2h_bytes_per_s=float(gpu.device_to_host),
+        cpu_adam_params_per_s=spec.host.cpu_adam_params_per_s,
+        # Device AdamW reads and writes ~28 bytes per parameter: bound by memory bandwidth.
+        device_adam_params_per_s=gpu.memory_bandwidth / 28,
+        all_gather_bytes_per_s=collective,
+        reduce_scatter_bytes_per_s=collective,
+        collective_latency_s=20e-6 if world > 1 else 0.0,
+        copies_overlap_compute=True,
+    )
+    return Machine(
+        hardware=hardware,
+        device_budget=int(gpu.memory * (1 - DEVICE_RESERVE_FRACTION)),
+        host_budget=max(0, spec.host.memory - HOST_RESERVE_BYTES) // world,
+        sustained_flops=gpu.tflops * 1e12 * gpu.mfu,
+    )
+
+
+def plan_model(
+    shape: TransformerShape, machine: Machine, *, micro_batch_size: int, seq_len: int, precision: str
+) -> Plan:
+    """The fastest plan that fits, or NoPlanFitsError saying why."""
+    profile = analytic_profile(
+        shape,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        precision=precision,
+        sustained_flops=machine.sustained_flops,
+    )
+    plan, _ = searched_plan(
+        request=KnobRequest(),
+        model=profile,
+        hardware=machine.hardware,
+        num_blocks=shape.layers,
+        micro_batch_size=micro_batch_size,
+        device_budget_bytes=machine.device_budget,
+        host_budget_bytes=machine.host_budget,
+        chosen=("memory.chunk_size", "memory.n_persist", "memory.n_buffer"),
+        undo_snapshots=False,
+        extra_buffers=EXTRA_BUFFERS,
+    )
+    return plan
+
+
+def family_shape(name: str, layers: int, hidden: int, heads: int, seq_len: int) -> TransformerShape:
+    return TransformerShape(
+        name=name,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=heads,
+        ffn=4 * hidden,
+        vocab=50257,
+        max_positions=max(2048, seq_len),
+        gated_mlp=False,
+        biases=True,
+        learned_positions=True,
+        tied_embeddings=True,
+        norm_params=2,
+    )
+
+
+def main(argv: list[str]) -> int:
+    """``protrain-run --what-if HARDWARE.yaml (--model-config CONFIG.json | --largest)``."""
+    parser = argparse.ArgumentParser(
+        prog="protrain-run --what-if",
+        description="Plan and predict for absent hardware, from a hardware file and a model config.",
+    )
+    parser.add_argument("--what-if", dest="hardware", required=True, metavar="HARDWARE.yaml")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument(
+        "--model-config", metavar="CONFIG.json", help="HF config.json or the repo's GPT config"
+    )
+    target.add_argument("--largest", action="store_true", help="the largest GPT-family model that fits")
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    args = parser.parse_args(argv)
+    if args.micro_batch_size < 1 or args.seq_len < 1:
+        raise SpecError("--micro-batch-size and --seq-len must be >= 1")
+    hardware_file = load_hardware(args.hardware)
+    machine = machine_from_file(hardware_file)
+    console = Console(highlight=False)
+    name = hardware_file.name
+    if args.largest:
+        return _largest(console, machine, name, args)
+    config_path = Path(args.model_config)
+    try:
+        shape = shape_from_config(_read_model_config(config_path), name=config_path.stem)
+    except ValueError as err:
+        raise SpecError(f"{config_path}: {err}") from None
+    try:
+        plan = plan_model(
+            shape,
+            machine,
+            micro_batch_size=args.micro_batch_size,
+            seq_len=args.seq_len,
+            precision=args.precision,
+        )
+    except NoPlanFitsError as err:
+        console.print(f"[red]{shape.name} ({shape.parameters / 1e9:.2f}B) does not fit {name}:[/red] {err}")
+        return 1
+    table = Table(title=f"What-if plan: {shape.name} ({shape.parameters / 1e9:.2f}B parameters) on {name}")
+    for column in ("knob", "value", "from"):
+        table.add_column(column)
+    for row in plan.rows():
+        table.add_row(*row)
+    table.caption = "\n".join([plan.rule, *plan.notes])
+    table.caption_justify = "left"
+    console.print(table)
+    return 0
+
+
+def _largest(console: Console, machine: Machine, name: str, args: argparse.Namespace) -> int:
+    table = Table(
+        title=f"What-if: GPT-family models on {name}, batch {args.micro_batch_size} x {args.seq_len}, "
+        f"{args.precision}, every block keeping its activations"
+    )
+    for column in ("model", "params", "fits", "step", "tokens/s", "device", "host", "binds"):
+        table.add_column(column, no_wrap=True)
+    largest: tuple[str, int] | None = None
+    first_miss: str | None = None
+    for family_name, layers, hidden, heads in GPT_FAMILY:
+        shape = family_shape(family_name, layers, hidden, heads, args.seq_len)
+        size = f"{shape.parameters / 1e9:.1f}B"
+        try:
+            plan = plan_model(
+                shape,
+                machine,
+                micro_batch_size=args.micro_batch_size,
+                seq_len=args.seq_len,
+                precision=args.precision,
+            )
+        except NoPlanFitsError as err:
+            reason = "host memory" if "host budget" in str(err) else "device memory"
+            table.add_row(family_name, size, "no", "", "", "", "", reason)
+            first_miss = first_miss or f"{family_name} ({size}): {err}"
+            continue
+        step = plan.predicted_step_s or 0.0
+        table.add_row(
+            family_name,
+            size,
+            "yes",
+            f"{step:.2f} s",
+            f"{args.micro_batch_size * args.seq_len / step:,.0f}" if step else "",
+            f"{(plan.predicted_peak_device_bytes or 0) / 2**30:.1f} GiB",
+            f"{(plan.predicted_peak_host_bytes or 0) / 2**30:.0f} GiB",
+            plan.rule.split("; ", 1)[-1].split(":")[0],
+        )
+        largest = (family_name, shape.parameters)
+    console.print(table)
+    if largest is None:
+        console.print("[red]no model of the family fits[/red]" + (f": {first_miss}" if first_miss else ""))
+        return 1
+    console.print(f"largest that fits: {largest[0]} ({largest[1] / 1e9:.1f}B parameters)")
+    if first_miss:
+        console.print(f"first that does not: {first_miss}")
+    return 0
+
+
+def _read_model_config(path: Path) -> dict[str, object]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such file") from None
+    except OSError as err:
+        raise SpecError(f"{path}: cannot read ({err.strerror})") from None
+    except json.JSONDecodeError as err:
+        raise SpecError(f"{path}: not JSON: {err.msg} at line {err.lineno}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: expected a JSON object (a model config)")
+    return data
