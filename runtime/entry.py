@@ -37,7 +37,7 @@ from runtime.spec_io import (
     read_resolved,
     validate_spec,
 )
-from runtime.weights import WeightsSource, load_weights_
+from runtime.weights import WeightReader, WeightsSource, install_placeholders_, load_weights_
 
 
 def resolve_job(
@@ -85,12 +85,19 @@ def initialize(
     """
     resolved, run_dir = resolve_job(config)
     spec = resolved.spec
-    if weights is not None:
+    # A model built on the meta device is never materialised whole: its parameters get stand-ins
+    # and each is read from the weights straight into its chunk.
+    streamed = weights is not None and any(p.is_meta for p in model.parameters())
+    reader = WeightReader(weights, model) if streamed and weights is not None else None
+    if weights is not None and reader is None:
         load_weights_(model, weights)
-    _refuse_meta(model)
-    if resolved.dry_run:
-        _dry_run(model, resolved, example_batch, loss_fn)
+    if reader is None:
+        _refuse_meta(model)
     device = select_device(env_int("LOCAL_RANK", 0))
+    if reader is not None:
+        install_placeholders_(model, device.device, reader)
+    if resolved.dry_run:
+        _dry_run(model, resolved, example_batch, loss_fn, profile=reader is None)
     dist_ctx = init_distributed(
         backend=device.backend,
         timeout_s=spec.launcher.dist_timeout_s,
@@ -98,8 +105,9 @@ def initialize(
         local_rank=env_int("LOCAL_RANK", 0),
         collective_device=device.device,
     )
-    model.to(device.device)
-    broadcast_module_(model, dist_ctx)
+    if reader is None:
+        model.to(device.device)
+        broadcast_module_(model, dist_ctx)  # streamed weights are the same file on every rank
     # Rank-offset seed: dropout masks differ across ranks, as they do under DDP with per-rank seeds.
     torch.manual_seed(spec.seed + dist_ctx.rank)
     example_batch = _to_device(example_batch, device.device)
@@ -113,14 +121,15 @@ def initialize(
         params=params,
         world_size=dist_ctx.world_size,
         budgets=(int(agreed[0].item()), int(agreed[1].item())),
-        example_batch=example_batch,
+        # Profiling runs the whole model at once: not for one whose weights are streamed.
+        example_batch=example_batch if reader is None else None,
         loss_fn=loss_fn,
         device=device,
         dist_ctx=dist_ctx,
     )
     _check_supported(plan, spec)
     settings = settings_from_spec(spec)
-    chunks = _build_chunks(model, params, plan, settings, device, dist_ctx)
+    chunks = _build_chunks(model, params, plan, settings, device, dist_ctx, reader)
     reporter = ProgressReporter(total_steps=spec.scheduler.total_steps, enabled=dist_ctx.is_main)
     metrics = _open_metrics(resolved, run_dir, dist_ctx)
     reporter.show_plan(plan)
@@ -196,6 +205,7 @@ def _build_chunks(
     settings: TrainingSettings,
     device: DeviceInfo,
     dist_ctx: DistContext,
+    reader: WeightReader | None,
 ) -> ChunkManager:
     element_size = compute_element_size(settings.precision)
     layout = layout_from_params(
@@ -220,6 +230,7 @@ def _build_chunks(
             eps=optimizer.eps,
             lr=optimizer.lr,
             undo_snapshots=settings.gradient_clipping > 0,
+            read_param=None if reader is None else reader.get,
         )
     except ValueError as err:
         raise SpecError(str(err)) from None
@@ -252,9 +263,11 @@ def _dry_run(
     resolved: ResolvedSpec,
     example_batch: Any,
     loss_fn: Callable[[Any], torch.Tensor] | None,
+    *,
+    profile: bool,
 ) -> None:
     """Print the spec and the plan it resolves to, then end the process: no process group, no
-    training step, no files."""
+    training step, no files. ``profile``: whether the model may be run whole to profile it."""
     console = Console(highlight=False)
     device = select_device(0)
     example_batch = _to_device(example_batch, device.device)
@@ -265,7 +278,7 @@ def _dry_run(
         params=params,
         world_size=resolved.world_size,
         budgets=_budgets(resolved.spec, device, ranks_on_host=resolved.world_size),
-        example_batch=example_batch,
+        example_batch=example_batch if profile else None,
         loss_fn=loss_fn,
         device=device,
     )

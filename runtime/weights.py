@@ -1,4 +1,10 @@
-"""Loading parameters from a state dict, a directory of safetensors shards, or a callable."""
+"""Loading parameters from a state dict, a directory of safetensors shards, or a callable.
+
+A real model is filled in place (``load_weights_``). A model built on the meta device is never
+materialised whole: ``install_placeholders_`` gives its parameters shape-only stand-ins, and the
+chunk engine reads each parameter from a ``WeightReader`` straight into its chunk, one at a time
+(safetensors shards are opened lazily and read tensor by tensor).
+"""
 
 from __future__ import annotations
 
@@ -32,6 +38,119 @@ def load_weights_(model: nn.Module, weights: WeightsSource) -> None:
     else:
         values = dict(weights)
     _copy_into_(model, values, source=str(weights) if isinstance(weights, (str, os.PathLike)) else "weights")
+
+
+class WeightReader:
+    """Reads one parameter (or buffer) at a time from a weights source, by the model's names
+    (a tied parameter under any of its names). Names are checked up front: missing parameters
+    and unexpected entries are an error naming them, before anything is read."""
+
+    def __init__(self, weights: WeightsSource, model: nn.Module) -> None:
+        # Hugging Face models built under init_empty_weights leave their declared ties undone.
+        tie_weights = getattr(model, "tie_weights", None)
+        if callable(tie_weights):
+            tie_weights()
+        self.source = str(weights) if isinstance(weights, (str, os.PathLike)) else "weights"
+        self._aliases = _alias_groups(model)
+        self._expected = {
+            name: (tuple(t.shape), t.dtype) for name, t in model.state_dict(keep_vars=True).items()
+        }
+        self._callable: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+        self._mapping: Mapping[str, torch.Tensor] | None = None
+        self._files: dict[str, Path] = {}
+        if callable(weights) and not isinstance(weights, Mapping):
+            self._callable = weights
+            self._empty = dict(model.state_dict(keep_vars=True))
+            available = set(self._expected)
+        elif isinstance(weights, (str, os.PathLike)):
+            self._files = _safetensors_index(Path(weights))
+            available = set(self._files)
+        else:
+            self._mapping = weights
+            available = set(weights)
+        buffers = {name for name, _ in model.named_buffers()}
+        missing = [
+            name for name in self._expected if name not in buffers and self._resolve(name, available) is None
+        ]
+        unexpected = sorted(available - set(self._expected))
+        if missing or unexpected:
+            raise ValueError(
+                f"{self.source}: missing {missing[:8]}{'...' if len(missing) > 8 else ''}; "
+                f"unexpected {unexpected[:8]}"
+            )
+        self._available = available
+
+    def has(self, name: str) -> bool:
+        return self._resolve(name, self._available) is not None
+
+    def get(self, name: str) -> torch.Tensor:
+        """The value of ``name`` (checked against the model's shape)."""
+        key = self._resolve(name, self._available)
+        if key is None:
+            raise KeyError(f"{self.source}: no value for {name}")
+        if self._callable is not None:
+            value = self._callable(name, self._empty[name])
+        elif self._mapping is not None:
+            value = self._mapping[key]
+        else:
+            from safetensors import safe_open
+
+            with safe_open(str(self._files[key]), framework="pt") as shard:
+                value = shard.get_tensor(key)
+        shape = self._expected[name][0]
+        if tuple(value.shape) != shape:
+            raise ValueError(
+                f"{self.source}: {name} has shape {tuple(value.shape)}, the model expects {shape}"
+            )
+        return value
+
+    def _resolve(self, name: str, available: set[str]) -> str | None:
+        if name in available:
+            return name
+        return next((alias for alias in self._aliases.get(name, ()) if alias in available), None)
+
+
+def install_placeholders_(model: nn.Module, device: torch.device, reader: WeightReader) -> None:
+    """Give a meta model's parameters shape-only stand-ins on ``device`` (one NaN element seen
+    through a stride-0 view: no memory, and any stray read shows as NaN), keeping tied parameters
+    tied; real buffers move to ``device`` and meta buffers are read from ``reader``."""
+    replaced: dict[int, nn.Parameter] = {}
+    for name, param in list(model.named_parameters(remove_duplicate=False)):
+        stand_in = replaced.get(id(param))
+        if stand_in is None:
+            nan = torch.full((1,), float("nan"), dtype=param.dtype, device=device)
+            view = nan.expand(param.shape) if param.dim() else nan[0]
+            stand_in = replaced[id(param)] = nn.Parameter(view, requires_grad=param.requires_grad)
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner) if owner else model, leaf, stand_in)
+    for name, buffer in list(model.named_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        if buffer.is_meta:
+            if not reader.has(name):
+                raise ValueError(
+                    f"{reader.source}: buffer {name} is on the meta device and not in the weights"
+                )
+            module._buffers[leaf] = reader.get(name).to(device=device, dtype=buffer.dtype)
+        else:
+            module._buffers[leaf] = buffer.to(device)
+
+
+def _safetensors_index(directory: Path) -> dict[str, Path]:
+    """Tensor name -> the shard holding it (headers only; nothing is read)."""
+    from safetensors import safe_open
+
+    if not directory.is_dir():
+        raise ValueError(f"weights: {directory} is not a directory of .safetensors files")
+    shards = sorted(directory.glob("*.safetensors"))
+    if not shards:
+        raise ValueError(f"weights: no .safetensors files in {directory}")
+    index: dict[str, Path] = {}
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as handle:
+            for key in handle.keys():
+                index[key] = shard
+    return index
 
 
 def _materialize_empty_(model: nn.Module) -> None:

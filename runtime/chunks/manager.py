@@ -132,7 +132,10 @@ class ChunkManager:
         eps: float,
         lr: float,
         undo_snapshots: bool = True,
+        read_param: Callable[[str], torch.Tensor] | None = None,
     ) -> None:
+        """``read_param(name)``, when given, supplies each parameter's value while its chunk is
+        built (the model holds only stand-ins: weights streamed from a file, one at a time)."""
         self.model = model
         self.layout = layout
         self.compute_dtype = compute_dtype
@@ -147,6 +150,7 @@ class ChunkManager:
         self.undo_snapshots = undo_snapshots
         """Snapshot what an early (speculative) update changes so it can be undone: needed only
         when gradient clipping is on (see begin_last_backward)."""
+        self._read_param = read_param
         self.host_arena = self._build_host_arena()
         self._build_storage(weight_decay, betas=betas, eps=eps, lr=lr)
         self.slots = [
@@ -232,7 +236,12 @@ class ChunkManager:
             for index in chunk.info.params:
                 offset = self.layout.slots[index].offset
                 param = self.params[index]
-                flat[offset : offset + param.numel()].copy_(param.detach().reshape(-1))
+                if self._read_param is not None:
+                    value = self._read_param(self.layout.params[index].name)
+                else:
+                    value = param.detach()
+                flat[offset : offset + param.numel()].copy_(value.reshape(-1))
+                del value  # a streamed value lives only until it is in its chunk
             mine = flat[rank * shard : (rank + 1) * shard]
             chunk.segments = shard_segments(self.layout, chunk.info, rank)
             if chunk.persistent:

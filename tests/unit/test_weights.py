@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 import runtime
-from tests.helpers import assert_state_equal, tiny_gpt
+from tests.helpers import assert_state_equal, lm_batches, tiny_gpt
 
 
 def config(tmp_path: Path) -> dict[str, object]:
@@ -103,4 +103,42 @@ def test_hf_model_larger_than_the_pool_from_save_pretrained_shards(tmp_path: Pat
     expected = pretrained.state_dict()
     state = engine.state_dict()
     assert_state_equal({k: state[k] for k in expected}, dict(expected))
+    engine.close()
+
+
+def test_a_meta_model_is_streamed_one_parameter_at_a_time(tmp_path: Path) -> None:
+    """The full model never exists: each value the source hands out is dropped once it is in
+    its chunk, so at most one is alive at any moment (counted by the values' own finalizers,
+    not by the runtime)."""
+    import weakref
+
+    from accelerate import init_empty_weights
+
+    source = tiny_gpt(seed=13).state_dict()
+    alive = [0]
+    most_alive = [0]
+    handed_out: list[str] = []
+
+    def read(name: str, empty: torch.Tensor) -> torch.Tensor:
+        assert empty.is_meta, "the model itself must not have been materialised"
+        value = source[name].clone()
+        handed_out.append(name)
+        alive[0] += 1
+        most_alive[0] = max(most_alive[0], alive[0])
+        weakref.finalize(value, lambda: alive.__setitem__(0, alive[0] - 1))
+        return value
+
+    with init_empty_weights():
+        empty = tiny_gpt(seed=0)
+    batch = lm_batches(micro_batch_size=2, accumulation=1, world_size=1).batch(0, 0, 0)
+    spec = {**config(tmp_path), "memory": {"chunk_size": "64KiB", "n_persist": 0}}
+    engine = runtime.initialize(empty, config=spec, weights=read, example_batch=batch)
+    assert most_alive[0] == 1 and alive[0] == 0
+    # Each unique parameter read once (the tied head is the embedding, read under one name).
+    assert len(handed_out) == len(set(handed_out)) == len({id(p) for p in engine.module.parameters()})
+    assert not any(p.is_meta for p in engine.module.parameters())
+    assert_state_equal({k: v for k, v in engine.state_dict().items() if k in source}, source)
+    out = engine(**batch)  # trains from the streamed weights
+    engine.backward(out.loss)
+    engine.step()
     engine.close()
