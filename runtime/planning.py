@@ -16,12 +16,20 @@ import torch
 from torch import nn
 
 from profiler.plan import KnobRequest, Plan, resident_plan, searched_plan
+from profiler.profile import HardwareProfile, ModelProfile, cache_key
 from profiler.search import NoPlanFitsError
 from runtime.blocks import BlocksNotFoundError, find_blocks
 from runtime.chunks.layout import ParamInfo
 from runtime.device import DeviceInfo
-from runtime.distributed import DistContext
-from runtime.probes import agree_model, hardware_profile, profile_model
+from runtime.distributed import DistContext, all_reduce_sum_
+from runtime.probes import (
+    agree_model,
+    hardware_key,
+    hardware_profile,
+    profile_model,
+    read_agreed,
+    write_cached,
+)
 from runtime.spec import AUTO, MemorySpec, Precision, Spec, auto_fields
 from runtime.spec_io import SpecError
 
@@ -176,9 +184,10 @@ def _profile(
     device: DeviceInfo,
     dist_ctx: DistContext | None,
     world_size: int,
-) -> tuple[Any, Any] | None:
+) -> tuple[ModelProfile, HardwareProfile] | None:
     """(model profile, hardware profile), agreed across ranks; None when the profiling step
-    does not fit the device (every rank then plans without a profile)."""
+    does not fit the device (every rank then plans without a profile). The model profile is
+    cached by the model's structure, the batch shape, precision, world size and machine."""
     autocast = _AUTOCAST.get(spec.precision)
 
     def run_forward() -> Any:
@@ -187,10 +196,50 @@ def _profile(
         with torch.autocast(device_type=device.autocast_type, dtype=autocast):
             return call_model(model, example_batch)
 
-    failed = torch.zeros(1, dtype=torch.float64)
-    profile = None
+    cache_dir = Path(spec.profiler.cache_dir).expanduser()
+    shape = batch_shape(example_batch)
+    key = cache_key(
+        [(p.name, p.shape, p.trainable) for p in params],
+        [type(module).__name__ for module in model.modules()],
+        block_path,
+        shape,
+        spec.precision.value,
+        world_size,
+        hardware_key(device, world_size),
+    )
+    path = cache_dir / f"model-{key}.json"
+    profile = read_agreed(path, ModelProfile.from_dict, dist_ctx)
+    if profile is None:
+        profile = _measure(
+            model, spec, params, module_params, block_path, blocks, run_forward, loss_fn, device, shape
+        )
+        failed = torch.tensor([1.0 if profile is None else 0.0], dtype=torch.float64)
+        if dist_ctx is not None:
+            all_reduce_sum_(failed, dist_ctx)
+        if failed.item() > 0 or profile is None:
+            return None
+        if dist_ctx is not None:
+            profile = agree_model(profile, dist_ctx)
+            write_cached(path, profile.to_dict())
+    hardware = hardware_profile(device, dist_ctx, world_size=world_size, cache_dir=cache_dir)
+    return profile, hardware
+
+
+def _measure(
+    model: nn.Module,
+    spec: Spec,
+    params: tuple[ParamInfo, ...],
+    module_params: list[list[int]],
+    block_path: str,
+    blocks: list[nn.Module],
+    run_forward: Callable[[], Any],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    device: DeviceInfo,
+    shape: tuple[int, ...],
+) -> ModelProfile | None:
+    """The profiling steps; None when they do not fit the device."""
     try:
-        profile = profile_model(
+        return profile_model(
             model,
             run_forward,
             loss_fn=loss_fn or default_loss,
@@ -198,7 +247,7 @@ def _profile(
             blocks=blocks,
             block_path=block_path,
             module_params=module_params,
-            batch_shape=batch_shape(example_batch),
+            batch_shape=shape,
             precision=spec.precision.value,
             element_size=compute_element_size(spec.precision),
             device=device,
@@ -208,19 +257,7 @@ def _profile(
     except torch.OutOfMemoryError:
         for param in model.parameters():
             param.grad = None
-        failed += 1
-    if dist_ctx is not None:
-        from runtime.distributed import all_reduce_sum_
-
-        all_reduce_sum_(failed, dist_ctx)
-    if failed.item() > 0 or profile is None:
         return None
-    if dist_ctx is not None:
-        profile = agree_model(profile, dist_ctx)
-    hardware = hardware_profile(
-        device, dist_ctx, world_size=world_size, cache_dir=Path(spec.profiler.cache_dir).expanduser()
-    )
-    return profile, hardware
 
 
 _AUTOCAST = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -44,6 +44,7 @@ from runtime.distributed import (
 COPY_PROBE_BYTES = 32 << 20
 ADAM_PROBE_NUMEL = 4 << 20
 COLLECTIVE_PROBE_BYTES = 8 << 20
+T = TypeVar("T")
 REFRESH_ENV = "PROTRAIN_REFRESH_PROFILE"
 """Set to 1 to measure the hardware again instead of using the cached profile."""
 
@@ -57,20 +58,41 @@ def hardware_profile(
     """The cached profile of this machine at this world size, or a fresh measurement (cached).
 
     ``dist_ctx`` None (a dry run: no process group) estimates the collectives from the copy
-    rate unless a cached profile exists."""
-    path = cache_dir / f"hardware-{_hardware_key(device, world_size)}.json"
-    cached = _read_cached(path)
-    have = torch.tensor([1.0 if cached is not None else 0.0], dtype=torch.float64)
-    if dist_ctx is not None:
-        all_reduce_min_(have, dist_ctx)
-    if cached is not None and have.item() > 0:
+    rate unless a cached profile exists, and writes nothing."""
+    path = cache_dir / f"hardware-{hardware_key(device, world_size)}.json"
+    cached = read_agreed(path, HardwareProfile.from_dict, dist_ctx)
+    if cached is not None:
         return cached
     profile = measure_hardware(device, dist_ctx, world_size=world_size)
     if dist_ctx is not None:
         profile = agree_hardware(profile, dist_ctx)
-        with contextlib.suppress(OSError):
-            _write_cached(path, profile.to_dict())
+        write_cached(path, profile.to_dict())
     return profile
+
+
+def read_agreed(path: Path, parse: Callable[[dict[str, Any]], T], dist_ctx: DistContext | None) -> T | None:
+    """The cached value at ``path`` if every rank has one (measuring takes all ranks, so either
+    all use the cache or none does); ``PROTRAIN_REFRESH_PROFILE=1`` ignores caches."""
+    cached: T | None = None
+    if os.environ.get(REFRESH_ENV) != "1":
+        try:
+            cached = parse(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError, KeyError):
+            cached = None
+    have = torch.tensor([1.0 if cached is not None else 0.0], dtype=torch.float64)
+    if dist_ctx is not None:
+        all_reduce_min_(have, dist_ctx)
+    return cached if have.item() > 0 else None
+
+
+def write_cached(path: Path, body: dict[str, Any]) -> None:
+    """Write atomically (ranks or jobs writing at once leave one whole file); a cache that
+    cannot be written is only a cache."""
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(body, indent=1))
+        temporary.replace(path)
 
 
 def measure_hardware(device: DeviceInfo, dist_ctx: DistContext | None, *, world_size: int) -> HardwareProfile:
@@ -180,29 +202,10 @@ def _device_kind(device: DeviceInfo) -> str:
     return f"cpu:{platform.processor() or platform.machine()}x{os.cpu_count()}"
 
 
-def _hardware_key(device: DeviceInfo, world_size: int) -> str:
+def hardware_key(device: DeviceInfo, world_size: int) -> str:
     return cache_key(
         _device_kind(device), world_size, platform.node(), torch.__version__, torch.get_num_threads()
     )
-
-
-def _read_cached(path: Path) -> HardwareProfile | None:
-    if os.environ.get(REFRESH_ENV) == "1":
-        return None
-    try:
-        return HardwareProfile.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
-        return None
-
-
-def _write_cached(path: Path, body: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(f".{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(body, indent=1))
-    temporary.replace(path)  # atomic: ranks or jobs writing at once leave one whole file
-
-
-# ------------------------------------------------------------------------------------- model
 
 
 def profile_model(

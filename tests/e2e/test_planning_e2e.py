@@ -1,0 +1,53 @@
+"""The planner as a user meets it through protrain-run: "auto" knobs filled by the search with
+predictions, hand-set knobs kept, and the measured step time beside the predicted one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tests.e2e.conftest import ROOT, Job
+
+
+def run_demo(job: Job, *sets: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Two ranks train the demo model for 8 steps; the plan and the plan check from metrics."""
+    overrides = [arg for value in sets for arg in ("--set", value)]
+    result = job.run(
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "scripts" / "train_lm.py"),
+        "--steps",
+        "8",
+        "--config",
+        str(ROOT / "configs" / "demo-cpu.yaml"),
+        "--set",
+        f"output_dir={job.workdir / 'runs'}",
+        "--set",
+        f"profiler.cache_dir={job.workdir / 'cache'}",
+        *overrides,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "predicted step time" in result.stdout and "plan check: measured" in result.stdout
+    (metrics,) = Path(job.workdir / "runs").glob("*/metrics.jsonl")
+    events = [json.loads(line) for line in metrics.read_text().splitlines()]
+    plan = next(e["plan"] for e in events if e.get("event") == "plan")
+    check = next(e for e in events if e.get("event") == "plan_check")
+    return plan, check
+
+
+def test_auto_knobs_are_searched_and_the_prediction_is_in_range(job: Job) -> None:
+    plan, check = run_demo(job)
+    assert plan["rule"].startswith("search: fastest of")
+    assert {"memory.chunk_size", "memory.n_persist", "memory.n_buffer"} <= set(plan["chosen"])
+    # A loose accuracy check (the tight figures live in scripts/bench_cost_model.py): within 3x.
+    ratio = check["predicted_step_s"] / check["measured_step_s"]
+    assert 1 / 3 < ratio < 3, check
+
+
+def test_hand_set_knobs_are_kept_through_the_launcher(job: Job) -> None:
+    plan, _ = run_demo(job, "memory.n_persist=1", "memory.chunk_size=256KiB")
+    assert (plan["n_persist"], plan["chunk_size"]) == (1, 256 * 1024)
+    assert plan["rule"].startswith("search") and plan["n_buffer"] >= 1
+    assert "memory.n_persist" not in plan["chosen"] and "memory.n_buffer" in plan["chosen"]
