@@ -24,6 +24,7 @@ from profiler.analytic import TransformerShape, analytic_profile, shape_from_con
 from profiler.plan import KnobRequest, Plan, searched_plan
 from profiler.profile import HardwareProfile
 from profiler.search import NoPlanFitsError
+from runtime.console import plan_table
 from runtime.hardware_spec import HardwareFile, load_hardware
 from runtime.spec_io import SpecError
 
@@ -159,25 +160,22 @@ def main(argv: list[str]) -> int:
     except ValueError as err:
         raise SpecError(f"{config_path}: {err}") from None
     try:
-        plan = plan_model(
-            shape,
-            machine,
-            micro_batch_size=args.micro_batch_size,
-            seq_len=args.seq_len,
-            precision=args.precision,
-        )
+        plan = _plan_for(shape, machine, args)
     except NoPlanFitsError as err:
         console.print(f"[red]{shape.name} ({shape.parameters / 1e9:.2f}B) does not fit {name}:[/red] {err}")
         return 1
-    table = Table(title=f"What-if plan: {shape.name} ({shape.parameters / 1e9:.2f}B parameters) on {name}")
-    for column in ("knob", "value", "from"):
-        table.add_column(column)
-    for row in plan.rows():
-        table.add_row(*row)
-    table.caption = "\n".join([plan.rule, *plan.notes])
-    table.caption_justify = "left"
-    console.print(table)
+    console.print(
+        plan_table(
+            plan, title=f"What-if plan: {shape.name} ({shape.parameters / 1e9:.2f}B parameters) on {name}"
+        )
+    )
     return 0
+
+
+def _plan_for(shape: TransformerShape, machine: Machine, args: argparse.Namespace) -> Plan:
+    return plan_model(
+        shape, machine, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, precision=args.precision
+    )
 
 
 def _largest(console: Console, machine: Machine, name: str, args: argparse.Namespace) -> int:
@@ -193,13 +191,7 @@ def _largest(console: Console, machine: Machine, name: str, args: argparse.Names
         shape = family_shape(family_name, layers, hidden, heads, args.seq_len)
         size = f"{shape.parameters / 1e9:.1f}B"
         try:
-            plan = plan_model(
-                shape,
-                machine,
-                micro_batch_size=args.micro_batch_size,
-                seq_len=args.seq_len,
-                precision=args.precision,
-            )
+            plan = _plan_for(shape, machine, args)
         except NoPlanFitsError as err:
             reason = "host memory" if "host budget" in str(err) else "device memory"
             table.add_row(family_name, size, "no", "", "", "", "", reason)
