@@ -5,8 +5,10 @@ Pure functions over ``ModelProfile`` and ``HardwareProfile``; no torch, nothing 
 Time (one micro-batch; PAPERS.md "Cost models"), with chunks in execution order and the first
 ``n_persist`` of them persistent::
 
-    step     = forward + max(backward + device_adam, cpu_adam)     # CPU Adam overlaps backward
-    device_adam = persistent shards' update + (world > 1) the all-gather refreshing their full copy
+    step     = forward + max(backward + device_adam, cpu_adam) + update   # CPU Adam overlaps backward
+    device_adam = persistent shards' update (per element + per parameter segment)
+                  + (world > 1) the all-gather refreshing their full copy
+    update   = the gradient norm's read and the zeroing write over every trainable shard
     forward  = sum over chunks: persistent  fwd(c)
                                 offloaded   max(fwd(c), fetch(c))   with a spare buffer to
                                             fwd(c) + fetch(c)       prefetch into, else serial
@@ -19,7 +21,8 @@ Time (one micro-batch; PAPERS.md "Cost models"), with chunks in execution order 
     offload(c)= gradient shard bytes / device->host
 
 Where copies and collectives run on the compute cores (CPU: ``copies_overlap_compute`` False),
-every max above becomes a sum; CPU Adam still overlaps (its own thread; measured hidden).
+every max above becomes a sum, CPU Adam included (measured by scripts/bench_cost_model.py: backward
+grows by about the CPU Adam time when chunks are offloaded on 2 cores).
 
 ``fwd(c)``/``bwd(c)`` share each block's measured time among the chunks holding its parameters,
 in proportion to parameter elements (time outside the blocks goes to parameters outside them,
@@ -31,8 +34,9 @@ Peak device memory (bytes per rank)::
     persistent chunks  full compute copy + fp32 master shard (shared with the copy for one rank
                        in fp32) + fp32 gradient shard + two fp32 Adam moments (frozen: a shard
                        in compute precision)
-    + n_buffer x chunk + gradient buffers in flight (two chunks; none when every gradient goes
-      straight into a persistent fp32 shard) + saved activations + the transient peak
+    + n_buffer x chunk + saved activations + the larger of the transient peak and one chunk's
+      gradient buffer (none when every gradient goes straight into a persistent fp32 shard):
+      measured, the peak falls where forward ends and backward starts
 
 Host memory: the offloaded chunks' fp32 master, gradient and moment shards (plus a snapshot of
 master and moments when early CPU Adam updates may be undone, i.e. with gradient clipping).
@@ -47,9 +51,6 @@ from itertools import accumulate
 
 from profiler.chunking import Packing, min_buffers_by_persist, pack
 from profiler.profile import HardwareProfile, ModelProfile
-
-GRADIENT_BUFFERS_IN_FLIGHT = 2
-"""Chunk-sized gradient buffers alive at once: one being accumulated, one being reduced."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,9 @@ class ChunkCosts:
     bwd_fetched: tuple[float, ...]
     bwd_fetched_serial: tuple[float, ...]
     adam_params: tuple[float, ...]
+    adam_segments: tuple[float, ...]
+    update_passes: tuple[float, ...]
+    """The gradient norm's read and the zeroing write over each trainable shard."""
     refresh: tuple[float, ...]
     """All-gather that refreshes a persistent chunk's full copy after its shard is updated."""
     persistent_bytes: tuple[int, ...]
@@ -139,6 +143,8 @@ def chunk_costs(model: ModelProfile, hardware: HardwareProfile, chunk_size: int)
             rows["bwd_fetched"].append(b + fetch + reduce + off)
             rows["bwd_fetched_serial"].append(b + fetch + reduce + off)
         rows["adam_params"].append(chunk.used / world if chunk.trainable else 0.0)
+        rows["adam_segments"].append(float(len(chunk.members)) if chunk.trainable else 0.0)
+        rows["update_passes"].append(2 * 4 * shard / hardware.memory_bytes_per_s if chunk.trainable else 0.0)
         rows["refresh"].append(gather if chunk.trainable else 0.0)
         if chunk.trainable:
             rows["persistent_bytes"].append(chunk_bytes + shard * ((0 if alias else 4) + 4 + 8))
@@ -176,6 +182,8 @@ _PREFIXED = (
     "bwd_fetched",
     "bwd_fetched_serial",
     "adam_params",
+    "adam_segments",
+    "update_passes",
     "refresh",
     "persistent_bytes",
     "host_bytes",
@@ -246,20 +254,28 @@ def predict(
     )
     forward += costs.unattributed_forward_s
     backward += costs.unattributed_backward_s
+    segment = hardware.adam_segment_s
     device_adam = _span(costs.adam_params, 0, p) / hardware.device_adam_params_per_s
-    device_adam += _span(costs.refresh, 0, p)
+    device_adam += _span(costs.adam_segments, 0, p) * segment + _span(costs.refresh, 0, p)
     cpu_adam = _span(costs.adam_params, p, n) / hardware.cpu_adam_params_per_s
-    step = forward + max(backward + device_adam, cpu_adam)
+    cpu_adam += _span(costs.adam_segments, p, n) * segment
+    update = _span(costs.update_passes, 0, n)
+    if hardware.copies_overlap_compute:
+        step = forward + max(backward + device_adam, cpu_adam) + update
+    else:  # the CPU-Adam thread takes cores backward would use
+        step = forward + backward + device_adam + cpu_adam + update
 
     chunk_bytes = costs.chunk_numel * costs.element_size
     persistent = int(_span(costs.persistent_bytes, 0, p))
     buffers = (n_buffer if p < n else 0) * chunk_bytes
     direct = costs.direct_grads_possible and p == n
-    gradient_buffers = 0 if direct else min(GRADIENT_BUFFERS_IN_FLIGHT, n) * chunk_bytes
+    gradient_buffers = 0 if direct else chunk_bytes
     host = int(_span(costs.host_bytes, p, n))
     if undo_snapshots:
         host += int(_span(costs.snapshot_bytes, p, n))
-    peak = persistent + buffers + gradient_buffers + costs.activation_bytes + costs.transient_bytes
+    # The peak falls where forward ends and backward starts: every saved activation is alive,
+    # with either forward's transient or the first chunk's gradient buffer, not both.
+    peak = persistent + buffers + costs.activation_bytes + max(costs.transient_bytes, gradient_buffers)
     return Prediction(
         step_s=step,
         forward_s=forward,

@@ -16,7 +16,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeVar
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 
 T = TypeVar("T")
 
@@ -41,9 +41,13 @@ class HardwareProfile:
     """Input bytes (the whole chunk) per second at this world size; inf for one rank."""
     collective_latency_s: float
     """Fixed cost of one collective call (0 for one rank)."""
+    adam_segment_s: float = 0.0
+    """Fixed cost per parameter segment of one Adam call (the optimizer's per-tensor work)."""
+    memory_bytes_per_s: float = float("inf")
+    """Copy rate within the tier that holds gradient shards (the norm and zeroing passes)."""
     copies_overlap_compute: bool = True
-    """Transfers and collectives run beside compute (CUDA: copy engines and NCCL). False on CPU,
-    where they are memcpys on the cores compute uses: they add to the step instead."""
+    """Transfers, collectives and the CPU-Adam thread run beside compute (CUDA: copy engines,
+    NCCL, host cores). False on CPU, where they use the cores compute uses: they add to the step."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

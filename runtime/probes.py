@@ -43,6 +43,7 @@ from runtime.distributed import (
 
 COPY_PROBE_BYTES = 32 << 20
 ADAM_PROBE_NUMEL = 4 << 20
+ADAM_PROBE_SEGMENTS = 64
 COLLECTIVE_PROBE_BYTES = 8 << 20
 T = TypeVar("T")
 REFRESH_ENV = "PROTRAIN_REFRESH_PROFILE"
@@ -97,8 +98,8 @@ def write_cached(path: Path, body: dict[str, Any]) -> None:
 
 def measure_hardware(device: DeviceInfo, dist_ctx: DistContext | None, *, world_size: int) -> HardwareProfile:
     h2d, d2h = _copy_rates(device)
-    cpu_adam = _in_thread(lambda: _adam_rate(torch.device("cpu"), threads=1))
-    device_adam = _adam_rate(device.device, threads=None)
+    cpu_adam, cpu_segment = _in_thread(lambda: _adam_rate(torch.device("cpu"), threads=1))
+    device_adam, device_segment = _adam_rate(device.device, threads=None)
     if world_size == 1:
         gather = scatter = float("inf")
         latency = 0.0
@@ -119,6 +120,8 @@ def measure_hardware(device: DeviceInfo, dist_ctx: DistContext | None, *, world_
         all_gather_bytes_per_s=gather,
         reduce_scatter_bytes_per_s=scatter,
         collective_latency_s=latency,
+        adam_segment_s=max(cpu_segment, device_segment),
+        memory_bytes_per_s=_memory_rate(device),
         copies_overlap_compute=device.is_cuda,
     )
 
@@ -151,14 +154,22 @@ def _copy_rates(device: DeviceInfo) -> tuple[float, float]:
     return COPY_PROBE_BYTES / _best_time(h2d, device), COPY_PROBE_BYTES / _best_time(d2h, device)
 
 
-def _adam_rate(where: torch.device, *, threads: int | None) -> float:
+def _adam_rate(where: torch.device, *, threads: int | None) -> tuple[float, float]:
+    """(parameters per second, seconds per parameter segment) of ShardAdamW: one shard as one
+    segment, then as many (a chunk holds weights and biases), so the per-tensor cost shows."""
     if threads is not None:
         torch.set_num_threads(threads)
+    info = DeviceInfo(where, "nccl" if where.type == "cuda" else "gloo")
     master = torch.zeros(ADAM_PROBE_NUMEL, dtype=torch.float32, device=where)
     grad = torch.full_like(master, 1e-3)
-    optimizer = ShardAdamW(master, [(0, ADAM_PROBE_NUMEL, 0.1)], lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
-    info = DeviceInfo(where, "nccl" if where.type == "cuda" else "gloo")
-    return ADAM_PROBE_NUMEL / _best_time(lambda: optimizer.step_(grad, [True]), info)
+    whole = ShardAdamW(master, [(0, ADAM_PROBE_NUMEL, 0.1)], lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    one_segment = _best_time(lambda: whole.step_(grad, [True]), info)
+    size = ADAM_PROBE_NUMEL // ADAM_PROBE_SEGMENTS
+    segments = [(i * size, size, 0.1) for i in range(ADAM_PROBE_SEGMENTS)]
+    split = ShardAdamW(master, segments, lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    many = _best_time(lambda: split.step_(grad, [True] * ADAM_PROBE_SEGMENTS), info)
+    per_segment = max(0.0, many - one_segment) / (ADAM_PROBE_SEGMENTS - 1)
+    return ADAM_PROBE_NUMEL / one_segment, per_segment
 
 
 def _collective_rates(device: DeviceInfo, dist_ctx: DistContext) -> tuple[float, float, float]:
@@ -187,9 +198,17 @@ def _best_time(work: Callable[[], Any], device: DeviceInfo, repeats: int = 3) ->
     return max(best, 1e-9)
 
 
-def _in_thread(work: Callable[[], float]) -> float:
+def _memory_rate(device: DeviceInfo) -> float:
+    """Copy rate within the device tier (bytes copied per second)."""
+    numel = COPY_PROBE_BYTES // 4
+    source = torch.ones(numel, dtype=torch.float32, device=device.device)
+    target = torch.empty_like(source)
+    return COPY_PROBE_BYTES / _best_time(lambda: target.copy_(source), device)
+
+
+def _in_thread(work: Callable[[], T]) -> T:
     """Run ``work`` on a fresh thread (as the CPU-Adam thread runs), so its thread setting stays there."""
-    result: list[float] = []
+    result: list[T] = []
     thread = threading.Thread(target=lambda: result.append(work()), name="protrain-probe")
     thread.start()
     thread.join()

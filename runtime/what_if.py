@@ -76,6 +76,8 @@ def machine_from_file(spec: HardwareFile) -> Machine:
         all_gather_bytes_per_s=collective,
         reduce_scatter_bytes_per_s=collective,
         collective_latency_s=20e-6 if world > 1 else 0.0,
+        adam_segment_s=10e-6,  # a fused multi-tensor kernel launch per few parameters
+        memory_bytes_per_s=float(gpu.memory_bandwidth) / 2,  # a copy reads and writes
         copies_overlap_compute=True,
     )
     return Machine(

@@ -15,8 +15,8 @@ from profiler.search import SAME_SPEED, NoPlanFitsError, search
 MIB = 1 << 20
 
 
-def hardware(world_size: int = 1, **overrides: float) -> HardwareProfile:
-    values: dict[str, float] = dict(
+def hardware(world_size: int = 1, **overrides: float | bool) -> HardwareProfile:
+    values: dict[str, float | bool] = dict(
         h2d_bytes_per_s=1e9,
         d2h_bytes_per_s=1e9,
         cpu_adam_params_per_s=1e9,
@@ -68,9 +68,15 @@ def test_hand_computed_step_time_and_memory_with_two_chunks_offloaded() -> None:
         got.forward_s + max(got.backward_s + got.device_adam_s, got.cpu_adam_s)
     )
     # Device: 2 persistent chunks (full copy doubles as the fp32 master; gradient and moments
-    # 12 bytes/elem), 1 buffer, 2 gradient buffers in flight, 40 MiB of activations.
+    # 12 bytes/elem), 1 buffer, 40 MiB of activations, and the larger of the transient (none
+    # here) and the first chunk's gradient buffer.
     chunk = 4 * MIB
-    assert got.peak_device_bytes == 2 * (chunk + 3 * chunk) + chunk + 2 * chunk + 40 * MIB
+    assert got.peak_device_bytes == 2 * (chunk + 3 * chunk) + chunk + 40 * MIB + chunk
+    busy = four_blocks(transient=8 * MIB)
+    busy_costs = chunk_costs(busy, hw, 4 * MIB)
+    assert predict(busy, hw, busy_costs, n_persist=2, n_buffer=1).peak_device_bytes == (
+        got.peak_device_bytes - chunk + 8 * MIB
+    )
     assert got.host_bytes == 2 * 4 * chunk  # master, gradient, two moments
     assert predict(model, hw, costs, n_persist=2, n_buffer=1, undo_snapshots=True).host_bytes == 2 * 7 * chunk
 
@@ -293,3 +299,18 @@ def test_buffers_needed_for_every_n_persist_match_one_at_a_time(seed: int) -> No
     assert min_buffers_by_persist(packing, model.module_params) == tuple(
         min_buffers(packing, model.module_params, p) for p in range(packing.num_chunks + 1)
     )
+
+
+def test_shared_cores_add_up_and_the_update_passes_are_counted() -> None:
+    model = four_blocks()
+    cpu = hardware(copies_overlap_compute=False, memory_bytes_per_s=1e10, adam_segment_s=1e-4)
+    costs = chunk_costs(model, cpu, 4 * MIB)
+    got = predict(model, cpu, costs, n_persist=2, n_buffer=2)
+    update = 4 * 2 * 4 * (1 << 20) / 1e10  # norm read + zero write, 4 bytes, every shard
+    assert got.cpu_adam_s == pytest.approx(2 * (1 << 20) / 1e9 + 2 * 1e-4)  # two one-parameter chunks
+    assert got.device_adam_s == pytest.approx(2 * (1 << 20) / 1e10 + 2 * 1e-4)
+    assert got.step_s == pytest.approx(
+        got.forward_s + got.backward_s + got.device_adam_s + got.cpu_adam_s + update
+    )
+    fetch = 4 * MIB / 1e9
+    assert got.forward_s == pytest.approx(4e-3 + 2 * fetch + 0.5e-3)  # no prefetch hides on shared cores
