@@ -203,7 +203,9 @@ class Engine:
                 f"{self.global_step + 1}; set on_nonfinite_loss: skip to skip such updates"
             )
         grad_norm: float | None = None
-        if not skipped:
+        # The global norm costs a pass over every gradient: taken when clipping or the fp16
+        # overflow check needs it (then also reported), as DeepSpeed does.
+        if not skipped and (self.settings.gradient_clipping > 0 or self.loss_scaler is not None):
             grad_norm = self._unscale_and_clip()
             if self.loss_scaler is not None:
                 overflow = not math.isfinite(grad_norm)

@@ -39,6 +39,7 @@ overflow).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -164,6 +165,7 @@ class ChunkManager:
         self._nan: torch.Tensor | None = None
         for chunk in self.chunks:
             self._point_params(chunk)
+            self._point_grads(chunk)
         self._grad_buffers: dict[int, torch.Tensor] = {}
         self._remaining = [0] * len(self.chunks)
         self._fired = torch.zeros(len(self.params), dtype=torch.bool)
@@ -297,6 +299,18 @@ class ChunkManager:
             self._nan = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=self.device.device)
         return self._nan.expand(param.shape) if param.dim() else self._nan[0]
 
+    def _point_grads(self, chunk: Chunk) -> None:
+        """Direct-gradient chunks: each parameter's ``.grad`` is its slice of the fp32 shard, so
+        autograd accumulates into the shard in place (no copy pass over the gradients)."""
+        if not self._direct_grads(chunk):
+            return
+        assert chunk.grad_shard is not None
+        for index in chunk.info.params:
+            param = self.params[index]
+            if param.requires_grad:
+                offset = self.layout.slots[index].offset
+                param.grad = chunk.grad_shard[offset : offset + param.numel()].view(param.shape)
+
     def _point_params(self, chunk: Chunk) -> None:
         for index in chunk.info.params:
             param = self.params[index]
@@ -400,7 +414,9 @@ class ChunkManager:
     # ------------------------------------------------------------------ hooks
 
     def _install_hooks(self) -> None:
-        for module in self.model.modules():
+        # With every chunk persistent nothing moves: no gathers to trigger in forward.
+        offloaded = any(not chunk.persistent for chunk in self.chunks)
+        for module in self.model.modules() if offloaded else ():
             owned = sorted(
                 {self.chunk_of_param[self._index_of[id(p)]] for p in module.parameters(recurse=False)}
             )
@@ -434,13 +450,24 @@ class ChunkManager:
         assert param.grad is not None
         chunk_index = self.chunk_of_param[index]
         chunk = self.chunks[chunk_index]
-        buffer = chunk.grad_shard if self._direct_grads(chunk) else self._grad_buffers.get(chunk_index)
-        if buffer is None:
-            buffer = torch.zeros(self.layout.chunk_numel, dtype=self.compute_dtype, device=self.device.device)
-            self._grad_buffers[chunk_index] = buffer
-        offset = self.layout.slots[index].offset
-        buffer[offset : offset + param.numel()].add_(param.grad.reshape(-1))
-        param.grad = None
+        if self._direct_grads(chunk):
+            # Autograd accumulated in place into the shard slice that is this parameter's
+            # .grad; anything else means the view was replaced (e.g. set to None by hand).
+            if not self._grad_is_shard_view(index, param):
+                raise RuntimeError(
+                    f"{self.layout.params[index].name}.grad no longer views its gradient shard; "
+                    "do not set or replace .grad of a model the engine trains (use engine.step)"
+                )
+        else:
+            buffer = self._grad_buffers.get(chunk_index)
+            if buffer is None:
+                buffer = torch.zeros(
+                    self.layout.chunk_numel, dtype=self.compute_dtype, device=self.device.device
+                )
+                self._grad_buffers[chunk_index] = buffer
+            offset = self.layout.slots[index].offset
+            buffer[offset : offset + param.numel()].add_(param.grad.reshape(-1))
+            param.grad = None
         if not self._fired[index]:
             self._fired[index] = True
             self._fired_in_window[index] = True
@@ -448,13 +475,25 @@ class ChunkManager:
             if self._remaining[chunk_index] == 0:
                 self._issue_ready_reductions()
 
+    def _grad_is_shard_view(self, index: int, param: nn.Parameter) -> bool:
+        grad_shard = self.chunks[self.chunk_of_param[index]].grad_shard
+        assert param.grad is not None and grad_shard is not None
+        offset = self.layout.slots[index].offset * grad_shard.element_size()
+        return (
+            param.grad.untyped_storage().data_ptr() == grad_shard.untyped_storage().data_ptr()
+            and param.grad.storage_offset() * param.grad.element_size()
+            == grad_shard.storage_offset() * grad_shard.element_size() + offset
+        )
+
     def end_forward(self) -> None:
         """Forward is over: no module's chunks need to stay put any more (backward may evict)."""
         self._pinned = set()
 
-    def saved_tensor_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+    def saved_tensor_hooks(self) -> contextlib.AbstractContextManager[Any]:
         """Pack/unpack hooks for the forward pass: saved views of slot memory become recipes
         that re-gather their chunk when backward needs them."""
+        if not self.slots:  # no buffer slot can be reused under a saved tensor
+            return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
