@@ -127,6 +127,7 @@ def initialize(
         device=device,
         dist_ctx=dist_ctx,
     )
+    _check_same_plan_everywhere(plan, dist_ctx)
     _check_supported(plan, spec)
     settings = settings_from_spec(spec)
     chunks = _build_chunks(model, params, plan, settings, device, dist_ctx, reader)
@@ -234,6 +235,23 @@ def _build_chunks(
         )
     except ValueError as err:
         raise SpecError(str(err)) from None
+
+
+def _check_same_plan_everywhere(plan: Plan, dist_ctx: DistContext) -> None:
+    """Every rank must run the same plan (collective order depends on it): a rank that planned
+    differently would otherwise wait forever in a collective the others never issue."""
+    if dist_ctx.world_size == 1:
+        return
+    knobs = [plan.chunk_size, plan.num_chunks, plan.n_persist, plan.n_buffer]
+    knobs += [list(BlockMode).index(mode) for mode in plan.block_modes]
+    low = all_reduce_min_(torch.tensor(knobs, dtype=torch.float64), dist_ctx)
+    high = -all_reduce_min_(-torch.tensor(knobs, dtype=torch.float64), dist_ctx)
+    if not torch.equal(low, high):
+        raise RuntimeError(
+            f"rank {dist_ctx.rank} planned chunk_size={plan.chunk_size}, n_persist={plan.n_persist}, "
+            f"n_buffer={plan.n_buffer}, but the ranks disagree; every rank must see the same spec, "
+            "model and example batch"
+        )
 
 
 def _refuse_meta(model: nn.Module) -> None:

@@ -127,16 +127,19 @@ def measure_hardware(device: DeviceInfo, dist_ctx: DistContext | None, *, world_
 
 
 def agree_hardware(profile: HardwareProfile, dist_ctx: DistContext) -> HardwareProfile:
-    """The slowest rate and the longest latency of any rank."""
-    rates = ("h2d_bytes_per_s", "d2h_bytes_per_s", "cpu_adam_params_per_s", "device_adam_params_per_s")
+    """The slowest rate and the longest time of any rank, for every measured number: ranks
+    that planned from different figures could pick different plans and then wait on each other
+    in different collectives."""
+    body = profile.to_dict()
+    measured = [name for name, value in body.items() if isinstance(value, float)]
+    # Rates (".._per_s") agree on the minimum, times on the maximum: min of the negatives.
+    signs = [1.0 if name.endswith("_per_s") else -1.0 for name in measured]
     values = torch.tensor(
-        [getattr(profile, name) for name in rates] + [-profile.collective_latency_s], dtype=torch.float64
+        [sign * body[name] for sign, name in zip(signs, measured, strict=True)], dtype=torch.float64
     )
     all_reduce_min_(values, dist_ctx)
-    agreed = dict(zip(rates, values[:-1].tolist(), strict=True))
-    return HardwareProfile.from_dict(
-        {**profile.to_dict(), **agreed, "collective_latency_s": -float(values[-1])}
-    )
+    agreed = {name: sign * value for sign, name, value in zip(signs, measured, values.tolist(), strict=True)}
+    return HardwareProfile.from_dict({**body, **agreed})
 
 
 def _copy_rates(device: DeviceInfo) -> tuple[float, float]:
