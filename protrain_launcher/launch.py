@@ -226,17 +226,22 @@ def _report_failures(err: object) -> None:
 
 
 def _cause_order(rank: int, failure: Any) -> tuple[int, int, int]:
-    """Which failure caused the others. A rank that exited by itself with an error comes before
-    one the agent killed (a negative exit code: it was stopped, whatever it was printing then);
+    """Which failure caused the others. A rank that failed by itself (an error exit, or a crash
+    such as SIGABRT or SIGSEGV) comes before one ended by a stop signal (the agent's SIGTERM or
+    SIGKILL, or a Ctrl-C: it was stopped, whatever it was printing then);
     then the earlier error, by its error file's time in nanoseconds (the recorded timestamp has
     whole seconds, so two ranks failing within a second would tie), then the lower rank."""
-    killed = 1 if getattr(failure, "exitcode", 1) < 0 else 0
+    code = getattr(failure, "exitcode", 1)
+    killed = 1 if code in _STOP_SIGNAL_CODES else 0
     when_ns = int(getattr(failure, "timestamp", 0)) * 1_000_000_000
     error_file = getattr(failure, "error_file", "")
     if error_file:
         with contextlib.suppress(OSError):
             when_ns = os.stat(error_file).st_mtime_ns
     return killed, when_ns, rank
+
+
+_STOP_SIGNAL_CODES = (-signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT)
 
 
 def _how(failure: object) -> str:

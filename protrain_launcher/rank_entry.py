@@ -65,6 +65,25 @@ def main() -> None:
         run_script(sys.argv[1], sys.argv[2:])
     except KeyboardInterrupt:
         sys.exit(130)
+    finish_cleanly()
+
+
+def finish_cleanly() -> None:
+    """End a rank whose script succeeded without the interpreter's teardown. Finalisation
+    destroys torch's C++ objects in no fixed order while its worker threads may still be
+    running; a gloo or thread-pool thread then hitting a torn-down interpreter aborts with
+    "terminate called without an active exception" (seen in CI after a run had finished; see
+    pytorch/pytorch#179291). The process group is destroyed and the script's atexit handlers
+    run here, while everything is alive, then the process leaves with exit code 0."""
+    import atexit
+
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        distributed.destroy_process_group()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ class Failure:
     message: str
 
     def signal_name(self) -> str:
-        return "SIGTERM" if self.exitcode == -15 else f"signal {-self.exitcode}"
+        return {-15: "SIGTERM", -6: "SIGABRT"}.get(self.exitcode, f"signal {-self.exitcode}")
 
 
 @dataclass
@@ -59,3 +59,14 @@ def test_within_one_second_the_earlier_error_file_wins(
     )
     _report_failures(ChildFailed({0: later, 1: earlier}))
     assert "rank 1 failed with exit code 1: RuntimeError: first" in capsys.readouterr().err
+
+
+def test_a_crashed_rank_is_the_cause_not_the_one_the_agent_then_stopped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    second = 1_700_000_000
+    base_ns = second * 10**9
+    stopped = Failure(-15, second, _error_file(tmp_path, "r0", base_ns + 1), "")
+    crashed = Failure(-6, second, _error_file(tmp_path, "r1", base_ns + 9), "")  # SIGABRT
+    _report_failures(ChildFailed({0: stopped, 1: crashed}))
+    assert "rank 1 failed with signal SIGABRT" in capsys.readouterr().err
