@@ -19,6 +19,40 @@ from typing import Any
 
 from profiler.profile import BlockProfile, ModelProfile
 
+KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
+    # Published shapes, usable by name where a config.json is expected.
+    "llama-2-7b": {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "intermediate_size": 11008,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    },
+    "llama-2-70b": {
+        "model_type": "llama",
+        "hidden_size": 8192,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "intermediate_size": 28672,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    },
+    "gpt2": {
+        "model_type": "gpt2",
+        "n_embd": 768,
+        "n_layer": 12,
+        "n_head": 12,
+        "vocab_size": 50257,
+        "n_positions": 1024,
+    },
+}
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TransformerShape:

@@ -4,18 +4,19 @@ Enumerates chunk size x ``n_persist`` x ``n_buffer`` (every block keeps its acti
 activation engine lands; its knobs then join the same loop). Knobs set by hand stay fixed.
 
 Pruning, memory first (PAPERS.md "Search"): for one chunk size, device memory grows with
-``n_buffer`` at fixed ``n_persist``, so the buffer loop stops at the first plan that does not
-fit; and the smallest plan at ``n_persist + 1`` never needs less than the smallest at
-``n_persist`` (a persistent chunk takes at least a buffer's bytes and frees at most one buffer),
-so the ``n_persist`` loop stops at the first ``n_persist`` whose smallest plan does not fit.
-Pruning never drops a plan that fits, so the result equals a brute-force search, and a larger
-budget never gives a slower best plan.
+``n_buffer`` at fixed ``n_persist`` while step time never does, so only the fewest buffers, one
+more, and the most that fit (found by bisection) are predicted; and the smallest plan at
+``n_persist + 1`` never needs less than the smallest at ``n_persist`` (a persistent chunk takes
+at least a buffer's bytes and frees at most one buffer), so the ``n_persist`` loop stops at the
+first ``n_persist`` whose smallest plan does not fit. Neither drops the fastest plan that fits,
+so the best step time equals a brute-force search's, and a larger budget never gives a slower
+best plan.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from profiler.chunking import ChunkTooSmallError, candidate_chunk_bytes
@@ -80,6 +81,13 @@ def search(
     def device_fits(prediction: Prediction) -> bool:
         return prediction.peak_device_bytes * (1 + margin) <= device_budget
 
+    def fits_at(costs: ChunkCosts, p: int, b: int) -> bool:
+        nonlocal evaluated
+        evaluated += 1
+        return device_fits(
+            predict(model, hardware, costs, n_persist=p, n_buffer=b, undo_snapshots=undo_snapshots)
+        )
+
     for costs in all_costs:
         n = costs.num_chunks
         if n_persist is not None and n_persist > n:
@@ -93,7 +101,9 @@ def search(
                 buffer_range = [n_buffer] if n_buffer >= costs.need[p] else []
             else:
                 most = n - p if extra_buffers is None else min(n - p, costs.need[p] + extra_buffers)
-                buffer_range = range(costs.need[p], most + 1)
+                buffer_range = _buffer_candidates(
+                    costs.need[p], most, fits_with=lambda b, p=p, costs=costs: fits_at(costs, p, b)
+                )
             device_full = False
             for position, b in enumerate(buffer_range):
                 prediction = predict(
@@ -160,6 +170,24 @@ def _costs_by_size(
             yield chunk_costs(model, hardware, size)
         except ChunkTooSmallError:
             continue
+
+
+def _buffer_candidates(low: int, high: int, *, fits_with: Callable[[int], bool]) -> list[int]:
+    """Buffer counts worth predicting for one ``n_persist``. Step time never grows with more
+    buffers (more chunks reused at the start of backward, prefetch from two on) and device
+    memory only grows, so the fastest plan at this ``n_persist`` is the largest count that fits:
+    found by bisection. The fewest (for the smallest plan and the memory-first pruning) and one
+    more (the first that prefetches) are kept too, for the runners-up and equal-speed ties."""
+    if low >= high or not fits_with(low):
+        return list(range(low, high + 1))[:2]
+    lo, hi = low, high  # lo fits; find the largest that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits_with(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return sorted({low, min(low + 1, lo), lo})
 
 
 def _ranked(candidates: list[Candidate]) -> list[Candidate]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from profiler.analytic import TransformerShape, analytic_profile, shape_from_config
+from profiler.analytic import KNOWN_CONFIGS, TransformerShape, analytic_profile, shape_from_config
 from profiler.plan import KnobRequest, Plan, searched_plan
 from profiler.profile import HardwareProfile
 from profiler.search import NoPlanFitsError
@@ -158,7 +158,10 @@ def main(argv: list[str]) -> int:
         return _largest(console, machine, name, args)
     config_path = Path(args.model_config)
     try:
-        shape = shape_from_config(_read_model_config(config_path), name=config_path.stem)
+        if not config_path.exists() and args.model_config in KNOWN_CONFIGS:
+            shape = shape_from_config(KNOWN_CONFIGS[args.model_config], name=args.model_config)
+        else:
+            shape = shape_from_config(_read_model_config(config_path), name=config_path.stem)
     except ValueError as err:
         raise SpecError(f"{config_path}: {err}") from None
     try:
