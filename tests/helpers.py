@@ -150,3 +150,24 @@ def train_engine(
                 engine.step()
             losses.append(window / engine.gradient_accumulation_steps)
         return engine.state_dict(), losses
+
+
+def run_script_smoke(script: str, *, timeout: float = 60) -> str:
+    """``python scripts/<script> --smoke`` from the repository root; its stdout, after
+    asserting exit code 0 (a benchmark's one-step check that it has not rotted)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, str(root / "scripts" / script), "--smoke"],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, f"{script} --smoke failed:\n{result.stdout}\n{result.stderr}"
+    return result.stdout

@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import run_script_smoke
 
 
 def test_bench_adam_smoke() -> None:
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_adam.py"), "--smoke"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
+    stdout = run_script_smoke("bench_adam.py", timeout=120)
+    lines = stdout.splitlines()
     assert any(line.startswith("optimizer") and "s/step" in line and "BW share" in line for line in lines)
     for name in ("ours (ShardAdamW)", "torch AdamW(foreach=True)", "torch AdamW(fused=True)"):
         rows = [line for line in lines if line.startswith(name)]
-        assert len(rows) == 2, f"{name}: expected an fp32 and a copy-out row in\n{result.stdout}"
-    assert "DeepSpeedCPUAdam" in result.stdout  # a row pair, or why there is none
+        assert len(rows) == 2, f"{name}: expected an fp32 and a copy-out row in\n{stdout}"
+    assert "DeepSpeedCPUAdam" in stdout  # a row pair, or why there is none

@@ -3,28 +3,9 @@ exit code 0 and the table printed, so the benchmarks cannot rot."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def run_smoke(script: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / script), "--smoke"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, f"{script} --smoke failed:\n{result.stdout}\n{result.stderr}"
-    return result.stdout
+from tests.helpers import run_script_smoke as run_smoke
 
 
 @pytest.mark.timeout(90)

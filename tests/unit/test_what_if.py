@@ -9,39 +9,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from profiler.analytic import analytic_profile, shape_from_config
+from profiler.analytic import KNOWN_CONFIGS, analytic_profile, shape_from_config
 from protrain_launcher.cli import main
 from runtime.hardware_spec import load_hardware
 
 ROOT = Path(__file__).resolve().parents[2]
 HARDWARE = ROOT / "configs" / "hardware"
 
-LLAMA_2_7B = {
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "intermediate_size": 11008,
-    "vocab_size": 32000,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-}
+LLAMA_2_7B = KNOWN_CONFIGS["llama-2-7b"]
 
 
 def test_parameter_counts_match_the_real_models() -> None:
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     assert shape_from_config(LLAMA_2_7B).parameters == 6_738_415_616  # Llama-2-7B, as published
-    gpt2 = {
-        "model_type": "gpt2",
-        "n_embd": 768,
-        "n_layer": 12,
-        "n_head": 12,
-        "vocab_size": 50257,
-        "n_positions": 1024,
-    }
-    assert shape_from_config(gpt2).parameters == 124_439_808  # GPT-2 small
+    assert shape_from_config(KNOWN_CONFIGS["gpt2"]).parameters == 124_439_808  # GPT-2 small
     small_llama = LlamaConfig(
         hidden_size=64,
         num_hidden_layers=2,
