@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
@@ -44,3 +45,15 @@ def make_batches(args: argparse.Namespace, count: int) -> list[Batch]:
         seed=SEED,
     )
     return [data.batch(update, 0, 0) for update in range(count)]
+
+
+CHUNK_ALIGN_BYTES = 4096
+
+
+def derive_chunk_size(model: GPT, min_chunks: int) -> int:
+    """Bytes per chunk so that the fp32 model needs at least ``min_chunks`` chunks (whole
+    parameters per chunk waste some room, so aim a little above) while its largest parameter
+    still fits one chunk; a multiple of a page."""
+    sizes = [p.numel() * 4 for p in model.parameters()]
+    target = max(max(sizes), sum(sizes) // (min_chunks + 2))
+    return math.ceil(target / CHUNK_ALIGN_BYTES) * CHUNK_ALIGN_BYTES

@@ -82,7 +82,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_common import SEED, Batch, build_gpt, make_batches
+from bench_common import SEED, Batch, build_gpt, derive_chunk_size, make_batches
 
 import runtime
 import runtime.planning as planning
@@ -99,7 +99,6 @@ from runtime.what_if import machine_from_file
 
 LR = 3e-4
 WEIGHT_DECAY = 0.1
-CHUNK_ALIGN_BYTES = 4096
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 
@@ -187,15 +186,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             "sizes, --min-chunks, --steps, --repeats, --search-repeats must be positive, --warmup >= 0"
         )
     return args
-
-
-def derive_chunk_size(config: GPTConfig, min_chunks: int) -> int:
-    """Bytes per chunk so that the fp32 model needs at least ``min_chunks`` chunks (whole
-    parameters per chunk waste some room, so aim a little above) while its largest parameter
-    still fits one chunk."""
-    sizes = [p.numel() * 4 for p in build_gpt(config).parameters()]
-    target = max(max(sizes), sum(sizes) // (min_chunks + 2))
-    return math.ceil(target / CHUNK_ALIGN_BYTES) * CHUNK_ALIGN_BYTES
 
 
 def job_spec(
@@ -485,7 +475,7 @@ def run_model(
     batches = make_batches(
         argparse.Namespace(seq_len=args.seq_len, batch=args.batch), args.warmup + args.steps
     )
-    chunk_size = derive_chunk_size(config, args.min_chunks)
+    chunk_size = derive_chunk_size(build_gpt(config), args.min_chunks)
     profiled = profile(config, args, dirs, chunk_size, batches[0])
     costs = chunk_costs(profiled.model, profiled.hardware, profiled.chunk_size)
     n = costs.num_chunks

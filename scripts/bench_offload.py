@@ -44,7 +44,6 @@ import argparse
 import contextlib
 import functools
 import io
-import math
 import re
 import statistics
 import tempfile
@@ -56,17 +55,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from bench_common import SEED, Batch, add_model_arguments, build_gpt, gpt_config, make_batches
+from bench_common import (
+    SEED,
+    Batch,
+    add_model_arguments,
+    build_gpt,
+    derive_chunk_size,
+    gpt_config,
+    make_batches,
+)
 
 import runtime
 from runtime.chunks.manager import ChunkManager
 from runtime.engine import Engine
-from runtime.models.gpt import GPT
 from runtime.spec_io import SpecError
 
 LR = 3e-4
 WEIGHT_DECAY = 0.1
-CHUNK_ALIGN_BYTES = 4096
 
 TRANSFER = "transfer wait"
 OPTIMIZER = "optimizer"
@@ -216,15 +221,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             "sizes, --min-chunks, --steps and --repeats must be positive, --warmup and --extra-buffers >= 0"
         )
     return args
-
-
-def derive_chunk_size(model: GPT, min_chunks: int) -> int:
-    """Bytes per chunk so that the fp32 model needs more than ``min_chunks`` chunks (whole
-    parameters per chunk waste some room, so aim a little above) while its largest parameter
-    still fits one chunk."""
-    sizes = [p.numel() * 4 for p in model.parameters()]
-    target = max(max(sizes), sum(sizes) // (min_chunks + 2))
-    return math.ceil(target / CHUNK_ALIGN_BYTES) * CHUNK_ALIGN_BYTES
 
 
 def job_spec(args: argparse.Namespace, output_dir: str, memory: dict[str, Any]) -> dict[str, Any]:
