@@ -233,10 +233,7 @@ def resident_plan(
         num_chunks=num_chunks,
         n_persist=n_persist,
         n_buffer=n_buffer,
-        n_swap=modes.count(BlockMode.SWAP),
-        n_checkpoint=modes.count(BlockMode.CHECKPOINT),
-        n_offload=modes.count(BlockMode.SSD),
-        block_modes=modes,
+        **mode_counts(modes),
         device_budget_bytes=device_budget_bytes,
         host_budget_bytes=host_budget_bytes,
         chosen=chosen,
@@ -264,6 +261,16 @@ def default_block_layout(
     layout = [BlockMode.SSD] * n_offload + interleaved
     layout += [BlockMode.KEEP] * (num_blocks - len(layout))
     return tuple(layout)
+
+
+def mode_counts(modes: tuple[BlockMode, ...]) -> dict[str, Any]:
+    """The Plan fields that follow from the per-block modes."""
+    return {
+        "n_swap": modes.count(BlockMode.SWAP),
+        "n_checkpoint": modes.count(BlockMode.CHECKPOINT),
+        "n_offload": modes.count(BlockMode.SSD),
+        "block_modes": modes,
+    }
 
 
 def block_modes_for(request: KnobRequest, num_blocks: int) -> tuple[BlockMode, ...]:
@@ -323,10 +330,7 @@ def searched_plan(
         num_chunks=best.num_chunks,
         n_persist=best.n_persist,
         n_buffer=best.n_buffer,
-        n_swap=modes.count(BlockMode.SWAP),
-        n_checkpoint=modes.count(BlockMode.CHECKPOINT),
-        n_offload=modes.count(BlockMode.SSD),
-        block_modes=modes,
+        **mode_counts(modes),
         device_budget_bytes=device_budget_bytes,
         host_budget_bytes=host_budget_bytes,
         chosen=chosen,
