@@ -237,7 +237,8 @@ def resident_plan(
         device_budget_bytes=device_budget_bytes,
         host_budget_bytes=host_budget_bytes,
         chosen=chosen,
-        rule="resident: auto knobs keep every chunk persistent and every block kept",
+        rule="resident: auto knobs keep every chunk persistent and every block kept"
+        + ("" if all(m is BlockMode.KEEP for m in modes) else " (block modes as set by hand)"),
     )
 
 

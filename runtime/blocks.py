@@ -1,4 +1,4 @@
-"""Finding the transformer block list whose members get one activation mode each."""
+"""Finding the transformer blocks whose members get one activation mode each."""
 
 from __future__ import annotations
 
@@ -9,29 +9,56 @@ class BlocksNotFoundError(ValueError):
     pass
 
 
-def find_blocks(model: nn.Module, path: str | None) -> tuple[str, nn.ModuleList]:
-    """The block list at ``path`` (e.g. ``model.layers``), or found automatically: the
-    ``ModuleList`` whose members are Hugging Face ``_no_split_modules`` classes, else the longest
-    ``ModuleList`` of modules that all share one class."""
+def find_blocks(model: nn.Module, path: str | None) -> tuple[str, list[nn.Module]]:
+    """The blocks at ``path`` (e.g. ``model.layers``; several lists joined by commas, in forward
+    order, e.g. ``encoder.block,decoder.block``), or found automatically: every ``ModuleList``
+    whose members are Hugging Face ``_no_split_modules`` classes (an encoder-decoder model has
+    two), else the longest ``ModuleList`` of modules that all share one class."""
     if path is not None:
-        return path, _at_path(model, path)
-    candidates: list[tuple[int, str, nn.ModuleList]] = []
+        paths = [part.strip() for part in path.split(",") if part.strip()]
+        if not paths:
+            raise BlocksNotFoundError("memory.blocks: empty module path")
+        return ",".join(paths), [block for part in paths for block in _at_path(model, part)]
     no_split = set(getattr(model, "_no_split_modules", None) or ())
+    preferred: list[tuple[str, nn.ModuleList]] = []
+    uniform: list[tuple[str, nn.ModuleList]] = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
         classes = {type(child).__name__ for child in module}
         if len(classes) != 1:
             continue
-        preferred = 1 if classes & no_split else 0
-        candidates.append((preferred * 10**9 + len(module), name, module))
-    if not candidates:
+        (preferred if classes & no_split else uniform).append((name, module))
+    if preferred:
+        # Module order is forward order for the models we know (encoder before decoder).
+        return ",".join(name for name, _ in preferred), [b for _, blocks in preferred for b in blocks]
+    if not uniform:
         raise BlocksNotFoundError(
             f"no list of repeated transformer blocks found in {type(model).__name__}; set "
             "memory.blocks to the module path of the block list (e.g. model.layers)"
         )
-    _, name, blocks = max(candidates, key=lambda item: item[0])
-    return name, blocks
+    name, blocks = max(uniform, key=lambda item: len(item[1]))
+    return name, list(blocks)
+
+
+def refuse_foreign_activation_handling(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """Activation modes wrap the blocks' forwards and hook every saved tensor: a model that
+    already recomputes its blocks itself or was compiled as a whole would bypass or break that,
+    so it is refused with what to do instead."""
+    # Hugging Face marks the modules that recompute with a gradient_checkpointing attribute.
+    if any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):
+        raise ValueError(
+            "the model has Hugging Face gradient checkpointing enabled; call "
+            "model.gradient_checkpointing_disable() and let ProTrain recompute blocks instead "
+            "(memory.n_checkpoint or memory.block_modes)"
+        )
+    compiled = [m for m in (model, *blocks) if type(m).__name__ == "OptimizedModule"]
+    if compiled:
+        raise ValueError(
+            "the model (or one of its blocks) is wrapped by torch.compile; pass the uncompiled "
+            "module to runtime.initialize (the engine's hooks on parameters and saved tensors do "
+            "not reach into compiled graphs)"
+        )
 
 
 def _at_path(model: nn.Module, path: str) -> nn.ModuleList:

@@ -5,10 +5,12 @@
     engine.step()                  # an optimizer update only at the window's last micro-batch
 
 Model state lives in chunks (``runtime.chunks.manager``): gradients are reduce-scattered into
-fp32 shards during backward. At the window's end the engine decides the same on every rank
-whether the update is skipped (non-finite loss, fp16 overflow), clips the global norm, runs AdamW
-on the shards (parameters that got no gradient on any rank are skipped, as ``torch.optim.AdamW``
-skips them), refreshes the device copies and reports one record.
+fp32 shards during backward. Activations follow the plan's per-block modes
+(``runtime.activations.manager``, the one saved-tensor dispatcher). At the window's end the
+engine decides the same on every rank whether the update is skipped (non-finite loss, fp16
+overflow), clips the global norm, runs AdamW on the shards (parameters that got no gradient on
+any rank are skipped, as ``torch.optim.AdamW`` skips them), refreshes the device copies and
+reports one record.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from profiler.plan import Plan
+from runtime.activations.manager import ActivationManager
 from runtime.chunks.manager import ChunkManager
 from runtime.console import MetricsFile, ProgressReporter, StepRecord
 from runtime.device import DeviceInfo, synchronize
@@ -65,6 +68,7 @@ class Engine:
         reporter: ProgressReporter,
         metrics: MetricsFile | None,
         chunks: ChunkManager,
+        activations: ActivationManager,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
     ) -> None:
         self.module = module
@@ -76,6 +80,7 @@ class Engine:
         self._reporter = reporter
         self._metrics = metrics
         self.chunks = chunks
+        self.activations = activations
         self.loss_scaler = DynamicLossScaler(settings.loss_scale) if settings.loss_scale else None
         self.global_step = 0
         """Optimizer updates made (skipped updates do not count)."""
@@ -130,10 +135,12 @@ class Engine:
             if self._window_start is None:
                 self._window_start = time.perf_counter()
             self._window_tokens += count_tokens(args, kwargs)
+        self.activations.begin_forward()
         try:
-            with self._autocast(), self.chunks.saved_tensor_hooks():
+            with self._autocast(), self.activations.saved_tensor_hooks():
                 return self.module(*args, **kwargs)
         finally:
+            self.activations.end_forward()
             self.chunks.end_forward()
 
     def _refuse_larger_batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -165,9 +172,11 @@ class Engine:
                 lr=self.lr,
                 local_nonfinite=bool(self._window_nonfinite > 0),
             )
+        self.activations.begin_backward()
         try:
             scaled.backward()
         finally:
+            self.activations.end_backward()
             # Reduce what unused parameters left incomplete, in the fixed order every rank uses.
             self.chunks.finish_backward()
 
@@ -305,6 +314,7 @@ class Engine:
         self._reporter.close()
         if self._metrics is not None:
             self._metrics.close()
+        self.activations.close()
         self.chunks.close()
         destroy(self.dist_ctx)
 

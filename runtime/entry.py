@@ -18,6 +18,9 @@ from rich.console import Console
 from torch import nn
 
 from profiler.plan import BlockMode, Plan
+from runtime.activations.manager import ActivationManager
+from runtime.activations.ssd_store import ActivationFileStore
+from runtime.blocks import refuse_foreign_activation_handling
 from runtime.budgets import auto_device_budget, auto_host_budget
 from runtime.chunks.layout import ParamInfo, first_use_order, layout_from_params, model_params
 from runtime.chunks.manager import ChunkManager
@@ -26,7 +29,14 @@ from runtime.device import DeviceInfo, select_device
 from runtime.distributed import DistContext, all_reduce_min_, broadcast_module_, env_int, init_distributed
 from runtime.engine import Engine
 from runtime.param_groups import split_decay
-from runtime.planning import COMPUTE_DTYPES, call_model, compute_element_size, make_plan, model_state_bytes
+from runtime.planning import (
+    COMPUTE_DTYPES,
+    call_model,
+    compute_element_size,
+    make_plan,
+    model_blocks,
+    model_state_bytes,
+)
 from runtime.settings import TrainingSettings, settings_from_spec
 from runtime.spec import AUTO, Spec
 from runtime.spec_io import (
@@ -93,6 +103,10 @@ def initialize(
         load_weights_(model, weights)
     if reader is None:
         _refuse_meta(model)
+    try:
+        refuse_foreign_activation_handling(model, model_blocks(model, spec.memory)[1])
+    except ValueError as err:
+        raise SpecError(str(err)) from None
     device = select_device(env_int("LOCAL_RANK", 0))
     if reader is not None:
         install_placeholders_(model, device.device, reader)
@@ -131,6 +145,7 @@ def initialize(
     _check_supported(plan, spec)
     settings = settings_from_spec(spec)
     chunks = _build_chunks(model, params, plan, settings, device, dist_ctx, reader)
+    activations = _build_activations(model, spec, plan, chunks, device, dist_ctx)
     reporter = ProgressReporter(total_steps=spec.scheduler.total_steps, enabled=dist_ctx.is_main)
     metrics = _open_metrics(resolved, run_dir, dist_ctx)
     reporter.show_plan(plan)
@@ -145,19 +160,39 @@ def initialize(
         reporter=reporter,
         metrics=metrics,
         chunks=chunks,
+        activations=activations,
         loss_fn=loss_fn,
     )
 
 
+def _build_activations(
+    model: nn.Module, spec: Spec, plan: Plan, chunks: ChunkManager, device: DeviceInfo, dist_ctx: DistContext
+) -> ActivationManager:
+    """The saved-tensor dispatcher carrying out the plan's block modes (and, with ssd blocks,
+    this rank's activation file store under memory.ssd.path)."""
+    _, blocks = model_blocks(model, spec.memory)
+    store = None
+    if BlockMode.SSD in plan.block_modes:
+        assert spec.memory.ssd.path is not None, "the spec validator requires ssd.path for ssd blocks"
+        try:
+            store = ActivationFileStore(Path(spec.memory.ssd.path).expanduser(), rank=dist_ctx.rank)
+        except OSError as err:
+            raise SpecError(f"memory.ssd.path: {err}") from None
+        if dist_ctx.is_main:
+            print(f"protrain: activation files under {store.run_dir} ({store.io_mode})", flush=True)
+    return ActivationManager(
+        blocks=blocks,
+        modes=plan.block_modes,
+        chunks=chunks,
+        device=device,
+        store=store,
+        model_buffers=model.buffers(),
+        expected_ssd_bytes=plan.predicted_ssd_bytes or 0,
+    )
+
+
 def _check_supported(plan: Plan, spec: Spec) -> None:
-    """Refuse, before any training step, plans this engine cannot carry out and model state
-    that cannot fit the device budget."""
-    if any(mode is not BlockMode.KEEP for mode in plan.block_modes):
-        raise SpecError(
-            f"the plan sets block modes {sorted({m.value for m in plan.block_modes})}, but activations "
-            "stay resident in this version; leave memory.n_swap, n_checkpoint, ssd.n_offload and "
-            "block_modes as auto"
-        )
+    """Refuse, before any training step, model state that cannot fit the device budget."""
     needed = model_state_bytes(plan, compute_element_size(spec.precision))
     if needed > plan.device_budget_bytes:
         raise SpecError(

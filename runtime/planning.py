@@ -54,7 +54,7 @@ def make_plan(
     def knob(value: int | str) -> int | None:
         return None if value == AUTO else int(value)
 
-    block_path, blocks = _find_blocks(model, memory)
+    block_path, blocks = model_blocks(model, memory)
     chosen = tuple(path for path in auto_fields(spec) if path.startswith("memory."))
     element_size = compute_element_size(spec.precision)
     largest = max(params, key=lambda info: info.numel)
@@ -328,7 +328,7 @@ def compute_element_size(precision: Precision) -> int:
     return 4 if precision is Precision.FP32 else 2
 
 
-def _find_blocks(model: nn.Module, memory: MemorySpec) -> tuple[str, list[nn.Module]]:
+def model_blocks(model: nn.Module, memory: MemorySpec) -> tuple[str, list[nn.Module]]:
     """The model's block list (path and blocks). A model with no recognisable block list gets
     none when nothing asks for per-block activation modes (they then simply stay resident)."""
     blocks_path = None if memory.blocks == AUTO else str(memory.blocks)
@@ -336,8 +336,7 @@ def _find_blocks(model: nn.Module, memory: MemorySpec) -> tuple[str, list[nn.Mod
         value not in (AUTO, 0) for value in (memory.n_swap, memory.n_checkpoint, memory.ssd.n_offload)
     )
     try:
-        path, blocks = find_blocks(model, blocks_path)
-        return path, list(blocks)
+        return find_blocks(model, blocks_path)
     except BlocksNotFoundError as err:
         if blocks_path is not None or wants_modes:
             raise SpecError(str(err)) from None

@@ -162,6 +162,8 @@ class ChunkManager:
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._slot_storage = {slot.untyped_storage().data_ptr(): i for i, slot in enumerate(self.slots)}
         self._pinned: set[int] = set()
+        self._recomputing = False
+        self._privatized: set[int] = set()
         self._nan: torch.Tensor | None = None
         for chunk in self.chunks:
             self._point_params(chunk)
@@ -383,6 +385,13 @@ class ChunkManager:
             if victim not in self._pinned and self.chunks[victim].residency is Residency.RESIDENT:
                 self.evict(victim)
                 return self._free_slot(evict=False)
+        for victim in self._lru:
+            # Only prefetches hold the other slots: the chunk needed now goes first, so let one
+            # land and give its slot up (it is fetched again when its turn comes).
+            if victim not in self._pinned and self.chunks[victim].residency is Residency.FETCHING:
+                self.ensure_resident(victim)
+                self.evict(victim)
+                return self._free_slot(evict=False)
         raise RuntimeError(f"all {self.n_buffer} chunk buffers are pinned; n_buffer is too small")
 
     def evict(self, chunk_index: int) -> None:
@@ -427,10 +436,15 @@ class ChunkManager:
                 self._handles.append(param.register_post_accumulate_grad_hook(self._make_grad_hook(index)))
 
     def _make_pre_forward(self, owned: list[int]) -> Any:
-        def pre_forward(_module: nn.Module, _inputs: Any) -> None:
+        def pre_forward(module: nn.Module, _inputs: Any) -> None:
             self._pinned = set(owned)
             for chunk_index in owned:
                 self.ensure_resident(chunk_index)
+            if self._recomputing:
+                # The block's forward runs again inside backward: no prefetch in either
+                # direction would be right for long, so fetch on demand only.
+                self._privatize(module)
+                return
             # Forward walks the chunks in index order: fetch the next ones now, reusing slots of
             # chunks forward is done with.
             low = min(owned)
@@ -489,31 +503,62 @@ class ChunkManager:
         """Forward is over: no module's chunks need to stay put any more (backward may evict)."""
         self._pinned = set()
 
-    def saved_tensor_hooks(self) -> contextlib.AbstractContextManager[Any]:
-        """Pack/unpack hooks for the forward pass: saved views of slot memory become recipes
-        that re-gather their chunk when backward needs them."""
-        if not self.slots:  # no buffer slot can be reused under a saved tensor
-            return contextlib.nullcontext()
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def _pack(self, tensor: torch.Tensor) -> Any:
-        slot = self._slot_storage.get(tensor.untyped_storage().data_ptr()) if self.slots else None
+    def pack_alias(self, tensor: torch.Tensor) -> SavedAlias | None:
+        """A recipe for a saved tensor that views a chunk buffer slot (its memory may hold
+        another chunk by the time backward reads it), or None for any other tensor."""
+        if not self.slots:
+            return None
+        slot = self._slot_storage.get(tensor.untyped_storage().data_ptr())
         if slot is None:
-            return tensor
+            return None
         owner = self._slot_owner[slot]
         assert owner is not None, "a saved tensor views an empty chunk buffer"
         return SavedAlias(owner, tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()))
 
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, SavedAlias):
-            return packed
+    def unpack_alias(self, packed: SavedAlias) -> torch.Tensor:
         full = self.ensure_resident(packed.chunk)
-        if self.prefetch_depth:
-            # Backward walks the chunks in reverse: fetch the previous ones, into slots of
-            # chunks whose gradients are all in (backward will not read them again).
-            earlier = [c for c in range(packed.chunk - 1, -1, -1) if not self.chunks[c].persistent]
-            self.prefetch(earlier[: self.prefetch_depth], evictable=self._backward_done)
+        self._prefetch_backward(packed.chunk)
         return full.as_strided(packed.size, packed.stride, packed.offset)
+
+    def _prefetch_backward(self, chunk_index: int) -> None:
+        """Backward walks the chunks in reverse: fetch the ones before ``chunk_index``, into
+        slots of chunks whose gradients are all in (backward will not read them again)."""
+        if self.prefetch_depth:
+            earlier = [c for c in range(chunk_index - 1, -1, -1) if not self.chunks[c].persistent]
+            self.prefetch(earlier[: self.prefetch_depth], evictable=self._backward_done)
+
+    def model_state_storages(self) -> set[int]:
+        """Storage addresses of chunk memory (slots, persistent copies, shards): a saved tensor
+        in one of them is model state, never an activation to swap or write to disk."""
+        storages = set(self._slot_storage)
+        for chunk in self.chunks:
+            for tensor in (chunk.full if chunk.persistent else None, chunk.master, chunk.grad_shard):
+                if tensor is not None:
+                    storages.add(tensor.untyped_storage().data_ptr())
+        return storages
+
+    @contextlib.contextmanager
+    def recomputing(self) -> Iterator[None]:
+        """A checkpointed block's forward runs again inside backward. Its saved tensors are kept
+        by ``torch.utils.checkpoint`` itself, out of reach of ``pack_alias``: the parameters it
+        reads from buffer slots are pointed at private copies meanwhile, so a slot reused before
+        that block's backward ends cannot change what it saved."""
+        self._recomputing = True
+        try:
+            yield
+        finally:
+            self._recomputing = False
+            self._pinned = set()
+            for chunk_index in self._privatized:
+                self._point_params(self.chunks[chunk_index])
+            self._privatized.clear()
+
+    def _privatize(self, module: nn.Module) -> None:
+        for param in module.parameters(recurse=False):
+            chunk_index = self.chunk_of_param[self._index_of[id(param)]]
+            if not self.chunks[chunk_index].persistent:
+                param.data = param.data.clone()
+                self._privatized.add(chunk_index)
 
     def _backward_done(self, chunk_index: int) -> bool:
         return self.chunks[chunk_index].info.trainable and self._remaining[chunk_index] == 0

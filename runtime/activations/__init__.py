@@ -1,0 +1,1 @@
+"""Activation management: per-block modes and the SSD activation tier."""
