@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -73,6 +74,9 @@ class ActivationStats:
     served_live: int = 0
     """Saved tensors served in backward from the original, still held elsewhere."""
     kept_small: int = 0
+    wait_s: float = 0.0
+    """Seconds compute waited for activation transfers (exposed I/O): for bytes to come back
+    in backward, and for room among the writes in flight in forward."""
 
 
 class ActivationManager:
@@ -264,7 +268,9 @@ class ActivationManager:
             if mode is BlockMode.SWAP:
                 self.stats.bytes_swapped_out += record.nbytes
         else:
-            record.file = self.store.write(source)
+            started = time.perf_counter()
+            record.file = self.store.write(source)  # blocks while too many bytes are in flight
+            self.stats.wait_s += time.perf_counter() - started
             self._count_ssd_write(record)
         self._by_storage[storage.data_ptr()] = record
         self._by_block.setdefault(block, []).append(record)
@@ -373,11 +379,14 @@ class ActivationManager:
         """The record's bytes on the device, waiting for them if they are still on the way."""
         self._start_inbound(record)
         inbound, record.inbound = record.inbound, None
+        started = time.perf_counter()
         if isinstance(inbound, DeviceEvent):
             assert self._stream is not None
             self._stream.make_compute_wait(inbound)
+            self.stats.wait_s += time.perf_counter() - started
         elif inbound is not None:
             data = inbound.result()  # raises SsdIoError on any failure: never zeros
+            self.stats.wait_s += time.perf_counter() - started
             record.restored = data.to(record.device, non_blocking=True) if self.device.is_cuda else data
             self.store.release(record.file)
             record.file = None
