@@ -537,6 +537,78 @@ class ActivationFileStore:
 # -- helpers ---------------------------------------------------------------------------------------
 
 
+def measure_disk_rates(
+    directory: str | os.PathLike[str], *, nbytes: int = 256 << 20, chunk_bytes: int = 8 << 20
+) -> tuple[float, float, str]:
+    """(write bytes/s, read bytes/s, io mode) of the filesystem under ``directory``, the way the
+    store does I/O: O_DIRECT from page-aligned buffers where allowed, else buffered writes made
+    durable with fsync and reads after the page cache was dropped, so neither figure is the page
+    cache's. One file of ``nbytes`` in ``chunk_bytes`` pieces, removed afterwards."""
+    if nbytes <= 0 or chunk_bytes <= 0 or chunk_bytes % BLOCK_BYTES:
+        raise ValueError(f"nbytes > 0 and chunk_bytes a positive multiple of {BLOCK_BYTES} needed")
+    nbytes = _padded(nbytes)
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    staging = _StagingBuffers(1, chunk_bytes)
+    path = root / f".protrain-disk-probe-{os.getpid()}-{threading.get_ident()}"
+    direct = _probe_direct_io_at(path, staging)
+    flags = _O_DIRECT if direct else 0
+    with staging.borrow() as (tensor, view):
+        tensor.fill_(0x5A)  # untouched anonymous pages could be deduplicated or zero-filled
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | flags, 0o600)
+            try:
+                started = time.perf_counter()
+                for offset in range(0, nbytes, chunk_bytes):
+                    _pwrite_all(fd, view[: min(chunk_bytes, nbytes - offset)], offset)
+                os.fsync(fd)
+                write_s = time.perf_counter() - started
+                _drop_cache(fd)
+            finally:
+                os.close(fd)
+            fd = os.open(path, os.O_RDONLY | flags)
+            try:
+                _drop_cache(fd)
+                started = time.perf_counter()
+                for offset in range(0, nbytes, chunk_bytes):
+                    piece = view[: min(chunk_bytes, nbytes - offset)]
+                    if os.preadv(fd, [piece], offset) != len(piece):
+                        raise SsdIoError(errno.EIO, f"disk probe file {path} came back short")
+                read_s = time.perf_counter() - started
+            finally:
+                os.close(fd)
+        finally:
+            with contextlib.suppress(OSError):
+                path.unlink()
+    mode = IO_MODE_DIRECT if direct else IO_MODE_BUFFERED
+    return nbytes / max(write_s, 1e-9), nbytes / max(read_s, 1e-9), mode
+
+
+def _probe_direct_io_at(path: Path, staging: _StagingBuffers) -> bool:
+    """Whether ``path``'s filesystem takes an aligned O_DIRECT write: filesystems without it (older
+    tmpfs, some network and FUSE filesystems) refuse with EINVAL at open or at the first write.
+    Leaves the file for the caller to remove."""
+    if not _O_DIRECT:
+        return False
+    refused = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | _O_DIRECT, 0o600)
+    except OSError as err:
+        if err.errno in refused:
+            return False
+        raise
+    try:
+        with staging.borrow() as (_, view):
+            _pwrite_all(fd, view[:BLOCK_BYTES], 0)
+    except OSError as err:
+        if err.errno in refused:
+            return False
+        raise
+    finally:
+        os.close(fd)
+    return True
+
+
 def _check_arguments(rank: int, max_inflight_bytes: int, io_workers: int, staging_chunk_bytes: int) -> None:
     if rank < 0:
         raise ValueError(f"rank must be >= 0, got {rank}")
@@ -615,30 +687,15 @@ def _choose_direct_io(requested: bool | None, run_dir: Path, staging: _StagingBu
 
 
 def _probe_direct_io(run_dir: Path, staging: _StagingBuffers) -> bool:
-    """Open with O_DIRECT and write one aligned block: filesystems without it (older tmpfs, some
-    network and FUSE filesystems) refuse with EINVAL at open or at the first write."""
-    if not _O_DIRECT:
-        return False
+    """``_probe_direct_io_at`` on a probe file in the run directory, errors naming the path."""
     path = run_dir / ".direct-io-probe"
-    refused = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_DIRECT, 0o600)
+        return _probe_direct_io_at(path, staging)
     except OSError as err:
-        if err.errno in refused:
-            return False
-        raise _io_error("O_DIRECT probe write", path, err) from err
-    try:
-        with staging.borrow() as (_, view):
-            _pwrite_all(fd, view[:BLOCK_BYTES], 0)
-    except OSError as err:
-        if err.errno in refused:
-            return False
         raise _io_error("O_DIRECT probe write", path, err) from err
     finally:
-        os.close(fd)
         with contextlib.suppress(OSError):
             _remove_file(path)
-    return True
 
 
 def _as_bytes(data: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from runtime.activations.ssd_store import (
     IO_MODE_DIRECT,
     ActivationFileStore,
     SsdIoError,
+    measure_disk_rates,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -543,3 +544,12 @@ def test_after_kill_9_the_next_store_on_the_root_removes_the_stale_directory(
     assert run_dir.is_dir()  # nothing ran at exit: SIGKILL
     store = open_store(tmp_path)
     assert not run_dir.exists() and store.run_dir.is_dir()
+
+
+def test_disk_rates_are_measured_and_leave_no_file(tmp_path: Path) -> None:
+    write_bps, read_bps, mode = measure_disk_rates(tmp_path, nbytes=4 << 20, chunk_bytes=1 << 20)
+    assert write_bps > 0 and read_bps > 0
+    assert mode in (IO_MODE_DIRECT, IO_MODE_BUFFERED)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        measure_disk_rates(tmp_path, nbytes=1 << 20, chunk_bytes=1000)
