@@ -164,6 +164,7 @@ def analytic_profile(
             forward_s=(2 * tokens * numel + attention) / sustained_flops,
             backward_s=2 * (2 * tokens * numel + attention) / sustained_flops,
             activation_bytes=int(tokens * shape.hidden * 34 * element_size / 2),
+            input_bytes=tokens * shape.hidden * element_size,
         )
         for numel in block_numel
     )

@@ -38,6 +38,10 @@ Peak device memory (bytes per rank)::
       gradient buffer (none when every gradient goes straight into a persistent fp32 shard):
       measured, the peak falls where forward ends and backward starts
 
+Block modes other than keep (profiler/activation_cost.py) add their exposed transfer and
+recompute time to forward and backward, replace the saved activations by their own peak, and add
+swapped blocks to host memory.
+
 Host memory: the offloaded chunks' fp32 master, gradient and moment shards (plus a snapshot of
 master and moments when early CPU Adam updates may be undone, i.e. with gradient clipping).
 Every formula is O(1) per plan: per chunk size, ``chunk_costs`` builds prefix sums once.
@@ -49,6 +53,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
+from profiler.activation_cost import ActivationCost
 from profiler.chunking import Packing, min_buffers_by_persist, pack
 from profiler.profile import HardwareProfile, ModelProfile
 
@@ -105,6 +110,7 @@ class Prediction:
     gradient_buffer_bytes: int
     activation_bytes: int
     transient_bytes: int
+    ssd_bytes: int = 0
 
 
 def chunk_costs(model: ModelProfile, hardware: HardwareProfile, chunk_size: int) -> ChunkCosts:
@@ -234,9 +240,10 @@ def predict(
     n_persist: int,
     n_buffer: int,
     undo_snapshots: bool = False,
+    activations: ActivationCost | None = None,
 ) -> Prediction:
-    """Step time and memory of the plan (``costs.chunk_size``, ``n_persist``, ``n_buffer``),
-    every block keeping its activations."""
+    """Step time and memory of the plan (``costs.chunk_size``, ``n_persist``, ``n_buffer``), with
+    the block modes' ``activations`` cost (profiler.activation_cost; None: every block keeps)."""
     n = costs.num_chunks
     p = n_persist
     if not 0 <= p <= n:
@@ -254,6 +261,11 @@ def predict(
     )
     forward += costs.unattributed_forward_s
     backward += costs.unattributed_backward_s
+    activation_bytes = costs.activation_bytes
+    if activations is not None:
+        forward += activations.forward_extra_s
+        backward += activations.backward_extra_s
+        activation_bytes = activations.peak_bytes
     segment = hardware.adam_segment_s
     device_adam = _span(costs.adam_params, 0, p) / hardware.device_adam_params_per_s
     device_adam += _span(costs.adam_segments, 0, p) * segment + _span(costs.refresh, 0, p)
@@ -273,9 +285,11 @@ def predict(
     host = int(_span(costs.host_bytes, p, n))
     if undo_snapshots:
         host += int(_span(costs.snapshot_bytes, p, n))
+    if activations is not None:
+        host += activations.host_bytes
     # The peak falls where forward ends and backward starts: every saved activation is alive,
     # with either forward's transient or the first chunk's gradient buffer, not both.
-    peak = persistent + buffers + costs.activation_bytes + max(costs.transient_bytes, gradient_buffers)
+    peak = persistent + buffers + activation_bytes + max(costs.transient_bytes, gradient_buffers)
     return Prediction(
         step_s=step,
         forward_s=forward,
@@ -287,6 +301,7 @@ def predict(
         persistent_bytes=persistent,
         buffer_bytes=buffers,
         gradient_buffer_bytes=gradient_buffers,
-        activation_bytes=costs.activation_bytes,
+        activation_bytes=activation_bytes,
         transient_bytes=costs.transient_bytes,
+        ssd_bytes=activations.ssd_bytes if activations is not None else 0,
     )

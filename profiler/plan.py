@@ -321,6 +321,7 @@ def searched_plan(
         n_buffer=request.n_buffer,
         undo_snapshots=undo_snapshots,
         extra_buffers=extra_buffers,
+        block_modes=[mode.value for mode in modes],
     )
     best = result.best
     plan = Plan(
@@ -340,6 +341,7 @@ def searched_plan(
         predicted_step_s=best.prediction.step_s,
         predicted_peak_device_bytes=best.prediction.peak_device_bytes,
         predicted_peak_host_bytes=best.prediction.host_bytes,
+        predicted_ssd_bytes=best.prediction.ssd_bytes or None,
         notes=tuple(
             f"runner-up: chunk_size {_bytes(c.chunk_size)}, n_persist={c.n_persist} of {c.num_chunks}, "
             f"n_buffer={c.n_buffer}: "

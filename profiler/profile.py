@@ -16,7 +16,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeVar
 
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 
 T = TypeVar("T")
 
@@ -48,6 +48,10 @@ class HardwareProfile:
     copies_overlap_compute: bool = True
     """Transfers, collectives and the CPU-Adam thread run beside compute (CUDA: copy engines,
     NCCL, host cores). False on CPU, where they use the cores compute uses: they add to the step."""
+    ssd_write_bytes_per_s: float = 0.0
+    """Write rate of ``memory.ssd.path`` as activation files are written (O_DIRECT where the
+    filesystem allows); 0 when no path was measured, and then no plan puts blocks on disk."""
+    ssd_read_bytes_per_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,6 +67,8 @@ class BlockProfile:
     backward_s: float
     activation_bytes: int
     """Bytes the block's forward saves for backward (each storage once; parameters excluded)."""
+    input_bytes: int = 0
+    """Bytes of the tensors the block is called with: what a checkpointed block keeps."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,7 +1,8 @@
 """The knob search: the fastest plan whose predicted memory fits, the runners-up, and what binds.
 
-Enumerates chunk size x ``n_persist`` x ``n_buffer`` (every block keeps its activations until the
-activation engine lands; its knobs then join the same loop). Knobs set by hand stay fixed.
+Enumerates chunk size x ``n_persist`` x ``n_buffer``; the blocks' activation modes are fixed (as
+set by hand, or all keep) and their cost (profiler/activation_cost.py) joins every prediction.
+Knobs set by hand stay fixed.
 
 Pruning, memory first (PAPERS.md "Search"): for one chunk size, device memory grows with
 ``n_buffer`` at fixed ``n_persist`` while step time never does, so only the fewest buffers, one
@@ -16,9 +17,10 @@ best plan.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from profiler.activation_cost import ActivationCost, activation_cost
 from profiler.chunking import ChunkTooSmallError, candidate_chunk_bytes
 from profiler.cost_model import ChunkCosts, Prediction, chunk_costs, predict
 from profiler.profile import HardwareProfile, ModelProfile
@@ -68,11 +70,14 @@ def search(
     margin: float = MEMORY_MARGIN,
     keep: int = 3,
     extra_buffers: int | None = None,
+    block_modes: Sequence[str] | None = None,
 ) -> SearchResult:
     """The fastest plan that fits ``device_budget`` and ``host_budget`` (bytes per rank);
     ``chunk_size``/``n_persist``/``n_buffer``, when given, are fixed. ``extra_buffers`` caps the
-    buffers tried beyond the fewest that work (for models of hundreds of chunks; None: all)."""
+    buffers tried beyond the fewest that work (for models of hundreds of chunks; None: all).
+    ``block_modes``: the blocks' activation modes, fixed (None: every block keeps)."""
     started = time.perf_counter()
+    activations = activation_cost(model, hardware, block_modes) if block_modes is not None else None
     all_costs = list(_costs_by_size(model, hardware, chunk_size))
     evaluated = 0
     fitting: list[Candidate] = []
@@ -85,7 +90,15 @@ def search(
         nonlocal evaluated
         evaluated += 1
         return device_fits(
-            predict(model, hardware, costs, n_persist=p, n_buffer=b, undo_snapshots=undo_snapshots)
+            predict(
+                model,
+                hardware,
+                costs,
+                n_persist=p,
+                n_buffer=b,
+                undo_snapshots=undo_snapshots,
+                activations=activations,
+            )
         )
 
     for costs in all_costs:
@@ -107,7 +120,13 @@ def search(
             device_full = False
             for position, b in enumerate(buffer_range):
                 prediction = predict(
-                    model, hardware, costs, n_persist=p, n_buffer=b, undo_snapshots=undo_snapshots
+                    model,
+                    hardware,
+                    costs,
+                    n_persist=p,
+                    n_buffer=b,
+                    undo_snapshots=undo_snapshots,
+                    activations=activations,
                 )
                 evaluated += 1
                 candidate = Candidate(
@@ -150,6 +169,7 @@ def search(
             undo_snapshots,
             n_persist,
             n_buffer,
+            activations,
         ),
         evaluated=evaluated,
         elapsed_s=elapsed,
@@ -249,6 +269,7 @@ def _binding(
     undo_snapshots: bool,
     n_persist: int | None,
     n_buffer: int | None,
+    activations: ActivationCost | None,
 ) -> str:
     if best.n_persist == best.num_chunks:
         return "nothing binds: every chunk stays on the device"
@@ -259,7 +280,15 @@ def _binding(
     buffers = costs.need[more] if more < costs.num_chunks else 0
     if n_buffer is not None and more < costs.num_chunks:
         buffers = n_buffer
-    grown = predict(model, hardware, costs, n_persist=more, n_buffer=buffers, undo_snapshots=undo_snapshots)
+    grown = predict(
+        model,
+        hardware,
+        costs,
+        n_persist=more,
+        n_buffer=buffers,
+        undo_snapshots=undo_snapshots,
+        activations=activations,
+    )
     needed = int(grown.peak_device_bytes * (1 + margin))
     if needed > device_budget:
         return (

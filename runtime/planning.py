@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from profiler.plan import KnobRequest, Plan, resident_plan, searched_plan
+from profiler.plan import BlockMode, KnobRequest, Plan, block_modes_for, resident_plan, searched_plan
 from profiler.profile import HardwareProfile, ModelProfile, cache_key
 from profiler.search import NoPlanFitsError
 from runtime.blocks import BlocksNotFoundError, find_blocks
@@ -28,6 +28,7 @@ from runtime.probes import (
     hardware_profile,
     profile_model,
     read_agreed,
+    with_disk_rates,
     write_cached,
 )
 from runtime.spec import AUTO, MemorySpec, Precision, Spec, auto_fields
@@ -88,6 +89,7 @@ def make_plan(
                 device,
                 dist_ctx,
                 world_size,
+                ssd_path=_ssd_path(request, len(blocks), memory),
             )
             if profiled is not None:
                 plan, _ = searched_plan(
@@ -184,6 +186,8 @@ def _profile(
     device: DeviceInfo,
     dist_ctx: DistContext | None,
     world_size: int,
+    *,
+    ssd_path: Path | None,
 ) -> tuple[ModelProfile, HardwareProfile] | None:
     """(model profile, hardware profile), agreed across ranks; None when the profiling step
     does not fit the device (every rank then plans without a profile). The model profile is
@@ -222,7 +226,16 @@ def _profile(
             profile = agree_model(profile, dist_ctx)
             write_cached(path, profile.to_dict())
     hardware = hardware_profile(device, dist_ctx, world_size=world_size, cache_dir=cache_dir)
+    if ssd_path is not None:
+        hardware = with_disk_rates(hardware, ssd_path, dist_ctx)
     return profile, hardware
+
+
+def _ssd_path(request: KnobRequest, num_blocks: int, memory: MemorySpec) -> Path | None:
+    """The activation directory when the plan puts blocks on disk (their rates are then measured)."""
+    if BlockMode.SSD not in block_modes_for(request, num_blocks) or memory.ssd.path is None:
+        return None
+    return Path(memory.ssd.path).expanduser()
 
 
 def _measure(

@@ -16,6 +16,7 @@ collectives takes all of them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -30,6 +31,7 @@ from torch import nn
 
 from profiler.instruments import OUTSIDE, BlockTimer, PeakSampler, SavedBytes
 from profiler.profile import BlockProfile, HardwareProfile, ModelProfile, cache_key
+from runtime.activations.ssd_store import measure_disk_rates
 from runtime.chunks.layout import ParamInfo
 from runtime.cpu_adam import ShardAdamW
 from runtime.device import DeviceInfo, device_allocated_bytes, synchronize
@@ -45,6 +47,7 @@ COPY_PROBE_BYTES = 32 << 20
 ADAM_PROBE_NUMEL = 4 << 20
 ADAM_PROBE_SEGMENTS = 64
 COLLECTIVE_PROBE_BYTES = 8 << 20
+DISK_PROBE_BYTES = 64 << 20
 T = TypeVar("T")
 REFRESH_ENV = "PROTRAIN_REFRESH_PROFILE"
 """Set to 1 to measure the hardware again instead of using the cached profile."""
@@ -224,6 +227,25 @@ def _device_kind(device: DeviceInfo) -> str:
     return f"cpu:{platform.processor() or platform.machine()}x{os.cpu_count()}"
 
 
+def with_disk_rates(
+    hardware: HardwareProfile,
+    directory: Path,
+    dist_ctx: DistContext | None,
+    *,
+    nbytes: int = DISK_PROBE_BYTES,
+) -> HardwareProfile:
+    """``hardware`` with the read and write rates of the filesystem under ``directory``, the
+    slowest of any rank's (measured each start, not cached: the drive's load and its filesystem
+    change between jobs)."""
+    write_bps, read_bps, _ = measure_disk_rates(directory, nbytes=nbytes)
+    rates = torch.tensor([write_bps, read_bps], dtype=torch.float64)
+    if dist_ctx is not None:
+        all_reduce_min_(rates, dist_ctx)
+    return dataclasses.replace(
+        hardware, ssd_write_bytes_per_s=float(rates[0]), ssd_read_bytes_per_s=float(rates[1])
+    )
+
+
 def hardware_key(device: DeviceInfo, world_size: int) -> str:
     return cache_key(
         _device_kind(device), world_size, platform.node(), torch.__version__, torch.get_num_threads()
@@ -277,6 +299,7 @@ def profile_model(
                 forward_s=timer.forward_s[i],
                 backward_s=timer.forward_s[i] * backward_per_forward,
                 activation_bytes=saved.per_block[i],
+                input_bytes=fastest["input_bytes"][i],
             )
             for i in range(len(blocks))
         ),
@@ -298,7 +321,7 @@ def agree_model(profile: ModelProfile, dist_ctx: DistContext) -> ModelProfile:
         profile.transient_bytes,
     ]
     for block in profile.blocks:
-        numbers += [block.forward_s, block.backward_s, block.activation_bytes]
+        numbers += [block.forward_s, block.backward_s, block.activation_bytes, block.input_bytes]
     values = -torch.tensor(numbers, dtype=torch.float64)
     all_reduce_min_(values, dist_ctx)  # min of negatives: the maximum
     most = (-values).tolist()
@@ -309,8 +332,8 @@ def agree_model(profile: ModelProfile, dist_ctx: DistContext) -> ModelProfile:
         other_activation_bytes=int(most[2]),
         transient_bytes=int(most[3]),
         blocks=[
-            {"forward_s": f, "backward_s": b, "activation_bytes": int(a)}
-            for f, b, a in zip(most[4::3], most[5::3], most[6::3], strict=True)
+            {"forward_s": f, "backward_s": b, "activation_bytes": int(a), "input_bytes": int(x)}
+            for f, b, a, x in zip(most[4::4], most[5::4], most[6::4], most[7::4], strict=True)
         ],
     )
     return ModelProfile.from_dict(body)
@@ -356,9 +379,25 @@ def _one_step(
             grad_bytes[0] += param.grad.numel() * param.grad.element_size()
         peak.sample(saved.total + grad_bytes[0])
 
+    input_bytes = [0] * len(blocks)
+
+    def enter_block(index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        timer.enter(index)
+        # What a checkpointed block keeps: the tensors it is called with (one storage once).
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in (*args, *kwargs.values())
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in param_storages
+        }
+        input_bytes[index] = max(input_bytes[index], sum(storages.values()))
+
     handles = []
     for index, block in enumerate(blocks):
-        handles.append(block.register_forward_pre_hook(lambda *_, i=index: timer.enter(i)))
+        handles.append(
+            block.register_forward_pre_hook(
+                lambda _, args, kwargs, i=index: enter_block(i, args, kwargs), with_kwargs=True
+            )
+        )
         handles.append(block.register_forward_hook(lambda *_, i=index: timer.exit(i)))
     for module in model.modules():
         handles.append(module.register_forward_hook(sample_forward))
@@ -382,6 +421,7 @@ def _one_step(
         "forward_s": timer.total_s,
         "backward_s": backward_s,
         "transient": peak.peak_beyond,
+        "input_bytes": input_bytes,
     }
 
 

@@ -266,3 +266,31 @@ def test_encoder_decoder_blocks_are_both_lists_in_forward_order() -> None:
     path, blocks = find_blocks(model, None)
     assert path == "encoder.block,decoder.block"
     assert blocks == [*model.encoder.block, *model.decoder.block]
+
+
+def test_planner_predicts_hand_set_modes_from_the_profile_and_the_disk(tmp_path: Path) -> None:
+    """With an example batch the search profiles the model, measures the disk under ssd.path and
+    predicts the hand-set modes: less device memory than keeping everything, the ssd blocks'
+    bytes on disk (what the free-space check expects), the disk's rates in the plan's numbers."""
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    batch = data.batch(0, 0, 0)
+    plans = {}
+    for name, modes in (("keep", ["keep"] * 4), ("moved", ["ssd", "ssd", "swap", "checkpoint"])):
+        config = job(tmp_path / name, modes)
+        config["profiler"] = {"cache_dir": str(tmp_path / "cache")}
+        engine = runtime.initialize(tiny_gpt(config=FOUR_BLOCKS), config=config, example_batch=batch)
+        try:
+            plans[name] = engine.plan
+            if name == "moved":
+                train(engine, 1)
+                stats = engine.activations.stats
+                # The prediction is the profile's bytes of the two ssd blocks; the run's own
+                # dedup finds the same storages (within the kept-small and parameter rules).
+                assert engine.plan.predicted_ssd_bytes is not None
+                assert 0.5 <= stats.bytes_to_ssd / engine.plan.predicted_ssd_bytes <= 1.5
+        finally:
+            engine.close()
+    keep, moved = plans["keep"], plans["moved"]
+    assert keep.predicted_ssd_bytes is None
+    assert moved.predicted_peak_device_bytes < keep.predicted_peak_device_bytes
+    assert moved.predicted_step_s > keep.predicted_step_s  # recomputation at least

@@ -108,6 +108,9 @@ def test_profile_sees_every_block_and_leaves_the_model_untouched(tmp_path: Path)
     sizes = {b.activation_bytes for b in profile.blocks}
     assert len(sizes) == 1 and sizes.pop() > 0
     assert profile.other_activation_bytes > 0
+    # What a checkpointed block would keep: its input hidden states, batch x seq x width fp32.
+    width = model.config.d_model
+    assert {b.input_bytes for b in profile.blocks} == {2 * 32 * width * 4}
     owners = dict(zip((p.name for p in params), profile.param_block, strict=True))
     assert owners[f"{path}.0.attn.qkv.weight"] == 0 and owners[f"{path}.1.attn.qkv.weight"] == 1
     assert owners["wte.weight"] == -1
@@ -147,6 +150,7 @@ def test_saved_bytes_count_each_storage_once(tmp_path: Path) -> None:
     )
     # Inside the block: x (16x8 fp32). Outside: y once (16x8 fp32), though saved four times.
     assert profile.blocks[0].activation_bytes == 16 * 8 * 4
+    assert profile.blocks[0].input_bytes == 16 * 8 * 4
     assert profile.other_activation_bytes == 16 * 8 * 4
 
 
