@@ -5,9 +5,17 @@ protrain-run processes). The marker follows the folder so no test can be left ou
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    # A suite started in the background by a non-interactive shell (`make test &`) inherits
+    # SIGINT ignored, and so would every process a test starts: the Ctrl-C tests would then test
+    # nothing. A handler (unlike SIG_IGN) is reset to the default at exec, so children get Python's
+    # usual KeyboardInterrupt again.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Parallel workers share the cores: one compute thread each (as torchrun gives each rank a
