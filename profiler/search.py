@@ -86,20 +86,21 @@ def search(
     def device_fits(prediction: Prediction) -> bool:
         return prediction.peak_device_bytes * (1 + margin) <= device_budget
 
-    def fits_at(costs: ChunkCosts, p: int, b: int) -> bool:
+    def predicted(costs: ChunkCosts, p: int, b: int) -> Prediction:
         nonlocal evaluated
         evaluated += 1
-        return device_fits(
-            predict(
-                model,
-                hardware,
-                costs,
-                n_persist=p,
-                n_buffer=b,
-                undo_snapshots=undo_snapshots,
-                activations=activations,
-            )
+        return predict(
+            model,
+            hardware,
+            costs,
+            n_persist=p,
+            n_buffer=b,
+            undo_snapshots=undo_snapshots,
+            activations=activations,
         )
+
+    def fits_at(costs: ChunkCosts, p: int, b: int) -> bool:
+        return device_fits(predicted(costs, p, b))
 
     for costs in all_costs:
         n = costs.num_chunks
@@ -119,16 +120,7 @@ def search(
                 )
             device_full = False
             for position, b in enumerate(buffer_range):
-                prediction = predict(
-                    model,
-                    hardware,
-                    costs,
-                    n_persist=p,
-                    n_buffer=b,
-                    undo_snapshots=undo_snapshots,
-                    activations=activations,
-                )
-                evaluated += 1
+                prediction = predicted(costs, p, b)
                 candidate = Candidate(
                     chunk_size=costs.chunk_size, num_chunks=n, n_persist=p, n_buffer=b, prediction=prediction
                 )
