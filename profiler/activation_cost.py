@@ -77,9 +77,7 @@ def activation_cost(model: ModelProfile, hardware: HardwareProfile, modes: Seque
             backward_extra += block.activation_bytes / hardware.h2d_bytes_per_s
     backward_extra += _backward_waits(model, hardware, modes, saved)
 
-    end_of_forward = model.other_activation_bytes + sum(alive)
-    peak = end_of_forward
-    below = model.other_activation_bytes + sum(alive)
+    peak = below = model.other_activation_bytes + sum(alive)  # the end of forward
     for index in reversed(range(len(blocks))):
         below -= alive[index]
         ahead = [i for i in range(index - 1, -1, -1) if modes[i] in OFFLOADED][:PREFETCH_BLOCKS]

@@ -39,6 +39,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from profiler.activation_cost import PREFETCH_BLOCKS
 from profiler.plan import BlockMode
 from runtime.activations.host_pool import HostActivationPool
 from runtime.activations.records import SavedActivation, SavedTensorModifiedError, StoredStorage
@@ -91,7 +92,7 @@ class ActivationManager:
         device: DeviceInfo,
         store: Any = None,
         model_buffers: Iterable[torch.Tensor] = (),
-        prefetch_blocks: int = 2,
+        prefetch_blocks: int = PREFETCH_BLOCKS,  # the cost model assumes this depth
         min_offload_bytes: int = SMALL_TENSOR_BYTES,
         expected_ssd_bytes: int = 0,
     ) -> None:
