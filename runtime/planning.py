@@ -227,7 +227,10 @@ def _profile(
             write_cached(path, profile.to_dict())
     hardware = hardware_profile(device, dist_ctx, world_size=world_size, cache_dir=cache_dir)
     if ssd_path is not None:
-        hardware = with_disk_rates(hardware, ssd_path, dist_ctx)
+        try:
+            hardware = with_disk_rates(hardware, ssd_path, dist_ctx)
+        except OSError as err:  # unwritable, full, or not a directory: say which, not a traceback
+            raise SpecError(f"memory.ssd.path: cannot measure the disk under {ssd_path}: {err}") from None
     return profile, hardware
 
 

@@ -42,6 +42,16 @@ def batch(step: int) -> dict[str, torch.Tensor]:
     return lm_batches(micro_batch_size=2, accumulation=1, world_size=1).batch(step, 0, 0)
 
 
+def two_steps(config: dict[str, Any]) -> Any:
+    """A four-block GPT engine built from ``config`` after two training steps (left open)."""
+    engine = runtime.initialize(tiny_gpt(config=FOUR_BLOCKS), config=config)
+    for step in range(2):
+        out = engine(**batch(step))
+        engine.backward(out.loss)
+        engine.step()
+    return engine
+
+
 @contextlib.contextmanager
 def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
     path.mkdir(parents=True)
@@ -61,13 +71,7 @@ def test_writes_still_in_flight_are_served_from_memory(
 ) -> None:
     """A slow disk: backward starts before the last blocks' files are written, takes those bytes
     from memory (forwarding) and drops the files, and trains exactly as with a fast disk."""
-    fast = runtime.initialize(
-        tiny_gpt(config=FOUR_BLOCKS), config=ssd_job(tmp_path / "a", tmp_path / "ssd-a")
-    )
-    for step in range(2):
-        out = fast(**batch(step))
-        fast.backward(out.loss)
-        fast.step()
+    fast = two_steps(ssd_job(tmp_path / "a", tmp_path / "ssd-a"))
     expected = fast.state_dict()
     fast.close()
 
@@ -78,13 +82,7 @@ def test_writes_still_in_flight_are_served_from_memory(
         write_all(*args)
 
     monkeypatch.setattr(ssd_store, "_pwrite_all", slow_write)
-    engine = runtime.initialize(
-        tiny_gpt(config=FOUR_BLOCKS), config=ssd_job(tmp_path / "b", tmp_path / "ssd-b")
-    )
-    for step in range(2):
-        out = engine(**batch(step))
-        engine.backward(out.loss)
-        engine.step()
+    engine = two_steps(ssd_job(tmp_path / "b", tmp_path / "ssd-b"))
     stats = engine.activations.stats
     assert stats.forwarded > 0, "records still being written were served without a read"
     assert stats.bytes_from_ssd < stats.bytes_to_ssd

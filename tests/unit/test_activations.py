@@ -294,3 +294,14 @@ def test_planner_predicts_hand_set_modes_from_the_profile_and_the_disk(tmp_path:
     assert keep.predicted_ssd_bytes is None
     assert moved.predicted_peak_device_bytes < keep.predicted_peak_device_bytes
     assert moved.predicted_step_s > keep.predicted_step_s  # recomputation at least
+
+
+def test_an_ssd_path_that_cannot_be_written_is_refused_by_name(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    config = job(tmp_path, ["ssd", "keep", "keep", "keep"])
+    config["memory"]["ssd"]["path"] = str(blocker / "ssd")
+    config["profiler"] = {"cache_dir": str(tmp_path / "cache")}
+    batch = lm_batches(micro_batch_size=2, accumulation=1, world_size=1).batch(0, 0, 0)
+    with pytest.raises(SpecError, match=r"memory\.ssd\.path: .*a-file"):
+        runtime.initialize(tiny_gpt(config=FOUR_BLOCKS), config=config, example_batch=batch)
