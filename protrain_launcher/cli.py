@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.spec import Spec, unsupported_settings
+from runtime.spec import Spec
 from runtime.spec_io import Override, SpecError, load_spec, parse_override
 
 EXIT_OK = 0
@@ -159,13 +159,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def resolve_spec(request: LaunchRequest) -> Spec:
     """The spec file, then ``--set`` overrides in order, then launcher options (which win), all
-    validated together; knobs this version cannot carry out are refused here too."""
-    spec = load_spec(request.config, [*request.overrides, *request.launcher_overrides])
-    problems = unsupported_settings(spec)
-    if problems:
-        source = str(request.config) if request.config else "(defaults)"
-        raise SpecError("\n".join(f"{source}: {problem}" for problem in problems))
-    return spec
+    validated together."""
+    return load_spec(request.config, [*request.overrides, *request.launcher_overrides])
 
 
 def _check_script(script: Path) -> None:

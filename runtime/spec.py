@@ -530,22 +530,3 @@ def auto_fields(spec: BaseModel, prefix: str = "") -> list[str]:
         elif value == AUTO and any(isinstance(m, AutoFilled) for m in info.metadata):
             found.append(path)
     return found
-
-
-def unsupported_settings(spec: Spec) -> list[str]:
-    """Settings that validate but that this version of the engine cannot carry out yet, each as
-    "key: why" (activation modes other than keep arrive with the activation engine)."""
-    memory = spec.memory
-    problems = [
-        f"memory.{key}: {value} blocks asked for, but activations stay resident in this version; "
-        f"leave it auto or 0"
-        for key, value in (
-            ("n_swap", memory.n_swap),
-            ("n_checkpoint", memory.n_checkpoint),
-            ("ssd.n_offload", memory.ssd.n_offload),
-        )
-        if value not in (AUTO, 0)
-    ]
-    if memory.block_modes is not None and any(mode is not BlockMode.KEEP for mode in memory.block_modes):
-        problems.append("memory.block_modes: only keep is available in this version")
-    return problems

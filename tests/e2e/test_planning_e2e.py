@@ -47,7 +47,14 @@ def test_auto_knobs_are_searched_and_the_prediction_is_in_range(job: Job) -> Non
 
 
 def test_hand_set_knobs_are_kept_through_the_launcher(job: Job) -> None:
-    plan, _ = run_demo(job, "memory.n_persist=1", "memory.chunk_size=256KiB")
+    plan, _ = run_demo(
+        job, "memory.n_persist=1", "memory.chunk_size=256KiB", "memory.n_swap=1", "memory.n_checkpoint=1"
+    )
     assert (plan["n_persist"], plan["chunk_size"]) == (1, 256 * 1024)
+    # The activation knobs reach the engine: one block swapped, one recomputed, the rest kept.
+    assert (plan["n_swap"], plan["n_checkpoint"]) == (1, 1)
+    assert sorted(plan["block_modes"]) == sorted(
+        ["swap", "checkpoint"] + ["keep"] * (len(plan["block_modes"]) - 2)
+    )
     assert plan["rule"].startswith("search") and plan["n_buffer"] >= 1
     assert "memory.n_persist" not in plan["chosen"] and "memory.n_buffer" in plan["chosen"]

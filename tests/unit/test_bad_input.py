@@ -111,10 +111,10 @@ BAD_SPECS: list[tuple[str, str, str, list[str]]] = [
     ("unknown scheduler key", "scheduler: {warmup: 5}\n", ".yaml", ["scheduler.warmup", "warmup_steps"]),
     ("unknown profiler key", "profiler: {steps: 5}\n", ".yaml", ["profiler.steps", "profile_steps"]),
     (
-        "knob this version lacks",
-        "memory: {n_swap: 2}\n",
+        "ssd blocks without a directory",
+        "memory: {ssd: {n_offload: 2}}\n",
         ".yaml",
-        ["memory.n_swap", "activations stay resident"],
+        ["memory.ssd.path", "n_offload=2 needs ssd.path"],
     ),
 ]
 
