@@ -17,15 +17,20 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 from profiler.plan import Plan
 from runtime.activations.manager import ActivationManager
+from runtime.checkpoint.checkpointer import Checkpointer
+from runtime.checkpoint.store import Checkpoint, CheckpointError, latest_checkpoint
 from runtime.chunks.manager import ChunkManager
 from runtime.console import MetricsFile, ProgressReporter, StepRecord
 from runtime.device import DeviceInfo, synchronize
@@ -34,9 +39,11 @@ from runtime.loss_scale import DynamicLossScaler
 from runtime.plan_check import PlanCheck
 from runtime.plan_check import describe as describe_plan_check
 from runtime.planning import batch_shape
+from runtime.sampler import ShardedSampler
 from runtime.schedule import lr_factor
 from runtime.settings import TrainingSettings
 from runtime.spec import NonFiniteLossPolicy, Precision
+from runtime.stop import StopRequest, TrainingStopped
 
 _AUTOCAST_DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
@@ -45,13 +52,24 @@ class NonFiniteLossError(FloatingPointError):
     """A non-finite loss under ``on_nonfinite_loss: raise``; raised on every rank alike."""
 
 
-def count_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """Tokens in a batch: ``input_ids`` if given, else the first integer tensor argument."""
+def _batch_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """``input_ids`` if given, else the first integer tensor argument, else the first tensor."""
     candidates = [kwargs.get("input_ids"), *args, *kwargs.values()]
-    for value in candidates:
-        if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dim() >= 1:
-            return value.numel()
-    return 0
+    tensors = [value for value in candidates if isinstance(value, torch.Tensor) and value.dim() >= 1]
+    integer = [value for value in tensors if not value.is_floating_point()]
+    return (integer or tensors or [None])[0]
+
+
+def count_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Tokens in a batch: the elements of ``input_ids`` or of the first integer tensor argument."""
+    tensor = _batch_tensor(args, kwargs)
+    return 0 if tensor is None or tensor.is_floating_point() else tensor.numel()
+
+
+def count_samples(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Samples in a batch: the leading dimension of its batch tensor."""
+    tensor = _batch_tensor(args, kwargs)
+    return 0 if tensor is None else int(tensor.shape[0])
 
 
 class Engine:
@@ -69,6 +87,8 @@ class Engine:
         metrics: MetricsFile | None,
         chunks: ChunkManager,
         activations: ActivationManager,
+        checkpointer: Checkpointer,
+        stop: StopRequest | None = None,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
     ) -> None:
         self.module = module
@@ -81,11 +101,20 @@ class Engine:
         self._metrics = metrics
         self.chunks = chunks
         self.activations = activations
+        self.checkpointer = checkpointer
+        self._stop = stop
         self.loss_scaler = DynamicLossScaler(settings.loss_scale) if settings.loss_scale else None
         self.global_step = 0
         """Optimizer updates made (skipped updates do not count)."""
         self.skipped_steps = 0
         self.micro_step = 0
+        self.samples_consumed = 0
+        """Samples every rank trained on, summed over ranks and updates (skipped ones too)."""
+        self.resumed_from: Path | None = None
+        """The checkpoint this run continued from, if any."""
+        self._sampler: ShardedSampler | None = None
+        self._resumed_data_state: dict[str, Any] | None = None
+        self._window_samples = 0
         self._window_start: float | None = None
         self._window_loss = torch.zeros((), dtype=torch.float64)
         self._window_nonfinite = torch.zeros((), dtype=torch.float64)
@@ -135,6 +164,7 @@ class Engine:
             if self._window_start is None:
                 self._window_start = time.perf_counter()
             self._window_tokens += count_tokens(args, kwargs)
+            self._window_samples += count_samples(args, kwargs)
         self.activations.begin_forward()
         try:
             with self._autocast(), self.activations.saved_tensor_hooks():
@@ -191,14 +221,25 @@ class Engine:
     # ---------------------------------------------------------------- the update
 
     def _finish_window(self) -> bool:
-        tokens_local = float(self._window_tokens)
-        extras = torch.stack(
-            [self._window_loss, self._window_nonfinite, torch.tensor(tokens_local, dtype=torch.float64)]
+        stop_local = 1.0 if self._stop is not None and self._stop.requested else 0.0
+        extras = torch.tensor(
+            [
+                float(self._window_loss),
+                float(self._window_nonfinite),
+                float(self._window_tokens),
+                float(self._window_samples),
+                stop_local,
+            ],
+            dtype=torch.float64,
         )
-        # One collective carries every rank's per-parameter gradient flags and the counters.
+        # One collective carries every rank's per-parameter gradient flags, the counters and the
+        # stop flag (a stop signal that reached any rank stops every rank after this update).
         header = all_reduce_sum_(torch.cat([self.chunks.params_with_grad(), extras]), self.dist_ctx)
         active = header[: -len(extras)] > 0
-        loss_sum, nonfinite, tokens = header[-len(extras) :].tolist()
+        loss_sum, nonfinite, tokens, samples, stop = header[-len(extras) :].tolist()
+        self.samples_consumed += int(samples)
+        if self._sampler is not None:
+            self._sampler.consume(int(samples))
         window_start = self._window_start or time.perf_counter()
         self._reset_window()
         losses_in_window = self.settings.gradient_accumulation_steps * self.dist_ctx.world_size
@@ -241,7 +282,24 @@ class Engine:
                 loss_scale=None if self.loss_scaler is None else self.loss_scaler.scale,
             )
         )
+        self._after_update(updated=not skipped, stop=stop > 0)
         return not skipped
+
+    def _after_update(self, *, updated: bool, stop: bool) -> None:
+        """A periodic checkpoint, or the stop a signal asked for (checkpoint, then exit)."""
+        settings = self.checkpointer.settings
+        if stop:
+            # A rank the signal did not reach itself stops as Ctrl-C would have stopped it.
+            signum = self._stop.signum if self._stop is not None and self._stop.signum else 2
+            where = ""
+            if settings.dir is not None:
+                where = f"; checkpoint {self.save_checkpoint()}"
+            self.log(f"stopped at update {self.global_step}{where}")
+            self.close()
+            raise TrainingStopped(128 + signum)
+        if updated and settings.dir is not None and settings.interval_steps > 0:
+            if self.global_step % settings.interval_steps == 0:
+                self.save_checkpoint()
 
     def _unscale_and_clip(self) -> float:
         """The global gradient norm (after unscaling), clipping the shards when configured, with
@@ -263,6 +321,7 @@ class Engine:
         self._window_loss = torch.zeros((), dtype=torch.float64)
         self._window_nonfinite = torch.zeros((), dtype=torch.float64)
         self._window_tokens = 0
+        self._window_samples = 0
 
     def _report(self, record: StepRecord) -> None:
         self._reporter.update(record)
@@ -302,6 +361,110 @@ class Engine:
             result[name] = params[name] if name in params else tensor.detach().clone()
         return result
 
+    # ---------------------------------------------------------------- checkpoints and data
+
+    def data_sampler(self, num_samples: int, *, shuffle: bool = True) -> ShardedSampler:
+        """A sampler over a dataset of ``num_samples`` for this rank (batch size
+        ``micro_batch_size``) whose position is saved with every checkpoint and restored on
+        resume, so a resumed run sees exactly the batches the uninterrupted run would have. Give
+        the DataLoader a ``generator`` of its own, or use ``data_loader``."""
+        if self._sampler is not None:
+            raise RuntimeError("engine.data_sampler() was already called: one sampler per engine")
+        sampler = ShardedSampler(
+            num_samples,
+            world_size=self.world_size,
+            rank=self.rank,
+            micro_batch_size=self.micro_batch_size,
+            seed=self.settings.seed,
+            shuffle=shuffle,
+        )
+        if self._resumed_data_state is not None:
+            sampler.load_state_dict(self._resumed_data_state)
+        self._sampler = sampler
+        return sampler
+
+    def data_loader(self, dataset: Dataset[Any], **loader_args: Any) -> DataLoader[Any]:
+        """A ``DataLoader`` over ``dataset`` with this rank's resumable ``data_sampler`` and
+        ``micro_batch_size``; other arguments (``num_workers``, ``collate_fn``...) pass through.
+        It draws its worker seeds from a generator of its own: a plain DataLoader draws them from
+        the global random stream each time it starts an epoch, so a resumed run, which starts
+        one at a different step, would see different dropout masks than the uninterrupted run."""
+        for taken in ("batch_size", "sampler", "shuffle", "batch_sampler"):
+            if taken in loader_args:
+                raise TypeError(f"data_loader sets {taken} itself (micro_batch_size and data_sampler)")
+        sampler = self.data_sampler(len(dataset))  # type: ignore[arg-type]
+        generator = loader_args.pop("generator", None) or torch.Generator().manual_seed(self.settings.seed)
+        return DataLoader(
+            dataset, batch_size=self.micro_batch_size, sampler=sampler, generator=generator, **loader_args
+        )
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {
+            "skipped_steps": self.skipped_steps,
+            "samples_consumed": self.samples_consumed,
+            "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
+            "data": None if self._sampler is None else self._sampler.state_dict(),
+            "seed": self.settings.seed,
+            "precision": self.settings.precision.value,
+        }
+
+    def save_checkpoint(self, directory: str | os.PathLike[str] | None = None) -> Path:
+        """Save the training state as ``<directory>/step-<global_step>`` (default: the spec's
+        ``checkpoint.dir``); every rank calls it, between updates. Returns the checkpoint's path
+        (with ``async_save``, where it will be once written)."""
+        root = Path(directory) if directory is not None else self.checkpointer.settings.dir
+        if root is None:
+            raise ValueError("save_checkpoint needs a directory: pass one or set checkpoint.dir")
+        if self.micro_step % self.settings.gradient_accumulation_steps != 0:
+            raise RuntimeError(
+                "save_checkpoint in the middle of an accumulation window: call it after engine.step() "
+                "has updated the parameters"
+            )
+        path = self.checkpointer.save(Path(root), step=self.global_step, trainer_state=self._trainer_state())
+        self.log(f"checkpoint {path}")
+        return path
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> Path:
+        """Continue from a checkpoint: ``path`` is one checkpoint directory or a checkpoint root
+        (its latest complete checkpoint is taken). Parameters, Adam state, step counts, loss
+        scale, random streams and data position are restored; the world size may differ."""
+        return self._load(self.checkpointer.locate(Path(path)))
+
+    def resume(self) -> Path | None:
+        """What ``initialize`` does with ``checkpoint.resume``: auto loads the latest complete
+        checkpoint in ``checkpoint.dir`` if there is one, a path loads that, never nothing."""
+        settings = self.checkpointer.settings
+        if settings.resume == "never":
+            return None
+        if settings.resume != "auto":
+            return self.load_checkpoint(settings.resume)
+        if settings.dir is None:
+            return None
+        found = latest_checkpoint(settings.dir)
+        return None if found is None else self._load(found)
+
+    def _load(self, checkpoint: Checkpoint) -> Path:
+        if self.micro_step % self.settings.gradient_accumulation_steps != 0:
+            raise RuntimeError("load_checkpoint in the middle of an accumulation window")
+        manifest = self.checkpointer.load(checkpoint, log=self.log)
+        try:
+            self.global_step = int(manifest["global_step"])
+            self.skipped_steps = int(manifest["skipped_steps"])
+            self.samples_consumed = int(manifest["samples_consumed"])
+            scaler = manifest["loss_scaler"]
+            data = manifest["data"]
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{checkpoint.path}: manifest lacks {err}") from err
+        if self.loss_scaler is not None and scaler is not None:
+            self.loss_scaler.load_state_dict(scaler)
+        self._resumed_data_state = data
+        if self._sampler is not None:
+            if data is not None:
+                self._sampler.load_state_dict(data)
+        self.resumed_from = checkpoint.path
+        self.log(f"resumed from {checkpoint.path} (update {self.global_step})")
+        return checkpoint.path
+
     def log(self, text: str) -> None:
         """Print on rank 0 only."""
         self._reporter.print(text)
@@ -311,6 +474,14 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        if self._stop is not None:
+            self._stop.uninstall()
+        try:
+            self.checkpointer.close()
+        finally:
+            self._close_components()
+
+    def _close_components(self) -> None:
         self._reporter.close()
         if self._metrics is not None:
             self._metrics.close()

@@ -22,6 +22,7 @@ from runtime.activations.manager import ActivationManager
 from runtime.activations.ssd_store import ActivationFileStore
 from runtime.blocks import refuse_foreign_activation_handling
 from runtime.budgets import auto_device_budget, auto_host_budget
+from runtime.checkpoint.checkpointer import Checkpointer, CheckpointSettings
 from runtime.chunks.layout import ParamInfo, first_use_order, layout_from_params, model_params
 from runtime.chunks.manager import ChunkManager
 from runtime.console import MetricsFile, ProgressReporter, plan_table
@@ -47,6 +48,7 @@ from runtime.spec_io import (
     read_resolved,
     validate_spec,
 )
+from runtime.stop import StopRequest
 from runtime.weights import WeightReader, WeightsSource, install_placeholders_, load_weights_
 
 
@@ -151,7 +153,14 @@ def initialize(
     reporter.show_plan(plan)
     if metrics is not None:
         metrics.write({"event": "plan", "plan": plan.to_dict()})
-    return Engine(
+    checkpointer = Checkpointer(
+        chunks=chunks,
+        module=model,
+        dist_ctx=dist_ctx,
+        settings=_checkpoint_settings(spec),
+        seed=spec.seed,
+    )
+    engine = Engine(
         module=model,
         plan=plan,
         settings=settings,
@@ -161,7 +170,28 @@ def initialize(
         metrics=metrics,
         chunks=chunks,
         activations=activations,
+        checkpointer=checkpointer,
+        stop=StopRequest(announce=reporter.print if dist_ctx.is_main else None).install(),
         loss_fn=loss_fn,
+    )
+    try:
+        engine.resume()
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+def _checkpoint_settings(spec: Spec) -> CheckpointSettings:
+    section = spec.checkpoint
+    return CheckpointSettings(
+        dir=None if section.dir is None else Path(section.dir).expanduser(),
+        interval_steps=section.interval_steps,
+        resume=section.resume
+        if section.resume in ("auto", "never")
+        else str(Path(section.resume).expanduser()),
+        async_save=section.async_save,
+        keep_last=section.keep_last,
     )
 
 

@@ -1,0 +1,1 @@
+"""Checkpoints: the directory store, parameter-space state for DCP, random streams, save/load."""

@@ -1,0 +1,279 @@
+"""Saving and loading a whole training state: every rank calls these together.
+
+A checkpoint is one ``torch.distributed.checkpoint`` save (parameters and Adam state in parameter
+space, see ``params``; module buffers; each rank's random generators) plus a manifest written by
+rank 0 with what is not a tensor: global step, skipped updates, loss scaler, data position, and
+the parameter names and shapes the loader checks against the model. Publication is atomic
+(``store``): a save is written into a temporary directory and renamed, ``latest`` updated last.
+
+The collectives run on a process group of their own (gloo), created the first time, so that an
+asynchronous save, whose collectives run on a background thread, never interleaves with the
+training collectives on the default group. ``async_save`` copies the state to host memory on the
+calling thread (the next update may then change the live state) and writes in the background;
+the next save, a load, or ``close`` waits for it and raises its error, if any.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from runtime.checkpoint import rng
+from runtime.checkpoint.params import ParameterSpace, expected_entries
+from runtime.checkpoint.store import (
+    Checkpoint,
+    CheckpointError,
+    checkpoint_name,
+    prune,
+    publish,
+    remove_stale_temps,
+    resolve_resume_path,
+    temp_dir,
+    write_manifest,
+)
+from runtime.chunks.manager import ChunkManager
+from runtime.distributed import DistContext
+
+BUFFER = "buffer."
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointSettings:
+    dir: Path | None
+    interval_steps: int
+    resume: str
+    """"auto", "never", or a path."""
+    async_save: bool
+    keep_last: int
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        *,
+        chunks: ChunkManager,
+        module: nn.Module,
+        dist_ctx: DistContext,
+        settings: CheckpointSettings,
+        seed: int,
+    ) -> None:
+        self.chunks = chunks
+        self.module = module
+        self.dist_ctx = dist_ctx
+        self.settings = settings
+        self.seed = seed
+        self._group: dist.ProcessGroup | None = None
+        self._space: ParameterSpace | None = None
+        self._pending: threading.Thread | None = None
+        self._pending_error: BaseException | None = None
+        self._pending_path: Path | None = None
+
+    # ------------------------------------------------------------------ plumbing
+
+    @property
+    def distributed(self) -> bool:
+        return self.dist_ctx.world_size > 1
+
+    def _checkpoint_group(self) -> dist.ProcessGroup | None:
+        if self.distributed and self._group is None:
+            # A collective: every rank reaches its first save or load at the same point.
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _parameter_space(self) -> ParameterSpace:
+        if self._space is None:
+            self._space = ParameterSpace(self.chunks, self._checkpoint_group())
+        return self._space
+
+    @contextlib.contextmanager
+    def _dcp_call(self) -> Iterator[None]:
+        """DCP warns on every single-process call that it assumes one process: so do we."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self._checkpoint_group())
+
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        """Persistent module buffers by name (parameters live in chunks)."""
+        names = {name for name, _ in self.module.named_parameters(remove_duplicate=False)}
+        return {
+            name: tensor
+            for name, tensor in self.module.state_dict(keep_vars=True).items()
+            if name not in names and isinstance(tensor, torch.Tensor)
+        }
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, root: Path, *, step: int, trainer_state: dict[str, Any]) -> Path:
+        """Write the checkpoint of update ``step`` under ``root``; returns its final path."""
+        self.wait()
+        final = root / checkpoint_name(step)
+        temp = temp_dir(root, step)
+        if self.dist_ctx.is_main:
+            root.mkdir(parents=True, exist_ok=True)
+            remove_stale_temps(root)
+            temp.mkdir()
+        self._barrier()
+        space = self._parameter_space()
+        state = space.for_save(copy=self.settings.async_save)
+        state_dict = state.state_dict
+        for name, tensor in self._buffers().items():
+            state_dict[BUFFER + name] = tensor.detach().to("cpu", copy=True)
+        state_dict.update(rng.capture(self.dist_ctx.rank))
+        manifest = {
+            **trainer_state,
+            "global_step": step,
+            "world_size": self.dist_ctx.world_size,
+            "params": {
+                name: {"shape": list(shape), "trainable": trainable}
+                for name, (shape, trainable) in expected_entries(self.chunks.layout).items()
+            },
+        }
+
+        def write() -> None:
+            self._write(state_dict, temp=temp, final=final, root=root, manifest=manifest)
+
+        if not self.settings.async_save:
+            write()
+            return final
+        self._pending_path = final
+        self._pending_error = None
+
+        def background() -> None:
+            try:
+                write()
+            except BaseException as err:  # re-raised on the training thread by wait()
+                self._pending_error = err
+
+        self._pending = threading.Thread(target=background, name="protrain-checkpoint", daemon=True)
+        self._pending.start()
+        return final
+
+    def _write(
+        self, state_dict: dict[str, Any], *, temp: Path, final: Path, root: Path, manifest: dict[str, Any]
+    ) -> None:
+        try:
+            writer = dcp.FileSystemWriter(temp, single_file_per_rank=True, sync_files=True, thread_count=1)
+            with self._dcp_call():
+                dcp.save(
+                    state_dict,
+                    storage_writer=writer,
+                    process_group=self._checkpoint_group(),
+                    no_dist=not self.distributed,
+                )
+            self._barrier()
+            if self.dist_ctx.is_main:
+                write_manifest(temp, manifest)
+                publish(temp, final)
+                prune(root, self.settings.keep_last)
+            self._barrier()
+        except Exception as err:
+            if self.dist_ctx.is_main:
+                remove_stale_temps(root)
+            raise CheckpointError(
+                f"saving checkpoint {final} failed: {err}; the previous checkpoint in {root} is intact"
+            ) from err
+
+    def wait(self) -> None:
+        """Wait for an asynchronous save; raise its error here, on the training thread."""
+        if self._pending is None:
+            return
+        self._pending.join()
+        self._pending = None
+        error, self._pending_error = self._pending_error, None
+        if error is not None:
+            raise error
+
+    # ------------------------------------------------------------------ load
+
+    def locate(self, path: Path) -> Checkpoint:
+        return resolve_resume_path(path)
+
+    def load(self, checkpoint: Checkpoint, *, log: Callable[[str], None]) -> dict[str, Any]:
+        """Load ``checkpoint`` into the live state; returns its manifest."""
+        self.wait()
+        self._check_params(checkpoint)
+        space = self._parameter_space()
+        state = space.for_load()
+        state_dict = state.state_dict
+        buffers = self._buffers()
+        staged_buffers = {name: torch.empty_like(t, device="cpu") for name, t in buffers.items()}
+        state_dict.update({BUFFER + name: t for name, t in staged_buffers.items()})
+        reader = dcp.FileSystemReader(checkpoint.path)
+        try:
+            saved_keys = set(reader.read_metadata().state_dict_metadata)
+        except Exception as err:
+            raise CheckpointError(f"{checkpoint.path}: corrupt checkpoint metadata: {err}") from err
+        same_world = checkpoint.manifest.get("world_size") == self.dist_ctx.world_size
+        rng_targets = rng.load_targets(self.dist_ctx.rank, saved_keys) if same_world else {}
+        state_dict.update(rng_targets)
+        missing = sorted(key for key in state_dict if key not in saved_keys)
+        if missing:
+            raise CheckpointError(
+                f"{checkpoint.path}: does not hold {', '.join(missing[:5])}"
+                + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            )
+        try:
+            with self._dcp_call():
+                dcp.load(
+                    state_dict,
+                    storage_reader=reader,
+                    process_group=self._checkpoint_group(),
+                    no_dist=not self.distributed,
+                )
+        except Exception as err:
+            raise CheckpointError(f"{checkpoint.path}: corrupt checkpoint, reading it failed: {err}") from err
+        state.finish_load()
+        with torch.no_grad():
+            for name, tensor in buffers.items():
+                tensor.copy_(staged_buffers[name])
+        self.chunks.refresh_full_copies()
+        if same_world:
+            rng.restore(self.dist_ctx.rank, {key: state_dict[key] for key in rng_targets})
+        else:
+            rng.reseed(self.seed, checkpoint.step, self.dist_ctx.rank)
+            log(
+                f"resumed on {self.dist_ctx.world_size} rank(s) from a checkpoint of "
+                f"{checkpoint.manifest.get('world_size')}: random streams reseeded (dropout masks "
+                "differ from the uninterrupted run)"
+            )
+        self._barrier()
+        return checkpoint.manifest
+
+    def _check_params(self, checkpoint: Checkpoint) -> None:
+        saved = checkpoint.manifest.get("params")
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"{checkpoint.path}: manifest lists no parameters")
+        expected = expected_entries(self.chunks.layout)
+        problems = [f"{name} is not in the model" for name in sorted(set(saved) - set(expected))]
+        problems += [f"{name} is missing" for name in sorted(set(expected) - set(saved))]
+        for name in sorted(set(saved) & set(expected)):
+            shape, trainable = expected[name]
+            if tuple(saved[name].get("shape", ())) != shape:
+                problems.append(f"{name} has shape {tuple(saved[name].get('shape', ()))}, the model {shape}")
+            elif trainable and not saved[name].get("trainable", False):
+                problems.append(f"{name} was frozen when saved (no optimizer state) but is trainable now")
+        if problems:
+            shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
+            raise CheckpointError(f"{checkpoint.path}: does not match this model: {shown}")
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._group is not None and dist.is_initialized():
+                dist.destroy_process_group(self._group)
+            self._group = None

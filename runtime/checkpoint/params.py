@@ -1,0 +1,252 @@
+"""Model and optimizer state in parameter space, as ``torch.distributed.checkpoint`` sees it.
+
+The engine keeps state in chunk layout: each chunk one flat buffer, evenly sharded over ranks,
+a parameter possibly split between two ranks' shards. A checkpoint must not depend on that
+layout (a new plan or world size has to load it), so every parameter is presented to DCP as a
+global tensor of its own shape under its own name, each rank contributing the part in its shard:
+
+    model.<name>              fp32 master (frozen parameters: their stored dtype)
+    optim.exp_avg.<name>      Adam's first moment
+    optim.exp_avg_sq.<name>   Adam's second moment
+    optim.step.<name>         updates this parameter has had (torch's per-parameter state['step'])
+
+A rank's part of a parameter is a contiguous range of its flattened elements; DCP describes
+shards as boxes, so the range is cut into at most a few boxes (``row_major_boxes``) and the
+parameter becomes a ``ShardedTensor`` made of those boxes. DCP then writes each rank's boxes from
+that rank and, on load, reads whatever boxes the loading layout asks for: resharding comes from
+DCP. With one rank there is nothing to split: plain tensors.
+
+ShardedTensor is the DCP type that carries arbitrary per-rank boxes (DTensor placements only
+express even splits along dimensions, not a flat range cut across rows); torch marks it
+deprecated in favour of DTensor, so its FutureWarning is silenced here, on purpose.
+
+Tensors on the compute device are staged through host copies; host tensors (the offloaded
+chunks' state) are handed to DCP directly, so a synchronous save copies nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runtime.chunks.layout import ChunkLayout
+from runtime.chunks.manager import Chunk, ChunkManager, shard_segments
+
+MODEL = "model."
+EXP_AVG = "optim.exp_avg."
+EXP_AVG_SQ = "optim.exp_avg_sq."
+STEP = "optim.step."
+
+Box = tuple[list[int], list[int]]
+"""(offsets, sizes) of a box inside a tensor."""
+
+
+def row_major_boxes(shape: Sequence[int], start: int, end: int) -> list[Box]:
+    """Cut the flat element range [start, end) of a row-major tensor of ``shape`` into boxes whose
+    row-major concatenation is exactly that range, in order (at most 2 per dimension + 1)."""
+    if start >= end:
+        return []
+    if len(shape) <= 1:
+        return [([start], [end - start])]
+    row = math.prod(shape[1:])
+    first, last = start // row, end // row
+    inner = list(shape[1:])
+    if first == last:
+        return [
+            ([first, *o], [1, *s]) for o, s in row_major_boxes(inner, start - first * row, end - first * row)
+        ]
+    boxes: list[Box] = []
+    if start % row:
+        boxes += [([first, *o], [1, *s]) for o, s in row_major_boxes(inner, start % row, row)]
+        first += 1
+    if last > first:
+        boxes.append(([first] + [0] * len(inner), [last - first, *inner]))
+    if end % row:
+        boxes += [([last, *o], [1, *s]) for o, s in row_major_boxes(inner, 0, end % row)]
+    return boxes
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """The part of parameter ``param`` held by ``rank``: its flat range from ``param_offset``."""
+
+    rank: int
+    param_offset: int
+    numel: int
+
+
+def pieces_by_param(layout: ChunkLayout, world_size: int) -> dict[int, list[Piece]]:
+    """Every rank's part of every parameter (the same answer on every rank)."""
+    result: dict[int, list[Piece]] = {}
+    for chunk in layout.chunks:
+        for rank in range(world_size):
+            for segment in shard_segments(layout, chunk, rank):
+                result.setdefault(segment.param, []).append(
+                    Piece(rank=rank, param_offset=segment.param_offset, numel=segment.numel)
+                )
+    return result
+
+
+@dataclass
+class ParameterSpaceState:
+    """The DCP state dict of a chunk manager and what to do after DCP filled it (load)."""
+
+    state_dict: dict[str, Any]
+    after_load: list[Callable[[], None]] = field(default_factory=list)
+
+    def finish_load(self) -> None:
+        for action in self.after_load:
+            action()
+
+
+class ParameterSpace:
+    """Builds ``ParameterSpaceState`` for one chunk manager (see the module docstring)."""
+
+    def __init__(self, chunks: ChunkManager, group: dist.ProcessGroup | None) -> None:
+        self.chunks = chunks
+        self.layout = chunks.layout
+        self.rank = chunks.dist_ctx.rank
+        self.world_size = chunks.dist_ctx.world_size
+        self.group = group
+        self._pieces = pieces_by_param(self.layout, self.world_size)
+
+    # ------------------------------------------------------------------ the state dict
+
+    def for_save(self, *, copy: bool) -> ParameterSpaceState:
+        """``copy``: host copies of everything (an asynchronous save writes while training goes
+        on); otherwise host tensors are handed over as they are."""
+        state = ParameterSpaceState(state_dict={})
+        for chunk, sources in self._sources():
+            staged = [self._stage_for_save(t, copy=copy) for t in sources]
+            self._add_chunk(state.state_dict, chunk, staged)
+        state.state_dict.update(self._step_counts())
+        return state
+
+    def for_load(self) -> ParameterSpaceState:
+        """Tensors DCP loads into: the live host state, or host staging copied back afterwards."""
+        state = ParameterSpaceState(state_dict={})
+        for chunk, sources in self._sources():
+            staged = []
+            for source in sources:
+                if source.device.type == "cpu":
+                    staged.append(source)
+                    continue
+                buffer = torch.empty(source.shape, dtype=source.dtype)
+                staged.append(buffer)
+                state.after_load.append(lambda s=source, b=buffer: s.copy_(b))
+            self._add_chunk(state.state_dict, chunk, staged)
+        steps = {
+            STEP + self.layout.params[i].name: torch.zeros((), dtype=torch.float32) for i in self._trainable()
+        }
+        state.state_dict.update(steps)
+        state.after_load.append(lambda: self._set_step_counts(steps))
+        return state
+
+    # ------------------------------------------------------------------ pieces
+
+    def _sources(self) -> Iterator[tuple[Chunk, list[torch.Tensor]]]:
+        """Per chunk: its master shard, then (trainable) the two moments."""
+        for chunk in self.chunks.chunks:
+            assert chunk.master is not None
+            if chunk.optimizer is None:
+                yield chunk, [chunk.master]
+            else:
+                yield chunk, [chunk.master, chunk.optimizer.exp_avg, chunk.optimizer.exp_avg_sq]
+
+    @staticmethod
+    def _stage_for_save(tensor: torch.Tensor, *, copy: bool) -> torch.Tensor:
+        if tensor.device.type != "cpu":
+            return tensor.detach().to("cpu")
+        return tensor.detach().clone() if copy else tensor.detach()
+
+    def _add_chunk(self, state_dict: dict[str, Any], chunk: Chunk, flats: list[torch.Tensor]) -> None:
+        prefixes = (MODEL, EXP_AVG, EXP_AVG_SQ)[: len(flats)]
+        for segment in chunk.segments:
+            info = self.layout.params[segment.param]
+            for prefix, flat in zip(prefixes, flats, strict=True):
+                local = flat.narrow(0, segment.shard_offset, segment.numel)
+                state_dict[prefix + info.name] = self._global_tensor(segment.param, local, flat.dtype)
+        # A parameter with no element in this rank's shard still needs its key on every rank
+        # (the ShardedTensor is a collective description), with no local boxes.
+        if self.world_size > 1:
+            for index in chunk.info.params:
+                info = self.layout.params[index]
+                for prefix, flat in zip(prefixes, flats, strict=True):
+                    if prefix + info.name not in state_dict:
+                        state_dict[prefix + info.name] = self._global_tensor(index, None, flat.dtype)
+
+    def _global_tensor(self, param: int, local: torch.Tensor | None, dtype: torch.dtype) -> Any:
+        """One parameter as DCP's global tensor, ``local`` being this rank's flat part."""
+        info = self.layout.params[param]
+        shape = list(info.shape)
+        if self.world_size == 1:
+            assert local is not None
+            return local.view(shape)
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
+        from torch.distributed._shard.sharded_tensor.metadata import (
+            ShardedTensorMetadata,
+            TensorProperties,
+        )
+
+        metadata: list[ShardMetadata] = []
+        local_shards: list[Shard] = []
+        for piece in self._pieces[param]:
+            position = 0
+            for offsets, sizes in row_major_boxes(
+                shape, piece.param_offset, piece.param_offset + piece.numel
+            ):
+                box = ShardMetadata(
+                    shard_offsets=offsets, shard_sizes=sizes, placement=f"rank:{piece.rank}/cpu"
+                )
+                metadata.append(box)
+                count = math.prod(sizes)
+                if piece.rank == self.rank:
+                    assert local is not None
+                    local_shards.append(Shard(local.narrow(0, position, count).view(sizes), box))
+                position += count
+        global_metadata = ShardedTensorMetadata(
+            shards_metadata=metadata,
+            size=torch.Size(shape),
+            tensor_properties=TensorProperties(dtype=dtype),
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return ShardedTensor._init_from_local_shards_and_global_metadata(
+                local_shards, global_metadata, process_group=self.group
+            )
+
+    # ------------------------------------------------------------------ step counts
+
+    def _trainable(self) -> list[int]:
+        return [i for i, info in enumerate(self.layout.params) if info.trainable]
+
+    def _step_counts(self) -> dict[str, torch.Tensor]:
+        """Per trainable parameter its update count, the same value on every rank (a rank that
+        holds none of a parameter learns it from the others: a max over ranks)."""
+        counts = torch.zeros(len(self.layout.params), dtype=torch.float64)
+        for chunk in self.chunks.trainable_chunks():
+            assert chunk.optimizer is not None
+            for index, segment in enumerate(chunk.segments):
+                counts[segment.param] = max(float(counts[segment.param]), float(chunk.optimizer.steps[index]))
+        if self.world_size > 1:
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.group)
+        return {
+            STEP + self.layout.params[i].name: counts[i].to(torch.float32).clone() for i in self._trainable()
+        }
+
+    def _set_step_counts(self, steps: dict[str, torch.Tensor]) -> None:
+        for chunk in self.chunks.trainable_chunks():
+            assert chunk.optimizer is not None
+            for index, segment in enumerate(chunk.segments):
+                chunk.optimizer.steps[index] = steps[STEP + self.layout.params[segment.param].name]
+
+
+def expected_entries(layout: ChunkLayout) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """Parameter name -> (shape, trainable): what a checkpoint must hold for this model."""
+    return {info.name: (tuple(info.shape), info.trainable) for info in layout.params}
