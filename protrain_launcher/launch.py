@@ -190,9 +190,21 @@ class _InterruptAsTerminate:
         signal.signal(signal.SIGINT, self._previous)
 
     def _on_interrupt(self, signum: int, frame: object) -> None:
+        if self.received:
+            # A second Ctrl-C aborts now. The ranks die with this process (PR_SET_PDEATHSIG);
+            # a checkpoint they were writing stays a .tmp directory, never loaded, removed by
+            # the next save, and the previous checkpoint stays the latest.
+            print("protrain-run: aborted", file=sys.stderr, flush=True)
+            os._exit(EXIT_INTERRUPTED)
         self.received = True
         if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
             raise KeyboardInterrupt
+        print(
+            "protrain-run: stopping: each rank finishes its step (and saves a checkpoint when "
+            "checkpoint.dir is set); Ctrl-C again aborts",
+            file=sys.stderr,
+            flush=True,
+        )
         os.kill(os.getpid(), signal.SIGTERM)
 
 

@@ -1,4 +1,5 @@
-"""A byte-level corpus from text that ships with Python, and a deterministic, rank-sharded
+"""A byte-level corpus from text that ships with Python; a map-style dataset of its windows (read
+through ``engine.data_loader``, whose position checkpoints save); and a deterministic, rank-sharded
 batch source: the batch of (update, micro-batch, rank) is a pure function of the seed and the
 job's shape (micro-batch size, accumulation steps, world size), so a single-process reference can
 rebuild exactly what every rank saw (the equivalence tests rely on it)."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils.data import Dataset
 
 
 def stdlib_text_corpus() -> torch.Tensor:
@@ -46,3 +48,27 @@ class LMBatches:
         index = offsets[:, None] + torch.arange(self.seq_len + 1)[None, :]
         window = self.tokens[index]
         return {"input_ids": window[:, :-1].contiguous(), "labels": window[:, 1:].contiguous()}
+
+
+class TokenWindows(Dataset[dict[str, torch.Tensor]]):
+    """Non-overlapping windows of ``seq_len + 1`` tokens: sample ``i`` is
+    ``tokens[i * (seq_len + 1) : (i + 1) * (seq_len + 1)]`` as ``input_ids`` and ``labels``
+    (shifted by one); a trailing partial window is left out."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
+        count = tokens.numel() // (seq_len + 1)
+        if count == 0:
+            raise ValueError(f"{tokens.numel()} tokens hold no window of {seq_len + 1}")
+        self.windows = tokens[: count * (seq_len + 1)].view(count, seq_len + 1)
+
+    def __len__(self) -> int:
+        return self.windows.shape[0]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        window = self.windows[index]
+        return {"input_ids": window[:-1], "labels": window[1:]}
+
+    def first_batch(self, size: int) -> dict[str, torch.Tensor]:
+        """The first ``size`` samples stacked: a batch of the job's shape, for planning."""
+        window = self.windows[:size]
+        return {"input_ids": window[:, :-1], "labels": window[:, 1:]}

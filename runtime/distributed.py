@@ -49,7 +49,14 @@ def init_distributed(
         return DistContext(
             rank=0, world_size=1, local_rank=local_rank, owns_group=False, collective_device=collective_device
         )
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    store = _attempt_store(world_size, timeout)
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(
+            backend=backend, timeout=timeout, store=store, rank=env_int("RANK", 0), world_size=world_size
+        )
     return DistContext(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -57,6 +64,24 @@ def init_distributed(
         owns_group=True,
         collective_device=collective_device,
     )
+
+
+def _attempt_store(world_size: int, timeout: timedelta) -> dist.Store | None:
+    """Under torch's elastic agent with its static rendezvous (protrain-run on one node), the
+    ranks share the agent's store, and the agent keeps that store across restarts: a restarted
+    group would read the previous attempt's addresses from it and fail to connect ("Connection
+    refused"). Each attempt therefore gets its own key prefix. None: the default env:// setup."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"/protrain/attempt_{attempt}", client)
 
 
 def _all_reduce_(tensor: torch.Tensor, ctx: DistContext, op: dist.ReduceOp.RedOpType) -> torch.Tensor:

@@ -465,6 +465,27 @@ class Engine:
         self.log(f"resumed from {checkpoint.path} (update {self.global_step})")
         return checkpoint.path
 
+    def export(
+        self, path: str | os.PathLike[str], *, hf: bool = False, dtype: torch.dtype | None = None
+    ) -> Path:
+        """Write the trained weights for use without ProTrain (every rank calls it; rank 0
+        writes): one consolidated safetensors file at ``path`` (tied weights stored once, see
+        ``runtime.export``), or with ``hf=True`` a Hugging Face directory for a transformers
+        model. ``dtype`` casts floating tensors (e.g. ``torch.bfloat16``); default fp32."""
+        from runtime.export import export_hf, export_safetensors
+
+        state = self.state_dict()  # a collective: every rank takes part in the gathers
+        target = Path(path)
+        if self.dist_ctx.is_main:
+            if hf:
+                export_hf(self.module, state, target, dtype=dtype)
+            else:
+                export_safetensors(state, target, model=self.module, dtype=dtype)
+        # No rank returns before the file exists (a script may read it next).
+        all_reduce_sum_(torch.zeros(1, dtype=torch.float64), self.dist_ctx)
+        self.log(f"exported {'Hugging Face directory' if hf else 'safetensors'} {target}")
+        return target
+
     def log(self, text: str) -> None:
         """Print on rank 0 only."""
         self._reporter.print(text)

@@ -5,19 +5,21 @@
 Models: the repo's GPT (``--arch gpt --preset tiny|demo|gpt2-124m``) or a Hugging Face Llama
 built from a config object (``--arch llama --preset tiny|7b|70b``; needs ``transformers``, random
 initialisation, no download). Data: byte-level windows of Python's own help text (for the GPT
-presets with vocabulary 256), or random tokens for the other vocabularies.
+presets with vocabulary 256), or random tokens for the other vocabularies, read through the
+engine's resumable data loader: with ``checkpoint.dir`` set, a stopped or restarted job resumes
+where it was, on the same batches. ``--export PATH`` writes the trained weights (safetensors, or
+a Hugging Face directory for ``--arch llama``).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import torch
 from torch import nn
 
 import runtime
-from runtime.data import LMBatches, stdlib_text_corpus
+from runtime.data import TokenWindows, stdlib_text_corpus
 from runtime.models.gpt import GPT, PRESETS
 
 LLAMA_PRESETS: dict[str, dict[str, int]] = {
@@ -61,6 +63,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--steps", type=int, default=None, help="optimizer updates (default: scheduler.total_steps)"
     )
+    parser.add_argument("--export", default=None, help="write the trained weights here at the end")
     return parser.parse_args()
 
 
@@ -91,26 +94,22 @@ def main() -> None:
     torch.manual_seed(spec.seed)
     model, vocab_size, max_seq_len = build_model(args.arch, args.preset)
     seq_len = args.seq_len or min(max_seq_len, 512)
-    data = LMBatches(
-        tokens=token_source(vocab_size, spec.seed),
-        seq_len=seq_len,
-        micro_batch_size=spec.micro_batch_size,
-        gradient_accumulation_steps=spec.gradient_accumulation_steps,
-        world_size=1,
-        seed=spec.seed,
-    )
-    engine = runtime.initialize(model, example_batch=data.batch(0, 0, 0))
-    # Each rank takes its own slice of every update's global batch.
-    data = dataclasses.replace(data, world_size=engine.world_size)
+    dataset = TokenWindows(token_source(vocab_size, spec.seed), seq_len)
+    engine = runtime.initialize(model, example_batch=dataset.first_batch(spec.micro_batch_size))
     steps = args.steps or spec.scheduler.total_steps or 100
     with engine:
-        for update in range(steps):
-            for micro in range(engine.gradient_accumulation_steps):
-                batch = {k: v.to(engine.device) for k, v in data.batch(update, micro, engine.rank).items()}
-                out = engine(**batch)
+        # Each rank reads its own share of every update's global batch, epoch after epoch.
+        loader = engine.data_loader(dataset)
+        while engine.global_step < steps:
+            for batch in loader:
+                out = engine(**{k: v.to(engine.device) for k, v in batch.items()})
                 engine.backward(out.loss)
                 engine.step()
+                if engine.global_step >= steps:
+                    break
         engine.log(f"done: {engine.global_step} updates, {engine.skipped_steps} skipped")
+        if args.export:
+            engine.export(args.export, hf=args.arch == "llama")
 
 
 if __name__ == "__main__":

@@ -7,9 +7,8 @@ import dataclasses
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
 
-from runtime.data import stdlib_text_corpus
+from runtime.data import TokenWindows, stdlib_text_corpus
 from tests.helpers import TINY_GPT, tiny_gpt
 
 SEQ_LEN = 32
@@ -17,19 +16,9 @@ SEQ_LEN = 32
 DROPOUT_GPT = dataclasses.replace(TINY_GPT, dropout=0.1)
 
 
-class Windows(Dataset[dict[str, torch.Tensor]]):
-    """Non-overlapping windows of the stdlib corpus: sample i is tokens [i*(L+1), (i+1)*(L+1))."""
-
-    def __init__(self, num_samples: int = 96) -> None:
-        tokens = stdlib_text_corpus()[: num_samples * (SEQ_LEN + 1)]
-        self.windows = tokens.view(num_samples, SEQ_LEN + 1)
-
-    def __len__(self) -> int:
-        return self.windows.shape[0]
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        window = self.windows[index]
-        return {"input_ids": window[:-1], "labels": window[1:]}
+def Windows(num_samples: int = 96) -> TokenWindows:  # noqa: N802 - reads as the dataset it builds
+    """The first ``num_samples`` windows of the stdlib corpus."""
+    return TokenWindows(stdlib_text_corpus()[: num_samples * (SEQ_LEN + 1)], SEQ_LEN)
 
 
 def checkpoint_job(root: str, **overrides: Any) -> dict[str, Any]:

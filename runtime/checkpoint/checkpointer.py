@@ -97,9 +97,11 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def _dcp_call(self) -> Iterator[None]:
-        """DCP warns on every single-process call that it assumes one process: so do we."""
+        """DCP warns on every single-process call that it assumes one process (so do we), and
+        whenever it touches a ShardedTensor that the type is deprecated (see ``params``)."""
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
             yield
 
     def _barrier(self) -> None:
