@@ -159,8 +159,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def resolve_spec(request: LaunchRequest) -> Spec:
     """The spec file, then ``--set`` overrides in order, then launcher options (which win), all
-    validated together."""
-    return load_spec(request.config, [*request.overrides, *request.launcher_overrides])
+    validated together; a checkpoint to resume from must exist before any rank starts."""
+    spec = load_spec(request.config, [*request.overrides, *request.launcher_overrides])
+    resume = spec.checkpoint.resume
+    if resume not in ("auto", "never") and not Path(resume).expanduser().exists():
+        source = str(request.config) if request.config else "(defaults)"
+        raise SpecError(
+            f"{source}: checkpoint.resume: {resume} does not exist; give auto, never, or a checkpoint "
+            "directory (one step-NNNNNNNN directory, or a checkpoint.dir to take its latest)"
+        )
+    return spec
 
 
 def _check_script(script: Path) -> None:

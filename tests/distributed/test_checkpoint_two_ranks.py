@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from tests.checkpointing import checkpoint_job, checkpoint_tensors, train_until
+from runtime.export import load_safetensors_export
+from tests.checkpointing import Windows, checkpoint_job, checkpoint_tensors, train_until
 from tests.distributed.pool import RankPool
-from tests.helpers import assert_state_close, assert_state_equal
+from tests.helpers import assert_state_close, assert_state_equal, tiny_gpt
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -24,11 +25,16 @@ def assert_same_checkpoint(actual: str, expected: str) -> None:
     assert_state_equal({k: written[k] for k in names}, {k: saved[k] for k in names})
 
 
-def test_two_rank_run_resumed_ends_bit_identical(rank_pool: RankPool, tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_two_rank_run_resumed_ends_bit_identical(
+    rank_pool: RankPool, tmp_path: Path, async_save: bool
+) -> None:
     full = rank_pool.run(train_until, config=checkpoint_job(str(tmp_path / "full")), until=6)
     interrupted = str(tmp_path / "interrupted")
     first = rank_pool.run(
-        train_until, config=checkpoint_job(interrupted, checkpoint={"interval_steps": 3}), until=4
+        train_until,
+        config=checkpoint_job(interrupted, checkpoint={"interval_steps": 3, "async_save": async_save}),
+        until=4,
     )
     second = rank_pool.run(train_until, config=checkpoint_job(interrupted), until=6)
     for rank in (0, 1):
@@ -69,3 +75,25 @@ def test_reshard_one_rank_to_two(rank_pool: RankPool, tmp_path: Path) -> None:
     assert_same_checkpoint(f"{resaved}/step-00000003", f"{one}/ckpt/step-00000003")
     assert_state_equal(two[1]["state"], two[0]["state"])
     assert_state_close(two[0]["state"], full["state"])
+
+
+def train_and_export(*, rank: int, root: str) -> dict[str, Any]:
+    import runtime
+
+    engine = runtime.initialize(tiny_gpt(0), config=checkpoint_job(root))
+    with engine:
+        loader = iter(engine.data_loader(Windows()))
+        for _ in range(2 * engine.gradient_accumulation_steps):
+            out = engine(**next(loader))
+            engine.backward(out.loss)
+            engine.step()
+        engine.export(f"{root}/model.safetensors")
+        return {"state": engine.state_dict(), "exists_on_return": Path(f"{root}/model.safetensors").exists()}
+
+
+def test_export_from_two_ranks_loads_into_a_plain_model(rank_pool: RankPool, tmp_path: Path) -> None:
+    results = rank_pool.run(train_and_export, root=str(tmp_path))
+    assert [r["exists_on_return"] for r in results] == [True, True]  # no rank returns before it is written
+    model = tiny_gpt(1)
+    model.load_state_dict(load_safetensors_export(tmp_path / "model.safetensors"), strict=True)
+    assert_state_equal(model.state_dict(), results[0]["state"])

@@ -170,6 +170,11 @@ BAD_SETS: list[tuple[str, list[str]]] = [
     ("seed.inner=1", ["--set seed.inner=1", "seed", "an integer >= 0"]),
     ("optimizer.betas=[0.9,", ["--set optimizer.betas=[0.9,", "YAML syntax error"]),
     ("precision=", ["missing value"]),
+    (
+        "checkpoint.resume=/nonexistent/ckpt",
+        ["checkpoint.resume", "/nonexistent/ckpt does not exist", "auto, never, or a checkpoint directory"],
+    ),
+    ("checkpoint.interval_steps=5", ["checkpoint.dir", "interval_steps=5 needs dir"]),
 ]
 
 

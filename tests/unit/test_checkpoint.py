@@ -51,6 +51,21 @@ def test_stopped_and_resumed_run_ends_bit_identical(
     assert_state_equal(second["state"], uninterrupted["state"])
 
 
+def test_resume_with_activations_on_ssd_and_recomputed_matches_the_plain_run(
+    tmp_path: Path, uninterrupted: dict[str, Any]
+) -> None:
+    activations = {"block_modes": ["ssd", "checkpoint"], "ssd": {"path": str(tmp_path / "ssd")}}
+    first = train_until(
+        checkpoint_job(str(tmp_path), checkpoint={"interval_steps": 3}, memory=activations), until=3
+    )
+    second = train_until(checkpoint_job(str(tmp_path), memory=activations), until=6)
+    assert second["started_at"] == 3
+    # Activation modes change where activations live, never the math: equal to all-kept.
+    assert first["losses"] + second["losses"] == uninterrupted["losses"]
+    assert_state_equal(second["state"], uninterrupted["state"])
+    assert list((tmp_path / "ssd").iterdir()) == []
+
+
 def test_directory_holds_keep_last_complete_checkpoints_and_latest(tmp_path: Path) -> None:
     train_until(checkpoint_job(str(tmp_path), checkpoint={"interval_steps": 1, "keep_last": 2}), until=5)
     root = tmp_path / "ckpt"
