@@ -78,9 +78,13 @@ def activation_cost(model: ModelProfile, hardware: HardwareProfile, modes: Seque
     backward_extra += _backward_waits(model, hardware, modes, saved)
 
     peak = below = model.other_activation_bytes + sum(alive)  # the end of forward
+    # Offloaded blocks below each block, nearest first: the ones its backward has prefetched.
+    offloaded_below: list[int] = [i for i, mode in enumerate(modes) if mode in OFFLOADED]
     for index in reversed(range(len(blocks))):
         below -= alive[index]
-        ahead = [i for i in range(index - 1, -1, -1) if modes[i] in OFFLOADED][:PREFETCH_BLOCKS]
+        while offloaded_below and offloaded_below[-1] >= index:
+            offloaded_below.pop()
+        ahead = offloaded_below[-PREFETCH_BLOCKS:]
         peak = max(peak, below + saved[index] + sum(saved[i] for i in ahead))
     return ActivationCost(
         forward_extra_s=forward_extra,
@@ -152,9 +156,10 @@ def _channel_waits(
     busy_until = 0.0
     waits = 0.0
     now = model.other_backward_s
+    position = -1
     for index in order:
         if modes[index] == channel:
-            position = offloaded.index(index)
+            position += 1
             at_start = len(ready) == 0
             last = min(position + PREFETCH_BLOCKS, len(offloaded) - 1)
             while len(ready) <= last:
@@ -169,3 +174,95 @@ def _channel_waits(
         if modes[index] == CHECKPOINT:
             now += model.blocks[index].forward_s
     return waits
+
+
+def block_layout(num_blocks: int, *, n_offload: int, n_swap: int, n_checkpoint: int) -> tuple[str, ...]:
+    """DESIGN section 4's order: ssd blocks first, then swap blocks with checkpoint blocks
+    interleaved among them, kept blocks last (backward consumes those first)."""
+    if min(n_offload, n_swap, n_checkpoint) < 0 or n_offload + n_swap + n_checkpoint > num_blocks:
+        raise ValueError(
+            f"ssd.n_offload + n_swap + n_checkpoint = {n_offload + n_swap + n_checkpoint} must be between "
+            f"0 and the model's {num_blocks} blocks"
+        )
+    # Spread checkpoint blocks evenly among the swap blocks so un-swapped activations do not
+    # pile up in one place; leftover checkpoint blocks follow.
+    interleaved: list[str] = []
+    remaining = n_checkpoint
+    for index in range(n_swap):
+        interleaved.append(SWAP)
+        take = -(-remaining // (n_swap - index))
+        interleaved.extend([CHECKPOINT] * take)
+        remaining -= take
+    interleaved.extend([CHECKPOINT] * remaining)
+    layout = [SSD] * n_offload + interleaved
+    return tuple(layout + [KEEP] * (num_blocks - len(layout)))
+
+
+GRID_STEPS = 10
+"""Values per activation count the search tries (0 .. L in about this many steps; every count
+when the model has no more blocks than this)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ActivationOption:
+    modes: tuple[str, ...]
+    cost: ActivationCost
+
+
+def count_grid(
+    num_blocks: int, fixed: int | None, *, allowed: bool = True, steps: int = GRID_STEPS
+) -> list[int]:
+    """The counts tried for one knob: the hand-set value, 0 when the tier is unavailable, else
+    0 .. num_blocks in at most ``steps`` strides (both ends included)."""
+    if fixed is not None:
+        return [fixed]
+    if not allowed or num_blocks == 0:
+        return [0]
+    stride = max(1, -(-num_blocks // steps))
+    values = list(range(0, num_blocks + 1, stride))
+    return values if values[-1] == num_blocks else [*values, num_blocks]
+
+
+def activation_options(
+    model: ModelProfile,
+    hardware: HardwareProfile,
+    *,
+    n_swap: int | None = None,
+    n_checkpoint: int | None = None,
+    n_offload: int | None = None,
+    ssd: bool = False,
+    steps: int = GRID_STEPS,
+) -> list[ActivationOption]:
+    """The layouts worth predicting: every combination of the counts on their grids (hand-set
+    counts fixed; ssd only when ``ssd``, i.e. a path is set and the disk was measured), minus
+    those another layout beats on every axis (forward and backward extra time, device peak, host
+    bytes): a dominated layout is never in the fastest plan that fits. Fastest first."""
+    num_blocks = len(model.blocks)
+    options: list[ActivationOption] = []
+    for offload in count_grid(num_blocks, n_offload, allowed=ssd, steps=steps):
+        for swap in count_grid(num_blocks, n_swap, steps=steps):
+            for checkpoint in count_grid(num_blocks, n_checkpoint, steps=steps):
+                if offload + swap + checkpoint > num_blocks:
+                    continue
+                modes = block_layout(num_blocks, n_offload=offload, n_swap=swap, n_checkpoint=checkpoint)
+                options.append(ActivationOption(modes=modes, cost=activation_cost(model, hardware, modes)))
+    if not options:
+        raise ValueError(
+            f"ssd.n_offload + n_swap + n_checkpoint set by hand exceed the model's {num_blocks} blocks"
+        )
+    return _undominated(options)
+
+
+def _undominated(options: list[ActivationOption]) -> list[ActivationOption]:
+    def key(option: ActivationOption) -> tuple[float, float, int, int]:
+        cost = option.cost
+        return (cost.forward_extra_s, cost.backward_extra_s, cost.peak_bytes, cost.host_bytes)
+
+    kept: list[ActivationOption] = []
+    for option in sorted(options, key=lambda o: (sum(key(o)[:2]), key(o))):
+        mine = key(option)
+        if not any(
+            all(theirs <= ours for theirs, ours in zip(key(other), mine, strict=True)) for other in kept
+        ):
+            kept.append(option)
+    return kept

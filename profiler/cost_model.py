@@ -49,6 +49,7 @@ Every formula is O(1) per plan: per chunk size, ``chunk_costs`` builds prefix su
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -111,6 +112,8 @@ class Prediction:
     activation_bytes: int
     transient_bytes: int
     ssd_bytes: int = 0
+    update_s: float = 0.0
+    """The norm and zeroing passes after the optimizer."""
 
 
 def chunk_costs(model: ModelProfile, hardware: HardwareProfile, chunk_size: int) -> ChunkCosts:
@@ -262,20 +265,13 @@ def predict(
     forward += costs.unattributed_forward_s
     backward += costs.unattributed_backward_s
     activation_bytes = costs.activation_bytes
-    if activations is not None:
-        forward += activations.forward_extra_s
-        backward += activations.backward_extra_s
-        activation_bytes = activations.peak_bytes
     segment = hardware.adam_segment_s
     device_adam = _span(costs.adam_params, 0, p) / hardware.device_adam_params_per_s
     device_adam += _span(costs.adam_segments, 0, p) * segment + _span(costs.refresh, 0, p)
     cpu_adam = _span(costs.adam_params, p, n) / hardware.cpu_adam_params_per_s
     cpu_adam += _span(costs.adam_segments, p, n) * segment
     update = _span(costs.update_passes, 0, n)
-    if hardware.copies_overlap_compute:
-        step = forward + max(backward + device_adam, cpu_adam) + update
-    else:  # the CPU-Adam thread takes cores backward would use
-        step = forward + backward + device_adam + cpu_adam + update
+    step = _step_s(hardware, forward, backward, device_adam, cpu_adam, update)
 
     chunk_bytes = costs.chunk_numel * costs.element_size
     persistent = int(_span(costs.persistent_bytes, 0, p))
@@ -285,12 +281,10 @@ def predict(
     host = int(_span(costs.host_bytes, p, n))
     if undo_snapshots:
         host += int(_span(costs.snapshot_bytes, p, n))
-    if activations is not None:
-        host += activations.host_bytes
     # The peak falls where forward ends and backward starts: every saved activation is alive,
     # with either forward's transient or the first chunk's gradient buffer, not both.
     peak = persistent + buffers + activation_bytes + max(costs.transient_bytes, gradient_buffers)
-    return Prediction(
+    kept = Prediction(
         step_s=step,
         forward_s=forward,
         backward_s=backward,
@@ -303,5 +297,39 @@ def predict(
         gradient_buffer_bytes=gradient_buffers,
         activation_bytes=activation_bytes,
         transient_bytes=costs.transient_bytes,
-        ssd_bytes=activations.ssd_bytes if activations is not None else 0,
+        update_s=update,
     )
+    return kept if activations is None else with_activations(kept, activations, hardware)
+
+
+def with_activations(kept: Prediction, activations: ActivationCost, hardware: HardwareProfile) -> Prediction:
+    """The prediction of the same chunk plan with the block modes' ``activations`` cost instead of
+    keeping every block: their extra time joins forward and backward, their peak replaces the
+    kept activations, swapped bytes join host memory. The search derives every layout of a chunk
+    plan from one ``kept`` prediction this way."""
+    forward = kept.forward_s + activations.forward_extra_s
+    backward = kept.backward_s + activations.backward_extra_s
+    return dataclasses.replace(
+        kept,
+        step_s=_step_s(hardware, forward, backward, kept.device_adam_s, kept.cpu_adam_s, kept.update_s),
+        forward_s=forward,
+        backward_s=backward,
+        peak_device_bytes=kept.peak_device_bytes - kept.activation_bytes + activations.peak_bytes,
+        host_bytes=kept.host_bytes + activations.host_bytes,
+        activation_bytes=activations.peak_bytes,
+        ssd_bytes=activations.ssd_bytes,
+    )
+
+
+def _step_s(
+    hardware: HardwareProfile,
+    forward: float,
+    backward: float,
+    device_adam: float,
+    cpu_adam: float,
+    update: float,
+) -> float:
+    if hardware.copies_overlap_compute:
+        return forward + max(backward + device_adam, cpu_adam) + update
+    # The CPU-Adam thread takes cores backward would use.
+    return forward + backward + device_adam + cpu_adam + update

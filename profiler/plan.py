@@ -10,12 +10,12 @@ round-trip exactly. This module imports nothing of ours and not torch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
 
+from profiler.activation_cost import activation_options, block_layout
 from profiler.chunking import ChunkTooSmallError, min_buffers, pack, search_chunk_size
 from profiler.profile import HardwareProfile, ModelProfile
 from profiler.search import SearchResult, search
@@ -245,23 +245,11 @@ def resident_plan(
 def default_block_layout(
     num_blocks: int, *, n_offload: int, n_swap: int, n_checkpoint: int
 ) -> tuple[BlockMode, ...]:
-    """DESIGN section 4's order: ssd blocks first, then swap blocks with checkpoint blocks
-    interleaved among them, kept blocks last (backward consumes those first)."""
-    offloaded = [BlockMode.SWAP] * n_swap
-    # Spread checkpoint blocks evenly among the swap blocks so un-swapped activations do not
-    # pile up in one place; leftover checkpoint blocks follow.
-    interleaved: list[BlockMode] = []
-    remaining_ckpt = n_checkpoint
-    for index, mode in enumerate(offloaded):
-        interleaved.append(mode)
-        slots_left = len(offloaded) - index
-        take = math.ceil(remaining_ckpt / slots_left) if slots_left else 0
-        interleaved.extend([BlockMode.CHECKPOINT] * take)
-        remaining_ckpt -= take
-    interleaved.extend([BlockMode.CHECKPOINT] * remaining_ckpt)
-    layout = [BlockMode.SSD] * n_offload + interleaved
-    layout += [BlockMode.KEEP] * (num_blocks - len(layout))
-    return tuple(layout)
+    """DESIGN section 4's order (``activation_cost.block_layout``) as ``BlockMode`` values."""
+    return tuple(
+        BlockMode(mode)
+        for mode in block_layout(num_blocks, n_offload=n_offload, n_swap=n_swap, n_checkpoint=n_checkpoint)
+    )
 
 
 def mode_counts(modes: tuple[BlockMode, ...]) -> dict[str, Any]:
@@ -295,6 +283,18 @@ def block_modes_for(request: KnobRequest, num_blocks: int) -> tuple[BlockMode, .
     return tuple(modes)
 
 
+def activations_searchable(request: KnobRequest) -> bool:
+    """Whether any activation count is left to the search (an explicit list fixes them all)."""
+    return request.block_modes is None and None in (request.n_swap, request.n_checkpoint, request.n_offload)
+
+
+def _layout_words(modes: tuple[str, ...] | None) -> str:
+    if not modes or all(mode == BlockMode.KEEP.value for mode in modes):
+        return ""
+    counts = {mode: modes.count(mode) for mode in ("swap", "checkpoint", "ssd") if modes.count(mode)}
+    return ", " + ", ".join(f"{count} {mode}" for mode, count in counts.items())
+
+
 def searched_plan(
     *,
     request: KnobRequest,
@@ -307,10 +307,23 @@ def searched_plan(
     chosen: tuple[str, ...],
     undo_snapshots: bool,
     extra_buffers: int | None = None,
+    ssd_available: bool = False,
 ) -> tuple[Plan, SearchResult]:
     """The fastest plan that fits, by the cost model over the profiles; hand-set knobs stay.
-    Raises NoPlanFitsError (a ValueError) saying what would fit."""
-    modes = block_modes_for(request, num_blocks)
+    Activation counts left auto are searched with the chunk knobs (ssd only when
+    ``ssd_available``: a path is set and its disk was measured). Raises NoPlanFitsError (a
+    ValueError) saying what would fit."""
+    layouts = None
+    if activations_searchable(request) and len(model.blocks) == num_blocks:
+        layouts = activation_options(
+            model,
+            hardware,
+            n_swap=request.n_swap,
+            n_checkpoint=request.n_checkpoint,
+            n_offload=request.n_offload,
+            ssd=ssd_available,
+        )
+    fixed = None if layouts is not None else block_modes_for(request, num_blocks)
     result = search(
         model,
         hardware,
@@ -321,9 +334,16 @@ def searched_plan(
         n_buffer=request.n_buffer,
         undo_snapshots=undo_snapshots,
         extra_buffers=extra_buffers,
-        block_modes=[mode.value for mode in modes],
+        block_modes=None if fixed is None else [mode.value for mode in fixed],
+        activation_layouts=layouts,
     )
     best = result.best
+    if fixed is not None:
+        modes = fixed
+    elif best.block_modes is not None:
+        modes = tuple(BlockMode(mode) for mode in best.block_modes)
+    else:
+        modes = (BlockMode.KEEP,) * num_blocks
     plan = Plan(
         world_size=hardware.world_size,
         micro_batch_size=micro_batch_size,
@@ -344,7 +364,7 @@ def searched_plan(
         predicted_ssd_bytes=best.prediction.ssd_bytes or None,
         notes=tuple(
             f"runner-up: chunk_size {_bytes(c.chunk_size)}, n_persist={c.n_persist} of {c.num_chunks}, "
-            f"n_buffer={c.n_buffer}: "
+            f"n_buffer={c.n_buffer}{_layout_words(c.block_modes)}: "
             f"{c.prediction.step_s:.3f} s, {_bytes(c.prediction.peak_device_bytes)}"
             for c in result.runners_up
         ),

@@ -1,8 +1,9 @@
 """The knob search: the fastest plan whose predicted memory fits, the runners-up, and what binds.
 
-Enumerates chunk size x ``n_persist`` x ``n_buffer``; the blocks' activation modes are fixed (as
-set by hand, or all keep) and their cost (profiler/activation_cost.py) joins every prediction.
-Knobs set by hand stay fixed.
+Enumerates chunk size x ``n_persist`` x ``n_buffer`` x the blocks' activation layouts
+(``n_swap`` x ``n_checkpoint`` x ``ssd.n_offload``, profiler/activation_cost.py): every chunk plan
+is predicted with each layout worth trying (the undominated ones; see ``activation_options``) and
+keeps the fastest layout that fits. Knobs set by hand stay fixed; fixed modes are one layout.
 
 Pruning, memory first (PAPERS.md "Search"): for one chunk size, device memory grows with
 ``n_buffer`` at fixed ``n_persist`` while step time never does, so only the fewest buffers, one
@@ -20,9 +21,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from profiler.activation_cost import ActivationCost, activation_cost
+from profiler.activation_cost import ActivationCost, ActivationOption, activation_cost
 from profiler.chunking import ChunkTooSmallError, candidate_chunk_bytes
-from profiler.cost_model import ChunkCosts, Prediction, chunk_costs, predict
+from profiler.cost_model import ChunkCosts, Prediction, chunk_costs, predict, with_activations
 from profiler.profile import HardwareProfile, ModelProfile
 
 SAME_SPEED = 0.02
@@ -40,6 +41,9 @@ class Candidate:
     n_persist: int
     n_buffer: int
     prediction: Prediction
+    block_modes: tuple[str, ...] | None = None
+    """The activation layout this plan runs (None: every block keeps, no activation cost)."""
+    activations: ActivationCost | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,6 +55,10 @@ class SearchResult:
     evaluated: int
     """Plans whose cost was predicted."""
     elapsed_s: float
+
+
+Layout = tuple[tuple[str, ...] | None, ActivationCost | None]
+"""Block modes and their cost; (None, None): every block keeps, no activation cost."""
 
 
 class NoPlanFitsError(ValueError):
@@ -71,13 +79,21 @@ def search(
     keep: int = 3,
     extra_buffers: int | None = None,
     block_modes: Sequence[str] | None = None,
+    activation_layouts: Sequence[ActivationOption] | None = None,
 ) -> SearchResult:
     """The fastest plan that fits ``device_budget`` and ``host_budget`` (bytes per rank);
     ``chunk_size``/``n_persist``/``n_buffer``, when given, are fixed. ``extra_buffers`` caps the
     buffers tried beyond the fewest that work (for models of hundreds of chunks; None: all).
-    ``block_modes``: the blocks' activation modes, fixed (None: every block keeps)."""
+    Activations: ``activation_layouts`` to choose from (``activation_options``), or one fixed
+    ``block_modes``, or neither (every block keeps)."""
     started = time.perf_counter()
-    activations = activation_cost(model, hardware, block_modes) if block_modes is not None else None
+    layouts: list[Layout]
+    if activation_layouts is not None:
+        layouts = [(option.modes, option.cost) for option in activation_layouts]
+    elif block_modes is not None:
+        layouts = [(tuple(block_modes), activation_cost(model, hardware, block_modes))]
+    else:
+        layouts = [(None, None)]
     all_costs = list(_costs_by_size(model, hardware, chunk_size))
     evaluated = 0
     fitting: list[Candidate] = []
@@ -86,21 +102,70 @@ def search(
     def device_fits(prediction: Prediction) -> bool:
         return prediction.peak_device_bytes * (1 + margin) <= device_budget
 
-    def predicted(costs: ChunkCosts, p: int, b: int) -> Prediction:
-        nonlocal evaluated
-        evaluated += 1
-        return predict(
-            model,
-            hardware,
-            costs,
+    def fits(prediction: Prediction) -> bool:
+        return device_fits(prediction) and prediction.host_bytes <= host_budget
+
+    # Layouts by the forward time they add: a layout's step is at least the all-kept step plus
+    # that, so the scan of a chunk plan stops once it cannot beat the fastest fitting layout.
+    # Among equally fast layouts the first wins: the one managing the fewest blocks.
+    by_forward = sorted(
+        layouts,
+        key=lambda layout: (
+            layout[1].forward_extra_s if layout[1] else 0.0,
+            sum(1 for mode in layout[0] or () if mode != "keep"),
+        ),
+    )
+    leanest = min(layouts, key=lambda layout: layout[1].peak_bytes if layout[1] else 0)
+
+    def with_layout(costs: ChunkCosts, p: int, b: int, kept: Prediction, layout: Layout) -> Candidate:
+        modes, cost = layout
+        return Candidate(
+            chunk_size=costs.chunk_size,
+            num_chunks=costs.num_chunks,
             n_persist=p,
             n_buffer=b,
-            undo_snapshots=undo_snapshots,
-            activations=activations,
+            prediction=kept if cost is None else with_activations(kept, cost, hardware),
+            block_modes=modes,
+            activations=cost,
         )
 
+    def kept_prediction(costs: ChunkCosts, p: int, b: int) -> Prediction:
+        return predict(model, hardware, costs, n_persist=p, n_buffer=b, undo_snapshots=undo_snapshots)
+
+    def layout_fits(kept: Prediction, cost: ActivationCost | None) -> bool:
+        if cost is None:
+            return fits(kept)
+        peak = kept.peak_device_bytes - kept.activation_bytes + cost.peak_bytes
+        return peak * (1 + margin) <= device_budget and kept.host_bytes + cost.host_bytes <= host_budget
+
+    def evaluate(costs: ChunkCosts, p: int, b: int) -> tuple[Candidate, bool]:
+        """The fastest layout that fits at (p, b), True; or, when none fits, the one with the
+        least device memory, False."""
+        nonlocal evaluated
+        evaluated += 1
+        kept = kept_prediction(costs, p, b)
+        fastest: Candidate | None = None
+        for layout in by_forward:
+            cost = layout[1]
+            if fastest is not None and cost is not None:
+                if kept.step_s + cost.forward_extra_s >= fastest.prediction.step_s:
+                    break
+            if not layout_fits(kept, cost):
+                continue
+            if cost is not None:
+                evaluated += 1
+            option = with_layout(costs, p, b, kept, layout)
+            if fastest is None or option.prediction.step_s < fastest.prediction.step_s:
+                fastest = option
+        if fastest is not None:
+            return fastest, True
+        return with_layout(costs, p, b, kept, leanest), False
+
     def fits_at(costs: ChunkCosts, p: int, b: int) -> bool:
-        return device_fits(predicted(costs, p, b))
+        nonlocal evaluated
+        evaluated += 1
+        kept = kept_prediction(costs, p, b)
+        return any(layout_fits(kept, cost) for _, cost in layouts)
 
     for costs in all_costs:
         n = costs.num_chunks
@@ -120,17 +185,21 @@ def search(
                 )
             device_full = False
             for position, b in enumerate(buffer_range):
-                prediction = predicted(costs, p, b)
-                candidate = Candidate(
-                    chunk_size=costs.chunk_size, num_chunks=n, n_persist=p, n_buffer=b, prediction=prediction
-                )
+                candidate, fitted = evaluate(costs, p, b)
+                if (
+                    position == 0
+                    and not fitted
+                    and (smallest is None or _memory(candidate) < _memory(smallest))
+                ):
+                    smallest = candidate
+                if not fitted:
+                    # More buffers only need more device memory (host bytes do not change); when
+                    # even the leanest layout overflows the device here, more persistent chunks
+                    # cannot fit either.
+                    device_full = position == 0 and not device_fits(candidate.prediction)
+                    break
                 if position == 0 and (smallest is None or _memory(candidate) < _memory(smallest)):
                     smallest = candidate
-                if not device_fits(prediction):
-                    device_full = position == 0
-                    break  # more buffers only need more device memory
-                if prediction.host_bytes > host_budget:
-                    break  # the same host bytes for every buffer count
                 fitting.append(candidate)
             if device_full:
                 break  # the smallest plan at this n_persist does not fit: nor will larger ones
@@ -161,7 +230,7 @@ def search(
             undo_snapshots,
             n_persist,
             n_buffer,
-            activations,
+            best.activations,
         ),
         evaluated=evaluated,
         elapsed_s=elapsed,
@@ -192,6 +261,8 @@ def _buffer_candidates(low: int, high: int, *, fits_with: Callable[[int], bool])
     more (the first that prefetches) are kept too, for the runners-up and equal-speed ties."""
     if low >= high or not fits_with(low):
         return list(range(low, high + 1))[:2]
+    if fits_with(high):  # plenty of memory: no bisection needed
+        return sorted({low, low + 1, high})
     lo, hi = low, high  # lo fits; find the largest that fits
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -204,15 +275,29 @@ def _buffer_candidates(low: int, high: int, *, fits_with: Callable[[int], bool])
 
 def _ranked(candidates: list[Candidate]) -> list[Candidate]:
     """Fastest first. Plans within ``SAME_SPEED`` of the fastest count as equally fast (the model
-    is not that exact); among them the one keeping the largest share on the device wins (less
-    traffic that could go wrong in ways the model does not see), then less device memory, then
-    larger chunks (fewer collectives)."""
+    is not that exact); among them the one keeping the largest share of chunks on the device wins
+    (less traffic that could go wrong in ways the model does not see), then the one managing the
+    fewest blocks' activations (the same reason), then less device memory, then larger chunks
+    (fewer collectives)."""
     by_speed = sorted(candidates, key=lambda c: (c.prediction.step_s, c.prediction.peak_device_bytes))
     fastest = by_speed[0].prediction.step_s
     tied = [c for c in by_speed if c.prediction.step_s <= fastest * (1 + SAME_SPEED)]
-    tied.sort(key=lambda c: (-c.n_persist / c.num_chunks, c.prediction.peak_device_bytes, -c.chunk_size))
+    tied.sort(
+        key=lambda c: (
+            -c.n_persist / c.num_chunks,
+            _managed(c),
+            c.prediction.peak_device_bytes,
+            -c.chunk_size,
+        )
+    )
     rest = [c for c in by_speed if c.prediction.step_s > fastest * (1 + SAME_SPEED)]
     return tied + rest
+
+
+def _managed(candidate: Candidate) -> int:
+    """Blocks whose activations leave the device or are recomputed."""
+    modes = candidate.block_modes or ()
+    return sum(1 for mode in modes if mode != "keep")
 
 
 def _memory(candidate: Candidate) -> int:

@@ -15,7 +15,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from profiler.plan import BlockMode, KnobRequest, Plan, block_modes_for, resident_plan, searched_plan
+from profiler.plan import (
+    BlockMode,
+    KnobRequest,
+    Plan,
+    activations_searchable,
+    block_modes_for,
+    resident_plan,
+    searched_plan,
+)
 from profiler.profile import HardwareProfile, ModelProfile, cache_key
 from profiler.search import NoPlanFitsError
 from runtime.blocks import BlocksNotFoundError, find_blocks
@@ -74,7 +82,9 @@ def make_plan(
         block_modes=memory.block_modes,
     )
     module_params = _module_params(model, params)
-    searchable = None in (request.chunk_size, request.n_persist, request.n_buffer)
+    searchable = None in (request.chunk_size, request.n_persist, request.n_buffer) or activations_searchable(
+        request
+    )
     try:
         if searchable and example_batch is not None and device is not None:
             profiled = _profile(
@@ -102,6 +112,7 @@ def make_plan(
                     host_budget_bytes=budgets[1],
                     chosen=chosen,
                     undo_snapshots=bool(spec.gradient_clipping),
+                    ssd_available=profiled[1].ssd_write_bytes_per_s > 0 and memory.ssd.path is not None,
                 )
                 return plan
         plan = _resident(
@@ -235,8 +246,12 @@ def _profile(
 
 
 def _ssd_path(request: KnobRequest, num_blocks: int, memory: MemorySpec) -> Path | None:
-    """The activation directory when the plan puts blocks on disk (their rates are then measured)."""
-    if BlockMode.SSD not in block_modes_for(request, num_blocks) or memory.ssd.path is None:
+    """The activation directory when the plan puts blocks on disk or may (``ssd.n_offload`` left
+    to the search): its disk's rates are then measured."""
+    if memory.ssd.path is None:
+        return None
+    may_search = activations_searchable(request) and request.n_offload is None
+    if not may_search and BlockMode.SSD not in block_modes_for(request, num_blocks):
         return None
     return Path(memory.ssd.path).expanduser()
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import runtime
+from profiler.plan import BlockMode
 from runtime.blocks import find_blocks
 from runtime.chunks.layout import model_params
 from runtime.device import select_device
@@ -58,6 +59,32 @@ def test_a_tight_budget_gets_a_searched_plan_that_fits_and_trains_exactly(tmp_pa
     assert_state_equal(engine.state_dict(), expected)
     engine.close()
     assert (tmp_path / "cache").is_dir(), "the hardware profile is cached under profiler.cache_dir"
+
+
+def test_activation_knobs_are_searched_when_activations_bind(tmp_path: Path) -> None:
+    """Sixteen samples per micro-batch: saved activations dominate the tiny GPT's memory, so under
+    a budget of 60% of the all-kept plan the search recomputes or offloads blocks; the math stays
+    plain PyTorch's."""
+    data = lm_batches(micro_batch_size=16, accumulation=1, world_size=1)
+    config = {**job(tmp_path, device_budget="1GiB"), "micro_batch_size": 16}
+    roomy = runtime.initialize(tiny_gpt(), config=config, example_batch=data.batch(0, 0, 0))
+    kept = roomy.plan
+    roomy.close()
+    assert set(kept.block_modes) == {BlockMode.KEEP} and kept.predicted_peak_device_bytes is not None
+    budget = int(kept.predicted_peak_device_bytes * 0.6)
+    config["memory"] = {**config["memory"], "device_budget": budget}
+    engine = runtime.initialize(tiny_gpt(), config=config, example_batch=data.batch(0, 0, 0))
+    plan = engine.plan
+    assert set(plan.block_modes) != {BlockMode.KEEP}
+    assert {"memory.n_swap", "memory.n_checkpoint"} <= set(plan.chosen)
+    assert plan.predicted_peak_device_bytes is not None and plan.predicted_peak_device_bytes * 1.05 <= budget
+    expected, _ = train_reference(tiny_gpt(), data, steps=3, lr=1e-3, weight_decay=0.1)
+    for update in range(3):
+        out = engine(**data.batch(update, 0, 0))
+        engine.backward(out.loss)
+        engine.step()
+    assert_state_equal(engine.state_dict(), expected)
+    engine.close()
 
 
 def test_hand_set_knobs_are_kept_while_the_rest_is_searched(tmp_path: Path) -> None:
