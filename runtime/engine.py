@@ -36,6 +36,7 @@ from runtime.console import MetricsFile, ProgressReporter, StepRecord
 from runtime.device import DeviceInfo, synchronize
 from runtime.distributed import DistContext, all_reduce_sum_, destroy
 from runtime.loss_scale import DynamicLossScaler
+from runtime.memory_probe import PeakMemoryProbe
 from runtime.plan_check import PlanCheck
 from runtime.plan_check import describe as describe_plan_check
 from runtime.planning import batch_shape
@@ -121,6 +122,7 @@ class Engine:
         self._window_tokens = 0
         self._closed = False
         self._plan_check = PlanCheck(plan, accumulation=settings.gradient_accumulation_steps)
+        self._peak_probe = PeakMemoryProbe(module, device, static_device_bytes=chunks.device_state_bytes())
 
     # ---------------------------------------------------------------- properties
 
@@ -163,6 +165,8 @@ class Engine:
         if self.module.training and torch.is_grad_enabled():
             if self._window_start is None:
                 self._window_start = time.perf_counter()
+                if self._plan_check.measuring_peak:
+                    self._peak_probe.start()
             self._window_tokens += count_tokens(args, kwargs)
             self._window_samples += count_samples(args, kwargs)
         self.activations.begin_forward()
@@ -327,7 +331,9 @@ class Engine:
         self._reporter.update(record)
         if self._metrics is not None:
             self._metrics.write(record.to_json())
-        check = None if record.skipped else self._plan_check.observe(record.step_time_s)
+        check = (
+            None if record.skipped else self._plan_check.observe(record.step_time_s, self._peak_probe.stop)
+        )
         if check is not None:
             self._reporter.print(describe_plan_check(check))
             if self._metrics is not None:
@@ -495,6 +501,8 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        if self._peak_probe.active:
+            self._peak_probe.stop()  # its hooks leave the model
         if self._stop is not None:
             self._stop.uninstall()
         try:

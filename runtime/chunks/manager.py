@@ -537,6 +537,28 @@ class ChunkManager:
                     storages.add(tensor.untyped_storage().data_ptr())
         return storages
 
+    def device_state_bytes(self) -> int:
+        """Bytes of chunk state on the compute device (persistent copies and their fp32 state,
+        the buffers), each storage once: the static part of the device peak."""
+        seen: set[int] = set()
+        total = 0
+        tensors: list[torch.Tensor | None] = list(self.slots)
+        for chunk in self.chunks:
+            tensors += [chunk.full, chunk.master, chunk.grad_shard]
+            if chunk.optimizer is not None:
+                tensors += [chunk.optimizer.exp_avg, chunk.optimizer.exp_avg_sq]
+        for tensor in tensors:
+            if tensor is None or tensor.device != self.device.device or self._in_host_arena(tensor):
+                continue
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
+    def _in_host_arena(self, tensor: torch.Tensor) -> bool:
+        return self.host_arena is not None and self.host_arena.contains(tensor)
+
     @contextlib.contextmanager
     def recomputing(self) -> Iterator[None]:
         """A checkpointed block's forward runs again inside backward. Its saved tensors are kept

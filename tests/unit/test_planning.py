@@ -200,6 +200,10 @@ def test_measured_step_time_is_set_beside_the_prediction_in_the_metrics(tmp_path
     assert check["predicted_step_s"] == round(engine.plan.predicted_step_s or 0.0, 6)
     assert check["measured_step_s"] > 0 and check["updates"] == 5
     assert check["error"] == pytest.approx(check["predicted_step_s"] / check["measured_step_s"] - 1, abs=1e-3)
+    # Peak device memory, measured over the same updates (loosely here; tight in the benchmark).
+    assert check["predicted_peak_device_bytes"] == engine.plan.predicted_peak_device_bytes
+    ratio = check["predicted_peak_device_bytes"] / check["measured_peak_device_bytes"]
+    assert 1 / 3 < ratio < 3, check
 
 
 def test_a_batch_larger_than_the_profiled_one_is_refused(tmp_path: Path) -> None:
