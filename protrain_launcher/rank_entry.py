@@ -73,14 +73,16 @@ def finish_cleanly() -> None:
     destroys torch's C++ objects in no fixed order while its worker threads may still be
     running; a gloo or thread-pool thread then hitting a torn-down interpreter aborts with
     "terminate called without an active exception" (seen in CI after a run had finished; see
-    pytorch/pytorch#179291). The process group is destroyed and the script's atexit handlers
-    run here, while everything is alive, then the process leaves with exit code 0."""
+    pytorch/pytorch#179291). The script's atexit handlers run and the process group is destroyed
+    here, while everything is alive, then the process leaves with exit code 0."""
     import atexit
 
+    # The script's atexit handlers first: one may still need the process group (a checkpoint
+    # being written in the background finishes there).
+    atexit._run_exitfuncs()
     distributed = sys.modules.get("torch.distributed")
     if distributed is not None and distributed.is_available() and distributed.is_initialized():
         distributed.destroy_process_group()
-    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

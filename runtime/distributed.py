@@ -84,6 +84,15 @@ def _attempt_store(world_size: int, timeout: timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"/protrain/attempt_{attempt}", client)
 
 
+def broadcast_object(value: object, ctx: DistContext, group: dist.ProcessGroup | None = None) -> object:
+    """Rank 0's ``value`` on every rank (a collective; world size 1: the value itself)."""
+    if ctx.world_size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
 def _all_reduce_(tensor: torch.Tensor, ctx: DistContext, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
     if ctx.world_size == 1:
         return tensor

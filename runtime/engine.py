@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,11 +31,11 @@ from torch.utils.data import DataLoader, Dataset
 from profiler.plan import Plan
 from runtime.activations.manager import ActivationManager
 from runtime.checkpoint.checkpointer import Checkpointer
-from runtime.checkpoint.store import Checkpoint, CheckpointError, latest_checkpoint
+from runtime.checkpoint.store import Checkpoint, CheckpointError
 from runtime.chunks.manager import ChunkManager
 from runtime.console import MetricsFile, ProgressReporter, StepRecord
 from runtime.device import DeviceInfo, synchronize
-from runtime.distributed import DistContext, all_reduce_sum_, destroy
+from runtime.distributed import DistContext, all_reduce_sum_, broadcast_object, destroy
 from runtime.loss_scale import DynamicLossScaler
 from runtime.memory_probe import PeakMemoryProbe
 from runtime.plan_check import PlanCheck
@@ -54,7 +55,10 @@ class NonFiniteLossError(FloatingPointError):
 
 
 def _batch_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
-    """``input_ids`` if given, else the first integer tensor argument, else the first tensor."""
+    """``input_ids`` if given, else the first integer tensor argument, else the first tensor (a
+    batch passed as one mapping is looked into)."""
+    if not kwargs and len(args) == 1 and isinstance(args[0], dict):
+        return _batch_tensor((), args[0])
     candidates = [kwargs.get("input_ids"), *args, *kwargs.values()]
     tensors = [value for value in candidates if isinstance(value, torch.Tensor) and value.dim() >= 1]
     integer = [value for value in tensors if not value.is_floating_point()]
@@ -114,6 +118,7 @@ class Engine:
         self.resumed_from: Path | None = None
         """The checkpoint this run continued from, if any."""
         self._sampler: ShardedSampler | None = None
+        self._stop_done = False
         self._resumed_data_state: dict[str, Any] | None = None
         self._window_samples = 0
         self._window_start: float | None = None
@@ -243,7 +248,9 @@ class Engine:
         loss_sum, nonfinite, tokens, samples, stop = header[-len(extras) :].tolist()
         self.samples_consumed += int(samples)
         if self._sampler is not None:
-            self._sampler.consume(int(samples))
+            # The sampler hands out whole micro-batches: a window consumed accumulation x
+            # world x micro_batch_size of its positions, however the batch was passed in.
+            self._sampler.consume(self._sampler.step * self.settings.gradient_accumulation_steps)
         window_start = self._window_start or time.perf_counter()
         self._reset_window()
         losses_in_window = self.settings.gradient_accumulation_steps * self.dist_ctx.world_size
@@ -299,6 +306,7 @@ class Engine:
             if settings.dir is not None:
                 where = f"; checkpoint {self.save_checkpoint()}"
             self.log(f"stopped at update {self.global_step}{where}")
+            self._stop_done = True
             self.close()
             raise TrainingStopped(128 + signum)
         if updated and settings.dir is not None and settings.interval_steps > 0:
@@ -427,7 +435,8 @@ class Engine:
                 "has updated the parameters"
             )
         path = self.checkpointer.save(Path(root), step=self.global_step, trainer_state=self._trainer_state())
-        self.log(f"checkpoint {path}")
+        background = " (being written in the background)" if self.checkpointer.settings.async_save else ""
+        self.log(f"checkpoint {path}{background}")
         return path
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> Path:
@@ -446,7 +455,7 @@ class Engine:
             return self.load_checkpoint(settings.resume)
         if settings.dir is None:
             return None
-        found = latest_checkpoint(settings.dir)
+        found = self.checkpointer.latest(settings.dir)
         return None if found is None else self._load(found)
 
     def _load(self, checkpoint: Checkpoint) -> Path:
@@ -482,13 +491,24 @@ class Engine:
 
         state = self.state_dict()  # a collective: every rank takes part in the gathers
         target = Path(path)
+        failure: BaseException | None = None
         if self.dist_ctx.is_main:
-            if hf:
-                export_hf(self.module, state, target, dtype=dtype)
-            else:
-                export_safetensors(state, target, model=self.module, dtype=dtype)
-        # No rank returns before the file exists (a script may read it next).
-        all_reduce_sum_(torch.zeros(1, dtype=torch.float64), self.dist_ctx)
+            try:
+                if hf:
+                    export_hf(self.module, state, target, dtype=dtype)
+                else:
+                    export_safetensors(state, target, model=self.module, dtype=dtype)
+            except Exception as err:
+                failure = err
+        # Every rank learns how rank 0 did (none returns before the file exists, none waits
+        # forever on a rank 0 that failed), and fails alike.
+        error = broadcast_object(
+            None if failure is None else f"{type(failure).__name__}: {failure}", self.dist_ctx
+        )
+        if failure is not None:
+            raise failure
+        if error is not None:
+            raise RuntimeError(f"export to {target} failed on rank 0: {error}")
         self.log(f"exported {'Hugging Face directory' if hf else 'safetensors'} {target}")
         return target
 
@@ -497,7 +517,16 @@ class Engine:
         self._reporter.print(text)
 
     def close(self) -> None:
-        """Stop the progress display, close the metrics file, leave the process group."""
+        """Stop the progress display, close the metrics file, leave the process group. A stop
+        signal that came while no update was under way ends here: ``TrainingStopped``."""
+        self._close()
+        stop = self._stop
+        if stop is not None and stop.signum is not None and not self._stop_done:
+            self._stop_done = True
+            self.log(f"stopped after update {self.global_step} ({signal.Signals(stop.signum).name})")
+            raise TrainingStopped(128 + stop.signum)
+
+    def _close(self) -> None:
         if self._closed:
             return
         self._closed = True
@@ -521,5 +550,8 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._close()  # the exception in flight is the news, not a pending stop

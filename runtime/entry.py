@@ -171,13 +171,13 @@ def initialize(
         chunks=chunks,
         activations=activations,
         checkpointer=checkpointer,
-        stop=StopRequest(announce=reporter.print if dist_ctx.is_main else None).install(),
+        stop=StopRequest(announce=dist_ctx.is_main).install(),
         loss_fn=loss_fn,
     )
     try:
         engine.resume()
-    except BaseException:
-        engine.close()
+    except BaseException as err:
+        engine.__exit__(type(err), err, err.__traceback__)
         raise
     return engine
 

@@ -8,16 +8,20 @@ is set, and raises ``TrainingStopped`` (exit code 128 + signal: 130 for Ctrl-C).
 aborts at once through the handler that was in place before (KeyboardInterrupt for SIGINT,
 protrain-run's quiet exit for SIGTERM); a stop only waits at step ends.
 
-Handlers can only be set from the main thread; elsewhere (a script driving the engine from a
-thread) the stop request is simply not available and the previous behaviour stays.
+A stop requested while no update is under way (before the loop, after it, during an export) is
+carried out by ``engine.close()``, which raises ``TrainingStopped`` then. Handlers can only be
+set from the main thread; elsewhere (a script driving the engine from a thread) the stop request
+is simply not available and the previous behaviour stays. A signal the process ignores (a
+background job) stays ignored. The announcement is written straight to file descriptor 2: a
+handler may interrupt a print, and printing again from inside it could fail as reentrant.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -30,7 +34,7 @@ class TrainingStopped(SystemExit):
 
 
 class StopRequest:
-    def __init__(self, announce: Callable[[str], None] | None = None) -> None:
+    def __init__(self, *, announce: bool = False) -> None:
         self.signum: int | None = None
         self._announce = announce
         self._previous: dict[int, Any] = {}
@@ -43,6 +47,8 @@ class StopRequest:
         if threading.current_thread() is not threading.main_thread():
             return self
         for signum in STOP_SIGNALS:
+            if signal.getsignal(signum) is signal.SIG_IGN:
+                continue
             self._previous[signum] = signal.signal(signum, self._on_signal)
         return self
 
@@ -54,12 +60,16 @@ class StopRequest:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
             self.signum = signum
-            if self._announce is not None:
+            if self._announce:
                 name = signal.Signals(signum).name
-                self._announce(
+                message = (
                     f"{name}: stopping at the end of this step (a checkpoint is saved when "
-                    f"checkpoint.dir is set); send it again to abort"
+                    "checkpoint.dir is set); send it again to abort\n"
                 )
+                try:
+                    os.write(2, message.encode())
+                except OSError:
+                    pass
             return
         previous = self._previous.get(signum, signal.SIG_DFL)
         self.uninstall()

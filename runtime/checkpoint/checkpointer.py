@@ -15,13 +15,16 @@ the next save, a load, or ``close`` waits for it and raises its error, if any.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import shutil
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,17 +37,20 @@ from runtime.checkpoint.store import (
     Checkpoint,
     CheckpointError,
     checkpoint_name,
+    latest_checkpoint,
     prune,
     publish,
+    recover,
     remove_stale_temps,
     resolve_resume_path,
     temp_dir,
     write_manifest,
 )
 from runtime.chunks.manager import ChunkManager
-from runtime.distributed import DistContext
+from runtime.distributed import DistContext, broadcast_object
 
 BUFFER = "buffer."
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,6 +114,23 @@ class Checkpointer:
         if self.distributed:
             dist.barrier(group=self._checkpoint_group())
 
+    def _on_main(self, action: Callable[[], T], what: str) -> T:
+        """Run ``action`` on rank 0 only (the file-system work of a shared directory) and give
+        every rank its result, or its error as a CheckpointError: a failure there never leaves
+        the other ranks waiting in a collective, and all ranks act on one answer."""
+        outcome: tuple[bool, Any] = (True, None)
+        if self.dist_ctx.is_main:
+            try:
+                outcome = (True, action())
+            except CheckpointError as err:
+                outcome = (False, str(err))
+            except Exception as err:
+                outcome = (False, f"{what} failed on rank 0: {type(err).__name__}: {err}")
+        ok, value = broadcast_object(outcome, self.dist_ctx, self._checkpoint_group())  # type: ignore[misc]
+        if not ok:
+            raise CheckpointError(value)
+        return value  # type: ignore[no-any-return]
+
     def _buffers(self) -> dict[str, torch.Tensor]:
         """Persistent module buffers by name (parameters live in chunks)."""
         names = {name for name, _ in self.module.named_parameters(remove_duplicate=False)}
@@ -124,11 +147,13 @@ class Checkpointer:
         self.wait()
         final = root / checkpoint_name(step)
         temp = temp_dir(root, step)
-        if self.dist_ctx.is_main:
+
+        def prepare() -> None:
             root.mkdir(parents=True, exist_ok=True)
             remove_stale_temps(root)
             temp.mkdir()
-        self._barrier()
+
+        self._on_main(prepare, f"preparing {temp}")
         space = self._parameter_space()
         state = space.for_save(copy=self.settings.async_save)
         state_dict = state.state_dict
@@ -162,6 +187,8 @@ class Checkpointer:
 
         self._pending = threading.Thread(target=background, name="protrain-checkpoint", daemon=True)
         self._pending.start()
+        # A script that ends without close() still finishes the save before the interpreter goes.
+        atexit.register(self._finish_at_exit)
         return final
 
     def _write(
@@ -176,23 +203,36 @@ class Checkpointer:
                     process_group=self._checkpoint_group(),
                     no_dist=not self.distributed,
                 )
-            self._barrier()
-            if self.dist_ctx.is_main:
-                write_manifest(temp, manifest)
-                publish(temp, final)
+
+            def finish() -> None:
+                try:
+                    write_manifest(temp, manifest)
+                    publish(temp, final)
+                except BaseException:
+                    shutil.rmtree(temp, ignore_errors=True)
+                    raise
                 prune(root, self.settings.keep_last)
-            self._barrier()
+
+            self._on_main(finish, f"publishing {final}")
         except Exception as err:
+            # DCP raises on every rank alike, _on_main too: every rank ends up here.
             if self.dist_ctx.is_main:
-                remove_stale_temps(root)
+                shutil.rmtree(temp, ignore_errors=True)
             raise CheckpointError(
                 f"saving checkpoint {final} failed: {err}; the previous checkpoint in {root} is intact"
             ) from err
+
+    def _finish_at_exit(self) -> None:
+        try:
+            self.wait()
+        except BaseException as err:  # noqa: BLE001 - at exit, a message is all that can be given
+            print(f"protrain: the checkpoint written at exit failed: {err}", file=sys.stderr)
 
     def wait(self) -> None:
         """Wait for an asynchronous save; raise its error here, on the training thread."""
         if self._pending is None:
             return
+        atexit.unregister(self._finish_at_exit)
         self._pending.join()
         self._pending = None
         error, self._pending_error = self._pending_error, None
@@ -202,7 +242,18 @@ class Checkpointer:
     # ------------------------------------------------------------------ load
 
     def locate(self, path: Path) -> Checkpoint:
-        return resolve_resume_path(path)
+        """The checkpoint ``path`` names, as rank 0 reads it (every rank loads the same one)."""
+
+        def resolve() -> Checkpoint:
+            if path.is_dir() and not (path / "protrain.json").exists():
+                recover(path)
+            return resolve_resume_path(path)
+
+        return self._on_main(resolve, f"reading {path}")
+
+    def latest(self, root: Path) -> Checkpoint | None:
+        """``resume: auto``: the latest complete checkpoint under ``root``, as rank 0 sees it."""
+        return self._on_main(lambda: (recover(root), latest_checkpoint(root))[1], f"reading {root}")
 
     def load(self, checkpoint: Checkpoint, *, log: Callable[[str], None]) -> dict[str, Any]:
         """Load ``checkpoint`` into the live state; returns its manifest."""
@@ -215,10 +266,14 @@ class Checkpointer:
         staged_buffers = {name: torch.empty_like(t, device="cpu") for name, t in buffers.items()}
         state_dict.update({BUFFER + name: t for name, t in staged_buffers.items()})
         reader = dcp.FileSystemReader(checkpoint.path)
-        try:
-            saved_keys = set(reader.read_metadata().state_dict_metadata)
-        except Exception as err:
-            raise CheckpointError(f"{checkpoint.path}: corrupt checkpoint metadata: {err}") from err
+
+        def read_keys() -> set[str]:
+            try:
+                return set(reader.read_metadata().state_dict_metadata)
+            except Exception as err:
+                raise CheckpointError(f"{checkpoint.path}: corrupt checkpoint metadata: {err}") from err
+
+        saved_keys = self._on_main(read_keys, f"reading {checkpoint.path}")
         same_world = checkpoint.manifest.get("world_size") == self.dist_ctx.world_size
         rng_targets = rng.load_targets(self.dist_ctx.rank, saved_keys) if same_world else {}
         state_dict.update(rng_targets)
@@ -242,7 +297,7 @@ class Checkpointer:
         with torch.no_grad():
             for name, tensor in buffers.items():
                 tensor.copy_(staged_buffers[name])
-        self.chunks.refresh_full_copies()
+        self.chunks.refresh_full_copies(frozen_too=True)
         if same_world:
             rng.restore(self.dist_ctx.rank, {key: state_dict[key] for key in rng_targets})
         else:

@@ -169,6 +169,8 @@ class ParameterSpace:
         prefixes = (MODEL, EXP_AVG, EXP_AVG_SQ)[: len(flats)]
         for segment in chunk.segments:
             info = self.layout.params[segment.param]
+            if info.numel == 0:
+                continue
             for prefix, flat in zip(prefixes, flats, strict=True):
                 local = flat.narrow(0, segment.shard_offset, segment.numel)
                 state_dict[prefix + info.name] = self._global_tensor(segment.param, local, flat.dtype)
@@ -177,6 +179,8 @@ class ParameterSpace:
         if self.world_size > 1:
             for index in chunk.info.params:
                 info = self.layout.params[index]
+                if info.numel == 0:
+                    continue  # nothing to save; the manifest still records its shape
                 for prefix, flat in zip(prefixes, flats, strict=True):
                     if prefix + info.name not in state_dict:
                         state_dict[prefix + info.name] = self._global_tensor(index, None, flat.dtype)
@@ -184,7 +188,8 @@ class ParameterSpace:
     def _global_tensor(self, param: int, local: torch.Tensor | None, dtype: torch.dtype) -> Any:
         """One parameter as DCP's global tensor, ``local`` being this rank's flat part."""
         info = self.layout.params[param]
-        shape = list(info.shape)
+        # A 0-d parameter (a learnable scale) is stored as shape [1]: DCP's boxes have a rank.
+        shape = list(info.shape) or [1]
         if self.world_size == 1:
             assert local is not None
             return local.view(shape)
@@ -213,7 +218,10 @@ class ParameterSpace:
         global_metadata = ShardedTensorMetadata(
             shards_metadata=metadata,
             size=torch.Size(shape),
-            tensor_properties=TensorProperties(dtype=dtype),
+            # Host state on CUDA lives in page-locked memory; the properties must say so.
+            tensor_properties=TensorProperties(
+                dtype=dtype, pin_memory=bool(local is not None and local.is_pinned())
+            ),
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)

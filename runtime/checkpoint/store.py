@@ -12,8 +12,10 @@ A save writes everything into ``.tmp-step-N``; the manifest (``protrain.json``, 
 file with its size) is written last, then the directory is renamed to ``step-N`` and ``latest``
 is replaced (write a temporary, ``os.replace``), each step flushed to disk. A crash at any point
 therefore leaves the previous checkpoint and pointer intact: a ``.tmp-*`` directory is never
-read, and is removed by the next save. A checkpoint is complete when its manifest parses and
-every file it lists has the listed size.
+read, and is removed by the next save. Saving again at a step that already has a checkpoint
+moves the old one aside (``.tmp-old-step-N``) before the new one is renamed in; a crash between
+the two renames is repaired by ``recover`` (the complete one of the two takes the name back).
+A checkpoint is complete when its manifest parses and every file it lists has the listed size.
 """
 
 from __future__ import annotations
@@ -69,11 +71,35 @@ def write_file_durably(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
+def recover(root: Path) -> list[Path]:
+    """After a crash between publish's two renames ``step-N`` is missing while a complete copy
+    sits in a temporary name: give it the name back (the new save first, else the old one)."""
+    restored = []
+    if not root.is_dir():
+        return restored
+    for prefix in (_TEMP_PREFIX, f"{_TEMP_PREFIX}old-"):
+        for entry in sorted(root.iterdir()):
+            name = entry.name[len(prefix) :] if entry.name.startswith(prefix) else ""
+            if not _STEP_DIR.match(name) or (root / name).exists() or not entry.is_dir():
+                continue
+            try:
+                read_checkpoint(entry)
+            except CheckpointError:
+                continue
+            os.replace(entry, root / name)
+            restored.append(root / name)
+    if restored:
+        fsync_dir(root)
+    return restored
+
+
 def remove_stale_temps(root: Path) -> list[Path]:
-    """Delete saves a crash or kill interrupted (only one job writes into a root)."""
+    """Delete saves a crash or kill interrupted (only one job writes into a root), after
+    ``recover`` has put back a complete checkpoint that had lost its name."""
     removed = []
     if not root.is_dir():
         return removed
+    recover(root)
     for entry in root.iterdir():
         if entry.name.startswith(_TEMP_PREFIX):
             if entry.is_dir():
@@ -106,12 +132,18 @@ def write_manifest(directory: Path, content: dict[str, Any]) -> None:
 
 def publish(temp: Path, final: Path) -> None:
     """Rename a finished save into place and point ``latest`` at it."""
+    old = final.with_name(f"{_TEMP_PREFIX}old-{final.name}")
     if final.exists():
-        # Saved again at the same step (a restarted job re-reaching it): the new one wins.
-        shutil.rmtree(final)
+        # Saved again at the same step (a stop right after a periodic save, a restarted job
+        # re-reaching it): the new one wins, the old one is moved aside first, never deleted
+        # before the new one has its name.
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
     os.replace(temp, final)
     fsync_dir(final.parent)
     write_file_durably(final.parent / LATEST, final.name + "\n")
+    shutil.rmtree(old, ignore_errors=True)
 
 
 @dataclass(frozen=True, slots=True)

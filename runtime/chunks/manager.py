@@ -798,12 +798,13 @@ class ChunkManager:
         self._fired_in_window.zero_()
 
     @torch.no_grad()
-    def refresh_full_copies(self) -> None:
+    def refresh_full_copies(self, *, frozen_too: bool = False) -> None:
         """After an update: re-gather persistent chunks; drop every buffered copy of the others
-        (including prefetches that arrived with pre-update data)."""
+        (including prefetches that arrived with pre-update data). ``frozen_too``: also the
+        persistent chunks of frozen parameters (after a checkpoint load changed them)."""
         self.drain()
         for chunk in self.chunks:
-            if chunk.persistent and chunk.info.trainable:
+            if chunk.persistent and (chunk.info.trainable or frozen_too):
                 assert chunk.full is not None
                 if chunk.master is not chunk.full:
                     self._gather(chunk, chunk.full)

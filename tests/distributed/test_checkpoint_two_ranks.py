@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from runtime.export import load_safetensors_export
 from tests.checkpointing import Windows, checkpoint_job, checkpoint_tensors, train_until
@@ -97,3 +98,78 @@ def test_export_from_two_ranks_loads_into_a_plain_model(rank_pool: RankPool, tmp
     model = tiny_gpt(1)
     model.load_state_dict(load_safetensors_export(tmp_path / "model.safetensors"), strict=True)
     assert_state_equal(model.state_dict(), results[0]["state"])
+
+
+class ScaledGPT(torch.nn.Module):
+    """The tiny GPT with a 0-d learnable loss scale: DCP has no box for a 0-d tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = tiny_gpt(0)
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.gpt(input_ids, labels=labels).loss * self.scale
+
+
+def save_scaled(*, rank: int, root: str) -> dict[str, Any]:
+    import runtime
+
+    config = checkpoint_job(root, memory={"chunk_size": "auto", "n_persist": 0, "n_buffer": "auto"})
+    engine = runtime.initialize(ScaledGPT(), config=config)
+    with engine:
+        loader = iter(engine.data_loader(Windows()))
+        for _ in range(engine.gradient_accumulation_steps):
+            engine.backward(engine(**next(loader)))
+            engine.step()
+        path = engine.save_checkpoint()
+        return {"path": str(path), "state": engine.state_dict()}
+
+
+def test_a_scalar_parameter_is_saved_and_resharded(rank_pool: RankPool, tmp_path: Path) -> None:
+    import runtime
+
+    saved = rank_pool.run(save_scaled, root=str(tmp_path))
+    tensors = checkpoint_tensors(saved[0]["path"])
+    assert tensors["model.scale"].shape == (1,)
+    assert float(tensors["model.scale"]) == float(saved[0]["state"]["scale"])
+    config = checkpoint_job(str(tmp_path), memory={"chunk_size": "auto", "n_persist": 0, "n_buffer": "auto"})
+    with runtime.initialize(ScaledGPT(), config=config) as engine:
+        assert engine.global_step == 1
+        assert_state_equal(engine.state_dict(), saved[0]["state"])
+
+
+def save_and_export_into_a_file(*, rank: int, root: str) -> dict[str, str]:
+    """Rank 0 alone meets the broken directory (it does the shared file-system work): every rank
+    must get the error, none may wait for it in a collective."""
+    import runtime
+    from runtime.checkpoint.store import CheckpointError
+
+    blocker = Path(root) / "not-a-directory"
+    engine = runtime.initialize(tiny_gpt(0), config=checkpoint_job(root))
+    errors = {}
+    with engine:
+        loader = iter(engine.data_loader(Windows()))
+        for _ in range(engine.gradient_accumulation_steps):
+            out = engine(**next(loader))
+            engine.backward(out.loss)
+            engine.step()
+        try:
+            engine.save_checkpoint(blocker / "ckpt")
+        except CheckpointError as err:
+            errors["save"] = str(err)
+        try:
+            engine.export(blocker / "model.safetensors")
+        except Exception as err:  # rank 0: the OSError itself; the others: its description
+            errors["export"] = f"{type(err).__name__}: {err}"
+        errors["still works"] = str(engine.save_checkpoint())  # the group is still in step
+    return errors
+
+
+def test_a_failure_on_rank_zero_alone_reaches_every_rank(rank_pool: RankPool, tmp_path: Path) -> None:
+    (tmp_path / "not-a-directory").write_text("a file where a directory is expected\n")
+    results = rank_pool.run(save_and_export_into_a_file, root=str(tmp_path), timeout_s=120)
+    for errors in results:
+        assert "failed on rank 0" in errors["save"] and "not-a-directory" in errors["save"]
+        assert "not-a-directory" in errors["export"]
+        assert errors["still works"].endswith("step-00000001")

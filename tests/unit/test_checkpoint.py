@@ -6,6 +6,7 @@ a kill during a save, a failing save and Ctrl-C lose nothing committed."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import torch
 
 import runtime
 from runtime.checkpoint.store import CheckpointError
-from tests.checkpointing import DROPOUT_GPT, checkpoint_job, checkpoint_tensors, train_until
+from tests.checkpointing import DROPOUT_GPT, Windows, checkpoint_job, checkpoint_tensors, train_until
 from tests.helpers import assert_state_equal, tiny_gpt
 
 pytestmark = pytest.mark.timeout(120)
@@ -240,7 +241,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130_then_resume_continues(
     finally:
         proc.kill()
     assert proc.returncode == 130, stderr[-2000:]
-    assert "stopping at the end of this step" in stdout and "stopped at update 3" in stdout
+    assert "stopping at the end of this step" in stderr and "stopped at update 3" in stdout
     assert "Traceback" not in stderr
     # The window in flight completed, then its checkpoint: resuming finishes like the full run.
     assert step_dirs(tmp_path / "ckpt") == ["latest", "step-00000003"]
@@ -260,3 +261,92 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path: Path) -> None:
         proc.kill()
     assert proc.returncode in (-signal.SIGINT, 130) and "KeyboardInterrupt" in stderr
     assert not (tmp_path / "ckpt").exists()
+
+
+def fake_checkpoint(directory: Path, step: int) -> None:
+    from runtime.checkpoint.store import write_manifest
+
+    directory.mkdir(parents=True)
+    (directory / "__0_0.distcp").write_bytes(b"x" * step)
+    write_manifest(directory, {"global_step": step})
+
+
+def test_a_crash_between_the_renames_of_a_resave_is_repaired(tmp_path: Path) -> None:
+    """Saving step 4 again moves the old step-00000004 aside before the new one takes its name;
+    a crash in between leaves both under temporary names: the next look at the root puts the
+    complete new one back (a save, or a resume)."""
+    from runtime.checkpoint.store import latest_checkpoint, publish, recover, remove_stale_temps
+
+    root = tmp_path / "ckpt"
+    fake_checkpoint(root / ".tmp-step-00000004", 4)
+    publish(root / ".tmp-step-00000004", root / "step-00000004")
+    fake_checkpoint(root / ".tmp-step-00000004", 44)  # the second save of step 4, complete
+    os.replace(root / "step-00000004", root / ".tmp-old-step-00000004")  # ... then the crash
+    assert latest_checkpoint(root) is None
+    assert recover(root) == [root / "step-00000004"]
+    found = latest_checkpoint(root)
+    assert found is not None and (found.path / "__0_0.distcp").stat().st_size == 44
+    remove_stale_temps(root)
+    assert step_dirs(root) == ["latest", "step-00000004"]
+    # Only the old copy survived (the new one was incomplete): it gets its name back.
+    fake_checkpoint(root / ".tmp-step-00000006", 6)
+    publish(root / ".tmp-step-00000006", root / "step-00000006")
+    os.replace(root / "step-00000006", root / ".tmp-old-step-00000006")
+    (root / ".tmp-step-00000006").mkdir()
+    remove_stale_temps(root)
+    assert step_dirs(root) == ["latest", "step-00000004", "step-00000006"]
+
+
+def frozen_embedding_run(tmp_path: Path, seed: int, until: int) -> torch.Tensor:
+    """Position embeddings frozen and every chunk persistent; the eval logits of one batch."""
+    model = tiny_gpt(seed)
+    model.wpe.weight.requires_grad_(False)
+    config = checkpoint_job(
+        str(tmp_path), memory={"chunk_size": "auto", "n_persist": "auto", "n_buffer": "auto"}
+    )
+    config["checkpoint"]["interval_steps"] = 1
+    with runtime.initialize(model, config=config) as engine:
+        loader = iter(engine.data_loader(Windows()))
+        while engine.global_step < until:
+            out = engine(**next(loader))
+            engine.backward(out.loss)
+            engine.step()
+        engine.eval()
+        with torch.no_grad():
+            return engine(**Windows().first_batch(2)).logits.clone()
+
+
+def test_frozen_persistent_weights_are_reloaded_too(tmp_path: Path) -> None:
+    saved = frozen_embedding_run(tmp_path, seed=0, until=2)
+    # Another initialisation of the frozen embedding: the checkpoint's values must replace it.
+    resumed = frozen_embedding_run(tmp_path, seed=1, until=2)
+    assert torch.equal(resumed, saved)
+
+
+AFTER_THE_LOOP = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import runtime
+from tests.checkpointing import Windows, checkpoint_job
+from tests.helpers import tiny_gpt
+
+engine = runtime.initialize(tiny_gpt(0), config=checkpoint_job({workdir!r}))
+loader = iter(engine.data_loader(Windows()))
+for _ in range(2 * engine.gradient_accumulation_steps):
+    out = engine(**next(loader))
+    engine.backward(out.loss)
+    engine.step()
+os.kill(os.getpid(), signal.SIGTERM)  # no update under way: nothing to wait for
+print("still running", flush=True)
+engine.close()
+print("not reached", flush=True)
+"""
+
+
+def test_a_stop_between_updates_ends_the_run_at_close(tmp_path: Path) -> None:
+    script = tmp_path / "after.py"
+    script.write_text(AFTER_THE_LOOP.format(root=str(ROOT), workdir=str(tmp_path)))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-2000:]
+    assert "still running" in proc.stdout and "stopped after update 2 (SIGTERM)" in proc.stdout
+    assert "not reached" not in proc.stdout and "Traceback" not in proc.stderr
