@@ -350,3 +350,16 @@ def test_a_stop_between_updates_ends_the_run_at_close(tmp_path: Path) -> None:
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-2000:]
     assert "still running" in proc.stdout and "stopped after update 2 (SIGTERM)" in proc.stdout
     assert "not reached" not in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_fp16_loss_scale_and_skipped_updates_are_resumed(tmp_path: Path) -> None:
+    """fp16: the dynamic loss scale (and its clean-step count) and the skipped-update count are
+    part of the state; a resumed run goes on from them, ending like the uninterrupted run."""
+    fp16 = {"precision": "fp16", "loss_scaling": {"initial": 2.0**20, "growth_interval": 2}}
+    full = train_until(checkpoint_job(str(tmp_path / "full"), **fp16), until=5)
+    train_until(checkpoint_job(str(tmp_path / "cut"), checkpoint={"interval_steps": 3}, **fp16), until=3)
+    manifest = json.loads((tmp_path / "cut" / "ckpt" / "step-00000003" / "protrain.json").read_text())
+    assert manifest["loss_scaler"]["scale"] < 2.0**20  # the huge first scale overflowed and fell
+    resumed = train_until(checkpoint_job(str(tmp_path / "cut"), **fp16), until=5)
+    assert resumed["started_at"] == 3
+    assert_state_equal(resumed["state"], full["state"])
