@@ -219,7 +219,8 @@ def search(
     return SearchResult(
         best=best,
         runners_up=tuple(ranked[1 : 1 + keep]),
-        binding=_binding(
+        binding=_binding_with_layout(best)
+        + _binding(
             best,
             all_costs,
             model,
@@ -333,6 +334,19 @@ def _nothing_fits(
         f"state needs {_size(p.host_bytes)} ({_size(p.host_bytes - host_budget)} more); raise "
         "memory.host_budget or use more ranks (each holds 1/world of it)"
     )
+
+
+def _binding_with_layout(best: Candidate) -> str:
+    """The activation layout the plan chose, when it manages any block."""
+    managed = _managed(best)
+    if managed == 0 or best.block_modes is None:
+        return ""
+    counts = ", ".join(
+        f"{best.block_modes.count(mode)} {mode}"
+        for mode in ("ssd", "swap", "checkpoint")
+        if mode in best.block_modes
+    )
+    return f"activations of {managed} of {len(best.block_modes)} blocks managed ({counts}); "
 
 
 def _binding(
