@@ -42,6 +42,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from runtime.durable import fsync_path
+
 TIED_METADATA_KEY = "protrain.tied"
 """Metadata key of an exported file: JSON ``{alias: canonical}`` for every tied name dropped."""
 
@@ -201,21 +203,12 @@ def _write_atomically(tensors: dict[str, torch.Tensor], path: Path, header: dict
     tmp = Path(tmp_name)
     try:
         save_file(tensors, tmp, metadata=header)
-        _fsync_path(tmp)
+        fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_path(path.parent)
-
-
-def _fsync_path(path: Path) -> None:
-    """Flush a file's (or a folder's entries') data to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path.parent)
 
 
 # ---------------------------------------------------------------------- a Hugging Face directory
@@ -247,12 +240,12 @@ def export_hf(
         _save_pretrained(model, tensors, tmp)
         _set_config_dtype(tmp / "config.json", _float_dtype(tensors))
         for child in tmp.iterdir():
-            _fsync_path(child)
+            fsync_path(child)
         _move_into_place(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_path(target.parent)
+    fsync_path(target.parent)
     return target
 
 

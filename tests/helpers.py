@@ -19,6 +19,18 @@ TINY_GPT = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=2, d_model=64
 RELATIVE_TOLERANCE = 1e-5
 
 
+TINY_LLAMA: dict[str, int] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+)
+"""A two-layer Hugging Face Llama's config values (transformers is imported by the tests)."""
+
+
 def tiny_gpt(seed: int = 0, config: GPTConfig = TINY_GPT) -> GPT:
     torch.manual_seed(seed)
     return GPT(config)

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runtime.durable import fsync_path
+
 MANIFEST = "protrain.json"
 LATEST = "latest"
 FORMAT = "protrain-checkpoint"
@@ -48,15 +50,6 @@ def temp_dir(root: Path, step: int) -> Path:
     return root / f"{_TEMP_PREFIX}{checkpoint_name(step)}"
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new entry in ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_file_durably(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary and a rename (never half a file)."""
     partial = path.with_name(f"{_TEMP_PREFIX}{path.name}.{os.getpid()}")
@@ -68,7 +61,7 @@ def write_file_durably(path: Path, text: str) -> None:
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def recover(root: Path) -> list[Path]:
@@ -89,7 +82,7 @@ def recover(root: Path) -> list[Path]:
             os.replace(entry, root / name)
             restored.append(root / name)
     if restored:
-        fsync_dir(root)
+        fsync_path(root)
     return restored
 
 
@@ -141,7 +134,7 @@ def publish(temp: Path, final: Path) -> None:
             shutil.rmtree(old)
         os.replace(final, old)
     os.replace(temp, final)
-    fsync_dir(final.parent)
+    fsync_path(final.parent)
     write_file_durably(final.parent / LATEST, final.name + "\n")
     shutil.rmtree(old, ignore_errors=True)
 

@@ -21,11 +21,10 @@ from profiler.activation_cost import (
     activation_options,
     block_layout,
 )
-from profiler.chunking import candidate_chunk_bytes
-from profiler.cost_model import chunk_costs, predict
+from profiler.cost_model import predict
 from profiler.profile import BlockProfile, HardwareProfile, ModelProfile
 from profiler.search import SAME_SPEED, NoPlanFitsError, search
-from tests.unit.test_cost_model import MIB, hardware, random_model
+from tests.unit.test_cost_model import MIB, chunk_plans, hardware, random_model
 
 
 def with_inputs(model: ModelProfile, rng: random.Random) -> ModelProfile:
@@ -52,22 +51,13 @@ def all_layouts(num_blocks: int, ssd: bool) -> list[tuple[str, ...]]:
 
 
 def brute_force(model: ModelProfile, hw: HardwareProfile, device_budget: int, ssd: bool) -> float | None:
-    e = model.element_size
-    total = sum(n for n, _ in model.param_sizes) * e
-    largest = max(n for n, _ in model.param_sizes) * e
     costs_by_layout = [activation_cost(model, hw, modes) for modes in all_layouts(len(model.blocks), ssd)]
     best = None
-    for size in candidate_chunk_bytes(total, largest):
-        costs = chunk_costs(model, hw, size)
-        n = costs.num_chunks
-        for p in range(n + 1):
-            for b in range(0, n - p + 1):
-                if p < n and b < costs.need[p] or p == n and b:
-                    continue
-                for activations in costs_by_layout:
-                    got = predict(model, hw, costs, n_persist=p, n_buffer=b, activations=activations)
-                    if got.peak_device_bytes * 1.05 <= device_budget:
-                        best = got.step_s if best is None else min(best, got.step_s)
+    for costs, p, b in chunk_plans(model, hw):
+        for activations in costs_by_layout:
+            got = predict(model, hw, costs, n_persist=p, n_buffer=b, activations=activations)
+            if got.peak_device_bytes * 1.05 <= device_budget:
+                best = got.step_s if best is None else min(best, got.step_s)
     return best
 
 

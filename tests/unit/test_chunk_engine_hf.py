@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import runtime
-from tests.helpers import assert_state_equal, lm_batches
+from tests.helpers import TINY_LLAMA, assert_state_equal, lm_batches
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,16 +30,7 @@ def tiny_hf(kind: str) -> nn.Module:
             attn_pdrop=0.0,
         )
         return transformers.GPT2LMHeadModel(config)
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA))
 
 
 def reference_step_all(model: nn.Module, batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from profiler.cost_model import chunk_costs, predict
+from profiler.cost_model import ChunkCosts, chunk_costs, predict
 from profiler.profile import BlockProfile, HardwareProfile, ModelProfile
 from profiler.search import SAME_SPEED, NoPlanFitsError, search
 
@@ -147,25 +148,30 @@ def random_model(rng: random.Random, blocks: int) -> ModelProfile:
     )
 
 
-def brute_force(
-    model: ModelProfile, hw: HardwareProfile, device_budget: int, host_budget: int
-) -> float | None:
+def chunk_plans(model: ModelProfile, hw: HardwareProfile) -> Iterator[tuple[ChunkCosts, int, int]]:
+    """Every valid (chunk costs, n_persist, n_buffer) over the candidate chunk sizes."""
     from profiler.chunking import candidate_chunk_bytes
 
     e = model.element_size
     total = sum(n for n, _ in model.param_sizes) * e
     largest = max(n for n, _ in model.param_sizes) * e
-    best = None
     for size in candidate_chunk_bytes(total, largest):
         costs = chunk_costs(model, hw, size)
         n = costs.num_chunks
         for p in range(n + 1):
             for b in range(0, n - p + 1):
-                if p < n and b < costs.need[p] or p == n and b:
-                    continue
-                got = predict(model, hw, costs, n_persist=p, n_buffer=b)
-                if got.peak_device_bytes * 1.05 <= device_budget and got.host_bytes <= host_budget:
-                    best = got.step_s if best is None else min(best, got.step_s)
+                if not (p < n and b < costs.need[p] or p == n and b):
+                    yield costs, p, b
+
+
+def brute_force(
+    model: ModelProfile, hw: HardwareProfile, device_budget: int, host_budget: int
+) -> float | None:
+    best = None
+    for costs, p, b in chunk_plans(model, hw):
+        got = predict(model, hw, costs, n_persist=p, n_buffer=b)
+        if got.peak_device_bytes * 1.05 <= device_budget and got.host_bytes <= host_budget:
+            best = got.step_s if best is None else min(best, got.step_s)
     return best
 
 

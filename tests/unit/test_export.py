@@ -18,7 +18,7 @@ import runtime
 from runtime import export
 from runtime.export import TIED_METADATA_KEY, export_hf, export_safetensors, load_safetensors_export
 from runtime.models.gpt import GPT, PRESETS
-from tests.helpers import assert_state_equal
+from tests.helpers import TINY_LLAMA, assert_state_equal
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,17 +32,7 @@ def tiny_gpt(seed: int) -> GPT:
 
 def tiny_llama(seed: int, *, tied: bool) -> nn.Module:
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=tied,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA, tie_word_embeddings=tied))
 
 
 def state_of(model: nn.Module) -> dict[str, torch.Tensor]:
