@@ -111,6 +111,11 @@ def all_reduce_min_(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return _all_reduce_(tensor, ctx, dist.ReduceOp.MIN)
 
 
+def all_reduce_max(value: float, ctx: DistContext) -> float:
+    """The largest of every rank's ``value``."""
+    return -float(all_reduce_min_(torch.tensor([-value], dtype=torch.float64), ctx)[0])
+
+
 def broadcast_module_(module: nn.Module, ctx: DistContext) -> None:
     """Make every rank's parameters and buffers equal to rank 0's (as DDP does at start)."""
     if ctx.world_size == 1:

@@ -16,6 +16,7 @@ reports one record.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import signal
@@ -35,11 +36,12 @@ from runtime.checkpoint.store import Checkpoint, CheckpointError
 from runtime.chunks.manager import ChunkManager
 from runtime.console import MetricsFile, ProgressReporter, StepRecord
 from runtime.device import DeviceInfo, synchronize
-from runtime.distributed import DistContext, all_reduce_sum_, broadcast_object, destroy
+from runtime.distributed import DistContext, all_reduce_max, all_reduce_sum_, broadcast_object, destroy
 from runtime.loss_scale import DynamicLossScaler
 from runtime.memory_probe import PeakMemoryProbe
 from runtime.plan_check import PlanCheck
 from runtime.plan_check import describe as describe_plan_check
+from runtime.plan_switch import move_state
 from runtime.planning import batch_shape
 from runtime.sampler import ShardedSampler
 from runtime.schedule import lr_factor
@@ -48,6 +50,19 @@ from runtime.spec import NonFiniteLossPolicy, Precision
 from runtime.stop import StopRequest, TrainingStopped
 
 _AUTOCAST_DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+
+
+REPLAN_MARGIN = 0.10
+"""A measured peak this much above the prediction makes the engine re-plan."""
+MAX_REPLANS = 2
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Rebuild:
+    """What ``initialize`` hands the engine to build another plan's managers."""
+
+    chunks: Callable[[Plan], ChunkManager]
+    activations: Callable[[Plan, ChunkManager], ActivationManager]
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -95,7 +110,12 @@ class Engine:
         checkpointer: Checkpointer,
         stop: StopRequest | None = None,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
+        rebuild: Rebuild | None = None,
+        replan: Callable[[int], Plan] | None = None,
     ) -> None:
+        """``rebuild`` makes the chunk and activation managers of another plan (for
+        ``switch_plan``); ``replan(device_budget)`` searches again over the profiles the plan
+        came from (None: the plan was not searched, so it is never re-planned)."""
         self.module = module
         self.plan = plan
         self.settings = settings
@@ -126,6 +146,10 @@ class Engine:
         self._window_nonfinite = torch.zeros((), dtype=torch.float64)
         self._window_tokens = 0
         self._closed = False
+        self._rebuild = rebuild
+        self._replan = replan
+        self.replans = 0
+        """Plans switched to because the measured peak exceeded the prediction."""
         self._plan_check = PlanCheck(plan, accumulation=settings.gradient_accumulation_steps)
         self._peak_probe = PeakMemoryProbe(module, device, static_device_bytes=chunks.device_state_bytes())
 
@@ -346,6 +370,68 @@ class Engine:
             self._reporter.print(describe_plan_check(check))
             if self._metrics is not None:
                 self._metrics.write(check)
+            self._replan_if_over(check)
+
+    # ---------------------------------------------------------------- re-planning
+
+    def _replan_if_over(self, check: dict[str, Any]) -> None:
+        """A measured peak above the prediction by more than ``REPLAN_MARGIN`` (on any rank)
+        means the profile saw less than the run needs: search again with the budget shrunk by
+        that ratio, and switch to the plan found, before the difference runs out of memory."""
+        predicted = self.plan.predicted_peak_device_bytes
+        if self._replan is None or predicted is None or "measured_peak_device_bytes" not in check:
+            return
+        measured = all_reduce_max(float(check["measured_peak_device_bytes"]), self.dist_ctx)
+        if measured <= predicted * (1 + REPLAN_MARGIN) or self.replans >= MAX_REPLANS:
+            return
+        ratio = measured / predicted
+        budget = int(self.plan.device_budget_bytes / ratio)
+        reason = (
+            f"measured peak {measured / 2**20:.1f} MiB is {ratio - 1:.0%} above the predicted "
+            f"{predicted / 2**20:.1f} MiB"
+        )
+        try:
+            plan = self._replan(budget)
+        except ValueError as err:  # nothing fits the shrunk budget: say so, carry on
+            self.log(
+                f"re-plan: {reason}, but no plan fits {budget / 2**20:.1f} MiB ({err}); keeping the plan"
+            )
+            return
+        plan = dataclasses.replace(
+            plan,
+            device_budget_bytes=self.plan.device_budget_bytes,
+            rule=f"re-planned ({reason}; searched at {budget / 2**20:.1f} MiB): {plan.rule}",
+        )
+        self.log(f"re-plan: {reason}; searching again at {budget / 2**20:.1f} MiB")
+        self.switch_plan(plan)
+        self.replans += 1
+
+    def switch_plan(self, plan: Plan) -> None:
+        """Carry on under ``plan``: the chunk and activation managers are rebuilt for it and
+        every parameter, moment and step count moves into its chunk layout (in memory; see
+        ``runtime.plan_switch``). Every rank calls it, between updates."""
+        if self._rebuild is None:
+            raise RuntimeError("this engine cannot switch plans (it was not built by runtime.initialize)")
+        if self.micro_step % self.settings.gradient_accumulation_steps != 0:
+            raise RuntimeError("switch_plan in the middle of an accumulation window")
+        self.checkpointer.wait()
+        old_chunks, old_activations = self.chunks, self.activations
+        chunks = self._rebuild.chunks(plan)
+        move_state(old_chunks, chunks, self.dist_ctx)
+        # The old activation manager goes first: the new one may reuse its file directory.
+        old_activations.close()
+        old_chunks.close()
+        self.chunks = chunks
+        self.activations = self._rebuild.activations(plan, chunks)
+        self.checkpointer.use(chunks)
+        self.plan = plan
+        self._plan_check = PlanCheck(plan, accumulation=self.settings.gradient_accumulation_steps)
+        self._peak_probe = PeakMemoryProbe(
+            self.module, self.device_info, static_device_bytes=chunks.device_state_bytes()
+        )
+        self._reporter.show_plan(plan)
+        if self._metrics is not None:
+            self._metrics.write({"event": "plan", "plan": plan.to_dict()})
 
     @contextlib.contextmanager
     def _autocast(self) -> Iterator[None]:

@@ -28,7 +28,7 @@ from runtime.chunks.manager import ChunkManager
 from runtime.console import MetricsFile, ProgressReporter, plan_table
 from runtime.device import DeviceInfo, select_device
 from runtime.distributed import DistContext, all_reduce_min_, broadcast_module_, env_int, init_distributed
-from runtime.engine import Engine
+from runtime.engine import Engine, Rebuild
 from runtime.param_groups import split_decay
 from runtime.planning import (
     COMPUTE_DTYPES,
@@ -131,6 +131,7 @@ def initialize(
     budgets = _budgets(spec, device, ranks_on_host=env_int("LOCAL_WORLD_SIZE", 1))
     # Every rank must run the same plan (collective order depends on it): agree on the smallest.
     agreed = all_reduce_min_(torch.tensor(budgets, dtype=torch.float64), dist_ctx)
+    replanner: list[Callable[[int], Plan]] = []
     plan = make_plan(
         model,
         spec,
@@ -142,6 +143,7 @@ def initialize(
         loss_fn=loss_fn,
         device=device,
         dist_ctx=dist_ctx,
+        replanner=replanner,
     )
     _check_same_plan_everywhere(plan, dist_ctx)
     _check_supported(plan, spec)
@@ -173,6 +175,12 @@ def initialize(
         checkpointer=checkpointer,
         stop=StopRequest(announce=dist_ctx.is_main).install(),
         loss_fn=loss_fn,
+        rebuild=Rebuild(
+            # Values come from the old layout (runtime.plan_switch), not from the parameters.
+            chunks=lambda new: _build_chunks(model, params, new, settings, device, dist_ctx, _Zeros(params)),
+            activations=lambda new, chunks: _build_activations(model, spec, new, chunks, device, dist_ctx),
+        ),
+        replan=replanner[0] if replanner else None,
     )
     try:
         engine.resume()
@@ -180,6 +188,17 @@ def initialize(
         engine.__exit__(type(err), err, err.__traceback__)
         raise
     return engine
+
+
+class _Zeros:
+    """A weight source of zeros of each parameter's shape: chunks built for a new plan are
+    filled from the old layout afterwards."""
+
+    def __init__(self, params: tuple[ParamInfo, ...]) -> None:
+        self._shapes = {info.name: tuple(info.shape) for info in params}
+
+    def get(self, name: str) -> torch.Tensor:
+        return torch.zeros(self._shapes[name])
 
 
 def _checkpoint_settings(spec: Spec) -> CheckpointSettings:
@@ -271,7 +290,7 @@ def _build_chunks(
     settings: TrainingSettings,
     device: DeviceInfo,
     dist_ctx: DistContext,
-    reader: WeightReader | None,
+    reader: WeightReader | _Zeros | None,
 ) -> ChunkManager:
     element_size = compute_element_size(settings.precision)
     layout = layout_from_params(

@@ -54,10 +54,13 @@ def make_plan(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     device: DeviceInfo | None = None,
     dist_ctx: DistContext | None = None,
+    replanner: list[Callable[[int], Plan]] | None = None,
 ) -> Plan:
     """Fill the spec's "auto" memory knobs. ``budgets``: (device, host) bytes per rank, already
     resolved from "auto" and agreed across ranks. ``example_batch`` (on the model's device) and
-    ``device`` enable profiling and the search; ``dist_ctx`` None means a dry run (one process)."""
+    ``device`` enable profiling and the search; ``dist_ctx`` None means a dry run (one process).
+    ``replanner``, when given, receives the search over the same profiles at another device
+    budget (only when the plan came from a search): what a re-plan runs."""
     memory = spec.memory
 
     def knob(value: int | str) -> int | None:
@@ -102,19 +105,25 @@ def make_plan(
                 ssd_path=_ssd_path(request, len(blocks), memory),
             )
             if profiled is not None:
-                plan, _ = searched_plan(
-                    request=request,
-                    model=profiled[0],
-                    hardware=profiled[1],
-                    num_blocks=len(blocks),
-                    micro_batch_size=spec.micro_batch_size,
-                    device_budget_bytes=budgets[0],
-                    host_budget_bytes=budgets[1],
-                    chosen=chosen,
-                    undo_snapshots=bool(spec.gradient_clipping),
-                    ssd_available=profiled[1].ssd_write_bytes_per_s > 0 and memory.ssd.path is not None,
-                )
-                return plan
+
+                def search_at(device_budget: int) -> Plan:
+                    plan, _ = searched_plan(
+                        request=request,
+                        model=profiled[0],
+                        hardware=profiled[1],
+                        num_blocks=len(blocks),
+                        micro_batch_size=spec.micro_batch_size,
+                        device_budget_bytes=device_budget,
+                        host_budget_bytes=budgets[1],
+                        chosen=chosen,
+                        undo_snapshots=bool(spec.gradient_clipping),
+                        ssd_available=profiled[1].ssd_write_bytes_per_s > 0 and memory.ssd.path is not None,
+                    )
+                    return plan
+
+                if replanner is not None:
+                    replanner.append(search_at)
+                return search_at(budgets[0])
         plan = _resident(
             request, params, element_size, len(blocks), world_size, spec, budgets, chosen, module_params
         )

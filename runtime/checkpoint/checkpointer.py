@@ -84,6 +84,12 @@ class Checkpointer:
         self._pending_error: BaseException | None = None
         self._pending_path: Path | None = None
 
+    def use(self, chunks: ChunkManager) -> None:
+        """Save and load this chunk manager's state from now on (after a plan switch)."""
+        self.wait()
+        self.chunks = chunks
+        self._space = None
+
     # ------------------------------------------------------------------ plumbing
 
     @property

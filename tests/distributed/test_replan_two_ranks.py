@@ -1,0 +1,49 @@
+"""A re-plan on two gloo ranks: both agree on the measured peak (the larger), search again, and
+move their shards into the new layout together; training ends where the run without a re-plan
+ends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.distributed.pool import RankPool
+from tests.helpers import assert_state_close, assert_state_equal, lm_batches, tiny_gpt
+from tests.unit.test_planning import job
+from tests.unit.test_replan import underestimated
+
+pytestmark = pytest.mark.timeout(300)
+STEPS = 8
+
+
+def train(*, rank: int, root: str, budget: int | None, underestimate: bool) -> dict[str, Any]:
+    import runtime
+
+    data = lm_batches(micro_batch_size=16, accumulation=1, world_size=2)
+    config = {**job(Path(root), device_budget=budget or "1GiB"), "micro_batch_size": 16}
+    with runtime.initialize(tiny_gpt(), config=config, example_batch=data.batch(0, 0, rank)) as engine:
+        if underestimate:
+            underestimated(engine, 0.5)
+        for update in range(STEPS):
+            out = engine(**data.batch(update, 0, rank))
+            engine.backward(out.loss)
+            engine.step()
+        return {
+            "state": engine.state_dict(),
+            "replans": engine.replans,
+            "peak": engine.plan.predicted_peak_device_bytes,
+            "rule": engine.plan.rule,
+        }
+
+
+def test_two_ranks_re_plan_together(rank_pool: RankPool, tmp_path: Path) -> None:
+    roomy = rank_pool.run(train, root=str(tmp_path / "a"), budget=None, underestimate=False)
+    budget = int(roomy[0]["peak"] * 1.3)
+    plain = rank_pool.run(train, root=str(tmp_path / "b"), budget=budget, underestimate=False)
+    replanned = rank_pool.run(train, root=str(tmp_path / "c"), budget=budget, underestimate=True)
+    assert [r["replans"] for r in plain] == [0, 0] and [r["replans"] for r in replanned] == [1, 1]
+    assert replanned[0]["rule"] == replanned[1]["rule"] and replanned[0]["rule"].startswith("re-planned")
+    assert_state_equal(replanned[1]["state"], replanned[0]["state"])
+    assert_state_close(replanned[0]["state"], plain[0]["state"])
