@@ -234,7 +234,7 @@ def start_interrupted(tmp_path: Path, pause: float) -> subprocess.Popen[str]:
 def test_ctrl_c_saves_a_checkpoint_and_exits_130_then_resume_continues(
     tmp_path: Path, uninterrupted: dict[str, Any]
 ) -> None:
-    proc = start_interrupted(tmp_path, pause=0.5)
+    proc = start_interrupted(tmp_path, pause=1.0)
     try:
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=60)
