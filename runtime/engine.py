@@ -112,10 +112,13 @@ class Engine:
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         rebuild: Rebuild | None = None,
         replan: Callable[[int], Plan] | None = None,
+        plan_from_batch: Callable[[Any], Plan | None] | None = None,
     ) -> None:
         """``rebuild`` makes the chunk and activation managers of another plan (for
         ``switch_plan``); ``replan(device_budget)`` searches again over the profiles the plan
-        came from (None: the plan was not searched, so it is never re-planned)."""
+        came from (None: the plan was not searched, so it is never re-planned);
+        ``plan_from_batch(batch)`` profiles on the first training batch and searches (when
+        ``initialize`` had no example batch)."""
         self.module = module
         self.plan = plan
         self.settings = settings
@@ -148,6 +151,7 @@ class Engine:
         self._closed = False
         self._rebuild = rebuild
         self._replan = replan
+        self._plan_from_batch = plan_from_batch
         self.replans = 0
         """Plans switched to because the measured peak exceeded the prediction."""
         self._plan_check = PlanCheck(plan, accumulation=settings.gradient_accumulation_steps)
@@ -190,6 +194,8 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._plan_from_batch is not None and self.module.training and torch.is_grad_enabled():
+            self._plan_on_first_batch(args, kwargs)
         self._refuse_larger_batch(args, kwargs)
         if self.module.training and torch.is_grad_enabled():
             if self._window_start is None:
@@ -205,6 +211,38 @@ class Engine:
         finally:
             self.activations.end_forward()
             self.chunks.end_forward()
+
+    def _plan_on_first_batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """No example batch was given: profile on this first training batch (the model as plain
+        PyTorch, random streams restored: no training happens) and switch to the searched plan.
+        Needs the parameters on the device (every chunk persistent); otherwise the rule's plan
+        stays."""
+        planner, self._plan_from_batch = self._plan_from_batch, None
+        assert planner is not None
+        if any(not chunk.persistent for chunk in self.chunks.chunks):
+            self.log("plan: the model state does not fit the device for profiling; keeping the plan")
+            return
+        batch: Any = kwargs if kwargs else (args[0] if len(args) == 1 else args)
+        with self.chunks.detached():
+            plan = planner(batch)
+        if plan is None:
+            self.log("plan: profiling on the first batch did not fit the device; keeping the plan")
+            return
+        plan = dataclasses.replace(plan, rule=f"planned on the first batch: {plan.rule}")
+        if (plan.chunk_size, plan.n_persist, plan.n_buffer, plan.block_modes) == (
+            self.plan.chunk_size,
+            self.plan.n_persist,
+            self.plan.n_buffer,
+            self.plan.block_modes,
+        ):
+            # The same knobs: keep the managers, adopt the predictions.
+            self.plan = plan
+            self._plan_check = PlanCheck(plan, accumulation=self.settings.gradient_accumulation_steps)
+            self._reporter.show_plan(plan)
+            if self._metrics is not None:
+                self._metrics.write({"event": "plan", "plan": plan.to_dict()})
+            return
+        self.switch_plan(plan)
 
     def _refuse_larger_batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The plan's memory prediction holds for batches no larger than the profiled one."""
@@ -393,9 +431,8 @@ class Engine:
         try:
             plan = self._replan(budget)
         except ValueError as err:  # nothing fits the shrunk budget: say so, carry on
-            self.log(
-                f"re-plan: {reason}, but no plan fits {budget / 2**20:.1f} MiB ({err}); keeping the plan"
-            )
+            searched_at = f"{budget / 2**20:.1f} MiB"
+            self.log(f"re-plan: {reason}, but the search at {searched_at} failed ({err}); keeping the plan")
             return
         plan = dataclasses.replace(
             plan,

@@ -132,6 +132,7 @@ def initialize(
     # Every rank must run the same plan (collective order depends on it): agree on the smallest.
     agreed = all_reduce_min_(torch.tensor(budgets, dtype=torch.float64), dist_ctx)
     replanner: list[Callable[[int], Plan]] = []
+    first_batch: list[Callable[[Any], Plan | None]] = []
     plan = make_plan(
         model,
         spec,
@@ -144,6 +145,7 @@ def initialize(
         device=device,
         dist_ctx=dist_ctx,
         replanner=replanner,
+        first_batch=first_batch if reader is None else None,
     )
     _check_same_plan_everywhere(plan, dist_ctx)
     _check_supported(plan, spec)
@@ -180,7 +182,8 @@ def initialize(
             chunks=lambda new: _build_chunks(model, params, new, settings, device, dist_ctx, _Zeros(params)),
             activations=lambda new, chunks: _build_activations(model, spec, new, chunks, device, dist_ctx),
         ),
-        replan=replanner[0] if replanner else None,
+        replan=(lambda budget: _search_again(replanner, budget)) if (replanner or first_batch) else None,
+        plan_from_batch=first_batch[0] if first_batch else None,
     )
     try:
         engine.resume()
@@ -188,6 +191,13 @@ def initialize(
         engine.__exit__(type(err), err, err.__traceback__)
         raise
     return engine
+
+
+def _search_again(replanner: list[Callable[[int], Plan]], device_budget: int) -> Plan:
+    """The latest profile's search at another budget (a plan made on the first batch counts)."""
+    if not replanner:
+        raise ValueError("the plan was not searched from a profile")
+    return replanner[-1](device_budget)
 
 
 class _Zeros:

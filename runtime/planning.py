@@ -55,12 +55,15 @@ def make_plan(
     device: DeviceInfo | None = None,
     dist_ctx: DistContext | None = None,
     replanner: list[Callable[[int], Plan]] | None = None,
+    first_batch: list[Callable[[Any], Plan | None]] | None = None,
 ) -> Plan:
     """Fill the spec's "auto" memory knobs. ``budgets``: (device, host) bytes per rank, already
     resolved from "auto" and agreed across ranks. ``example_batch`` (on the model's device) and
     ``device`` enable profiling and the search; ``dist_ctx`` None means a dry run (one process).
     ``replanner``, when given, receives the search over the same profiles at another device
-    budget (only when the plan came from a search): what a re-plan runs."""
+    budget (only when the plan came from a search): what a re-plan runs. ``first_batch``, when
+    given and there is no ``example_batch``, receives the profile-and-search to run on the first
+    real batch (the plan returned meanwhile is the resident or conservative rule's)."""
     memory = spec.memory
 
     def knob(value: int | str) -> int | None:
@@ -88,42 +91,61 @@ def make_plan(
     searchable = None in (request.chunk_size, request.n_persist, request.n_buffer) or activations_searchable(
         request
     )
+
+    def profile_and_search(batch: Any) -> Plan | None:
+        """Profile on ``batch``, search; None when the profiling step does not fit the device."""
+        assert device is not None
+        profiled = _profile(
+            model,
+            spec,
+            params,
+            module_params,
+            block_path,
+            blocks,
+            batch,
+            loss_fn,
+            device,
+            dist_ctx,
+            world_size,
+            ssd_path=_ssd_path(request, len(blocks), memory),
+        )
+        if profiled is None:
+            return None
+
+        def search_at(device_budget: int) -> Plan:
+            plan, _ = searched_plan(
+                request=request,
+                model=profiled[0],
+                hardware=profiled[1],
+                num_blocks=len(blocks),
+                micro_batch_size=spec.micro_batch_size,
+                device_budget_bytes=device_budget,
+                host_budget_bytes=budgets[1],
+                chosen=chosen,
+                undo_snapshots=bool(spec.gradient_clipping),
+                ssd_available=profiled[1].ssd_write_bytes_per_s > 0 and memory.ssd.path is not None,
+            )
+            return plan
+
+        if replanner is not None:
+            replanner.append(search_at)
+        return search_at(budgets[0])
+
     try:
         if searchable and example_batch is not None and device is not None:
-            profiled = _profile(
-                model,
-                spec,
-                params,
-                module_params,
-                block_path,
-                blocks,
-                example_batch,
-                loss_fn,
-                device,
-                dist_ctx,
-                world_size,
-                ssd_path=_ssd_path(request, len(blocks), memory),
-            )
-            if profiled is not None:
+            searched = profile_and_search(example_batch)
+            if searched is not None:
+                return searched
+        elif searchable and device is not None and dist_ctx is not None and first_batch is not None:
+            # No example batch: the engine profiles on the first real one and switches to the
+            # searched plan (see Engine.forward); until then the rule below holds.
+            def from_first_batch(batch: Any) -> Plan | None:
+                try:
+                    return profile_and_search(batch)
+                except NoPlanFitsError as err:
+                    raise SpecError(f"memory: {err}") from None
 
-                def search_at(device_budget: int) -> Plan:
-                    plan, _ = searched_plan(
-                        request=request,
-                        model=profiled[0],
-                        hardware=profiled[1],
-                        num_blocks=len(blocks),
-                        micro_batch_size=spec.micro_batch_size,
-                        device_budget_bytes=device_budget,
-                        host_budget_bytes=budgets[1],
-                        chosen=chosen,
-                        undo_snapshots=bool(spec.gradient_clipping),
-                        ssd_available=profiled[1].ssd_write_bytes_per_s > 0 and memory.ssd.path is not None,
-                    )
-                    return plan
-
-                if replanner is not None:
-                    replanner.append(search_at)
-                return search_at(budgets[0])
+            first_batch.append(from_first_batch)
         plan = _resident(
             request, params, element_size, len(blocks), world_size, spec, budgets, chosen, module_params
         )

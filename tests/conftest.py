@@ -4,8 +4,11 @@ protrain-run processes). The marker follows the folder so no test can be left ou
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,14 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     # nothing. A handler (unlike SIG_IGN) is reset to the default at exec, so children get Python's
     # usual KeyboardInterrupt again.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+if not os.environ.get("PROTRAIN_TESTS_HOME"):
+    # Engines without an example batch profile on their first batch and cache the profiles under
+    # profiler.cache_dir (~/.cache/protrain by default): tests keep theirs in a scratch home, not
+    # the user's. Processes the tests start inherit it; parallel workers share the parent's.
+    scratch_home = tempfile.mkdtemp(prefix="protrain-tests-home-")
+    os.environ["PROTRAIN_TESTS_HOME"] = os.environ["HOME"] = scratch_home
+    atexit.register(shutil.rmtree, scratch_home, True)
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Parallel workers share the cores: one compute thread each (as torchrun gives each rank a

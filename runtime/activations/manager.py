@@ -42,7 +42,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from profiler.activation_cost import PREFETCH_BLOCKS
 from profiler.plan import BlockMode
 from runtime.activations.host_pool import HostActivationPool
-from runtime.activations.records import SavedActivation, SavedTensorModifiedError, StoredStorage
+from runtime.activations.records import KeptTensor, SavedActivation, SavedTensorModifiedError, StoredStorage
 from runtime.chunks.manager import ChunkManager, SavedAlias
 from runtime.device import DeviceEvent, DeviceInfo, SideStream
 
@@ -229,15 +229,17 @@ class ActivationManager:
         if alias is not None:
             return alias
         block = self._block
+        if not isinstance(tensor, torch.Tensor) or type(tensor) is not torch.Tensor:
+            return tensor  # parameters and tensor subclasses: autograd's checks apply to them
         if block is None or self.phase is not Phase.FORWARD or not _plain(tensor, self.device.device):
-            return tensor
+            return KeptTensor(tensor)
         storage = tensor.untyped_storage()
         address = storage.data_ptr()
         if address in self._model_state:
             return tensor
         if storage.nbytes() < self.min_offload_bytes:
             self.stats.kept_small += 1
-            return tensor
+            return KeptTensor(tensor)
         with self._lock:
             self._reap()
             record = self._by_storage.get(address)
@@ -324,6 +326,8 @@ class ActivationManager:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, SavedAlias):
             return self.chunks.unpack_alias(packed)
+        if isinstance(packed, KeptTensor):
+            return packed.unpack()
         if not isinstance(packed, SavedActivation):
             return packed
         live = packed.live_tensor()

@@ -28,6 +28,28 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from profiler.plan import BlockMode
 
 
+class KeptTensor:
+    """A saved tensor the dispatcher keeps where it is. Autograd skips its own in-place check
+    for tensors that pass through saved-tensor hooks, so the version is noted here and checked
+    when backward unpacks it, with autograd's message."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.version = tensor._version
+
+    def unpack(self) -> torch.Tensor:
+        tensor = self.tensor
+        if tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{tensor.type()} {list(tensor.shape)}] is at version "
+                f"{tensor._version}; expected version {self.version} instead"
+            )
+        return tensor
+
+
 class SavedTensorModifiedError(RuntimeError):
     """A tensor saved for backward was changed in place after it was saved (autograd's own
     'modified by an inplace operation' error, raised for offloaded activations too)."""

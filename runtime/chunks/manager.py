@@ -560,6 +560,28 @@ class ChunkManager:
         return self.host_arena is not None and self.host_arena.contains(tensor)
 
     @contextlib.contextmanager
+    def detached(self) -> Iterator[None]:
+        """The model as plain PyTorch for a while (profiling on a real batch): no hooks, plain
+        ``.grad`` accumulation. Every chunk must be persistent (parameters then hold their real
+        values). Afterwards the hooks, the gradients' places and a clean window are back."""
+        if any(not chunk.persistent for chunk in self.chunks):
+            raise RuntimeError("detached() needs every chunk persistent (parameters hold placeholders)")
+        self.drain()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        try:
+            yield
+        finally:
+            for param in self.params:
+                param.grad = None
+            self._install_hooks()
+            for chunk in self.chunks:
+                self._point_grads(chunk)
+            self.zero_grad()
+            self.reset_backward()
+
+    @contextlib.contextmanager
     def recomputing(self) -> Iterator[None]:
         """A checkpointed block's forward runs again inside backward. Its saved tensors are kept
         by ``torch.utils.checkpoint`` itself, out of reach of ``pack_alias``: the parameters it

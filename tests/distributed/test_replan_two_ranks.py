@@ -18,12 +18,15 @@ pytestmark = pytest.mark.timeout(300)
 STEPS = 8
 
 
-def train(*, rank: int, root: str, budget: int | None, underestimate: bool) -> dict[str, Any]:
+def train(
+    *, rank: int, root: str, budget: int | None, underestimate: bool, example: bool = True
+) -> dict[str, Any]:
     import runtime
 
     data = lm_batches(micro_batch_size=16, accumulation=1, world_size=2)
     config = {**job(Path(root), device_budget=budget or "1GiB"), "micro_batch_size": 16}
-    with runtime.initialize(tiny_gpt(), config=config, example_batch=data.batch(0, 0, rank)) as engine:
+    example_batch = data.batch(0, 0, rank) if example else None
+    with runtime.initialize(tiny_gpt(), config=config, example_batch=example_batch) as engine:
         if underestimate:
             underestimated(engine, 0.5)
         for update in range(STEPS):
@@ -47,3 +50,16 @@ def test_two_ranks_re_plan_together(rank_pool: RankPool, tmp_path: Path) -> None
     assert replanned[0]["rule"] == replanned[1]["rule"] and replanned[0]["rule"].startswith("re-planned")
     assert_state_equal(replanned[1]["state"], replanned[0]["state"])
     assert_state_close(replanned[0]["state"], plain[0]["state"])
+
+
+def test_two_ranks_plan_on_their_first_batch(rank_pool: RankPool, tmp_path: Path) -> None:
+    roomy = rank_pool.run(train, root=str(tmp_path / "a"), budget=None, underestimate=False)
+    budget = int(roomy[0]["peak"] * 0.6)
+    planned_up_front = rank_pool.run(train, root=str(tmp_path / "b"), budget=budget, underestimate=False)
+    on_first_batch = rank_pool.run(
+        train, root=str(tmp_path / "c"), budget=budget, underestimate=False, example=False
+    )
+    assert on_first_batch[0]["rule"] == on_first_batch[1]["rule"]
+    assert on_first_batch[0]["rule"].startswith("planned on the first batch: search")
+    assert_state_equal(on_first_batch[1]["state"], on_first_batch[0]["state"])
+    assert_state_close(on_first_batch[0]["state"], planned_up_front[0]["state"])

@@ -33,7 +33,16 @@ def ssd_job(tmp_path: Path, ssd_path: Path, n_offload: int = 4) -> dict[str, Any
         "seed": 3,
         "micro_batch_size": 2,
         "optimizer": {"lr": 1e-3},
-        "memory": {"ssd": {"path": str(ssd_path), "n_offload": n_offload}},
+        # Every knob set: these tests are about the file store, not about planning (auto knobs
+        # would profile on the first batch, measuring the disk before the test's fault).
+        "memory": {
+            "chunk_size": "256KiB",
+            "n_persist": 0,
+            "n_buffer": 2,
+            "n_swap": 0,
+            "n_checkpoint": 0,
+            "ssd": {"path": str(ssd_path), "n_offload": n_offload},
+        },
         "output_dir": str(tmp_path / "runs"),
     }
 

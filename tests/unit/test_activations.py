@@ -207,7 +207,10 @@ class InPlaceLM(ToyLM):
 @pytest.mark.parametrize("mode", ["keep", "swap", "ssd"])
 def test_saved_tensor_changed_in_place_raises_like_autograd(tmp_path: Path, mode: str) -> None:
     torch.manual_seed(0)
-    engine = runtime.initialize(InPlaceLM(), config=job(tmp_path, [mode, mode]))
+    # Chunk knobs set: with auto ones the first batch would be profiled in plain PyTorch,
+    # whose own in-place error would come first.
+    config = job(tmp_path, [mode, mode], chunk_size="256KiB", n_persist=0, n_buffer=2)
+    engine = runtime.initialize(InPlaceLM(), config=config)
     try:
         data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
         out = engine(**data.batch(0, 0, 0))

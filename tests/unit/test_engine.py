@@ -66,7 +66,8 @@ def test_accumulation_schedule_and_triggering_clip_match_plain_pytorch(tmp_path:
     assert_state_close(actual, expected)
     assert losses == pytest.approx(ref_losses, rel=1e-6)
     (metrics,) = (tmp_path / "runs").glob("*/metrics.jsonl")
-    norms = [json.loads(line).get("grad_norm") for line in metrics.read_text().splitlines()[1:]]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    norms = [record["grad_norm"] for record in records if "step" in record]
     assert min(norms) > 0.05, "the clip must trigger on every update for this test to mean anything"
 
 

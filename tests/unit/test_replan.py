@@ -83,3 +83,32 @@ def test_moving_state_between_layouts_keeps_every_value(tmp_path: Path) -> None:
     engine.backward(out.loss)
     assert engine.step()
     engine.close()
+
+
+def test_without_an_example_batch_the_first_batch_is_profiled_and_searched(tmp_path: Path) -> None:
+    """No example batch: the engine starts under the resident rule, profiles on the first real
+    batch (no training happens in it), searches, and switches; the run equals plain PyTorch."""
+    data = lm_batches(micro_batch_size=16, accumulation=1, world_size=1)
+    expected, _ = train_reference(tiny_gpt(), data, steps=STEPS, lr=1e-3, weight_decay=0.1)
+    probe = runtime.initialize(
+        tiny_gpt(), config={**job(tmp_path, device_budget="1GiB"), "micro_batch_size": 16},
+        example_batch=data.batch(0, 0, 0),
+    )  # fmt: skip
+    kept_peak = probe.plan.predicted_peak_device_bytes
+    probe.close()
+    assert kept_peak is not None
+    # Tight enough that the search must recompute or offload; the resident rule ignores it.
+    config = {**job(tmp_path, device_budget=int(kept_peak * 0.6)), "micro_batch_size": 16}
+    engine = runtime.initialize(tiny_gpt(), config=config)
+    assert engine.plan.predicted_step_s is None and not engine.plan.rule.startswith("search")
+    for update in range(STEPS):
+        out = engine(**data.batch(update, 0, 0))
+        engine.backward(out.loss)
+        engine.step()
+        if update == 0:
+            plan = engine.plan
+            assert plan.rule.startswith("planned on the first batch: search")
+            assert plan.predicted_peak_device_bytes is not None
+            assert plan.predicted_peak_device_bytes * 1.05 <= int(kept_peak * 0.6)
+    assert_state_equal(engine.state_dict(), expected)
+    engine.close()
