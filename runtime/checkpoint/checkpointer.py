@@ -37,6 +37,8 @@ from runtime.checkpoint.store import (
     Checkpoint,
     CheckpointError,
     checkpoint_name,
+    corrupt_files,
+    file_crc32,
     latest_checkpoint,
     prune,
     publish,
@@ -210,9 +212,18 @@ class Checkpointer:
                     no_dist=not self.distributed,
                 )
 
+            # Each rank sums the files it wrote (just written: read back from the page cache).
+            mine = {
+                path.name: file_crc32(path) for path in sorted(temp.glob(f"__{self.dist_ctx.rank}_*.distcp"))
+            }
+            checksums = self._gathered(mine)
+
             def finish() -> None:
                 try:
-                    write_manifest(temp, manifest)
+                    metadata = temp / ".metadata"
+                    if metadata.exists():
+                        checksums[metadata.name] = file_crc32(metadata)
+                    write_manifest(temp, {**manifest, "checksums": checksums})
                     publish(temp, final)
                 except BaseException:
                     shutil.rmtree(temp, ignore_errors=True)
@@ -227,6 +238,26 @@ class Checkpointer:
             raise CheckpointError(
                 f"saving checkpoint {final} failed: {err}; the previous checkpoint in {root} is intact"
             ) from err
+
+    def _gathered(self, mine: dict[str, int]) -> dict[str, int]:
+        """Every rank's entries, merged (a collective on the checkpoint group)."""
+        if not self.distributed:
+            return dict(mine)
+        parts: list[dict[str, int] | None] = [None] * self.dist_ctx.world_size
+        dist.all_gather_object(parts, mine, group=self._checkpoint_group())
+        return {name: crc for part in parts if part for name, crc in part.items()}
+
+    def _check_intact(self, checkpoint: Checkpoint) -> None:
+        """Every file's CRC-32 against the manifest, the files spread over the ranks; every rank
+        learns of a mismatch anywhere."""
+        names = sorted(checkpoint.manifest.get("checksums", {}))
+        share = names[self.dist_ctx.rank :: self.dist_ctx.world_size]
+        bad = sorted(set(self._gathered({name: 1 for name in corrupt_files(checkpoint, share)})))
+        if bad:
+            raise CheckpointError(
+                f"{checkpoint.path}: corrupt checkpoint: {', '.join(bad)} changed since it was saved "
+                "(CRC-32 mismatch)"
+            )
 
     def _finish_at_exit(self) -> None:
         try:
@@ -265,6 +296,7 @@ class Checkpointer:
         """Load ``checkpoint`` into the live state; returns its manifest."""
         self.wait()
         self._check_params(checkpoint)
+        self._check_intact(checkpoint)
         space = self._parameter_space()
         state = space.for_load()
         state_dict = state.state_dict

@@ -123,10 +123,20 @@ def test_broken_checkpoints_are_refused_naming_what_is_wrong(tmp_path: Path) -> 
 
     data_file.unlink()
     assert "__0_0.distcp is missing" in _resume_error(tmp_path, path)
+    flipped = bytearray(original)
+    flipped[len(flipped) // 2] ^= 0x01  # one bit, same size: only the checksum can tell
+    data_file.write_bytes(bytes(flipped))
+    message = _resume_error(tmp_path, path)
+    assert "corrupt checkpoint: __0_0.distcp changed since it was saved (CRC-32 mismatch)" in message
     data_file.write_bytes(original)
 
     metadata = path / ".metadata"
     metadata.write_bytes(b"\0" * metadata.stat().st_size)  # same size, garbage
+    assert ".metadata changed since it was saved (CRC-32 mismatch)" in _resume_error(tmp_path, path)
+    # A checkpoint recorded without checksums: DCP's own reading of the metadata fails.
+    manifest = json.loads((path / "protrain.json").read_text())
+    del manifest["checksums"]
+    (path / "protrain.json").write_text(json.dumps(manifest))
     assert "corrupt checkpoint metadata" in _resume_error(tmp_path, path)
 
     (path / "protrain.json").unlink()
