@@ -302,6 +302,16 @@ def predict(
     return kept if activations is None else with_activations(kept, activations, hardware)
 
 
+def memory_with_activations(kept: Prediction, activations: ActivationCost) -> tuple[int, int]:
+    """(peak device bytes, host bytes) of the chunk plan of ``kept`` with the block modes'
+    ``activations`` instead of keeping every block: their peak replaces the kept activations,
+    swapped bytes join host memory. What the search checks a layout's fit with, cheaply."""
+    return (
+        kept.peak_device_bytes - kept.activation_bytes + activations.peak_bytes,
+        kept.host_bytes + activations.host_bytes,
+    )
+
+
 def with_activations(kept: Prediction, activations: ActivationCost, hardware: HardwareProfile) -> Prediction:
     """The prediction of the same chunk plan with the block modes' ``activations`` cost instead of
     keeping every block: their extra time joins forward and backward, their peak replaces the
@@ -309,13 +319,14 @@ def with_activations(kept: Prediction, activations: ActivationCost, hardware: Ha
     plan from one ``kept`` prediction this way."""
     forward = kept.forward_s + activations.forward_extra_s
     backward = kept.backward_s + activations.backward_extra_s
+    peak, host = memory_with_activations(kept, activations)
     return dataclasses.replace(
         kept,
         step_s=_step_s(hardware, forward, backward, kept.device_adam_s, kept.cpu_adam_s, kept.update_s),
         forward_s=forward,
         backward_s=backward,
-        peak_device_bytes=kept.peak_device_bytes - kept.activation_bytes + activations.peak_bytes,
-        host_bytes=kept.host_bytes + activations.host_bytes,
+        peak_device_bytes=peak,
+        host_bytes=host,
         activation_bytes=activations.peak_bytes,
         ssd_bytes=activations.ssd_bytes,
     )

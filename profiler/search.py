@@ -23,7 +23,14 @@ from dataclasses import dataclass
 
 from profiler.activation_cost import ActivationCost, ActivationOption, activation_cost
 from profiler.chunking import ChunkTooSmallError, candidate_chunk_bytes
-from profiler.cost_model import ChunkCosts, Prediction, chunk_costs, predict, with_activations
+from profiler.cost_model import (
+    ChunkCosts,
+    Prediction,
+    chunk_costs,
+    memory_with_activations,
+    predict,
+    with_activations,
+)
 from profiler.profile import HardwareProfile, ModelProfile
 
 SAME_SPEED = 0.02
@@ -135,8 +142,8 @@ def search(
     def layout_fits(kept: Prediction, cost: ActivationCost | None) -> bool:
         if cost is None:
             return fits(kept)
-        peak = kept.peak_device_bytes - kept.activation_bytes + cost.peak_bytes
-        return peak * (1 + margin) <= device_budget and kept.host_bytes + cost.host_bytes <= host_budget
+        peak, host = memory_with_activations(kept, cost)
+        return peak * (1 + margin) <= device_budget and host <= host_budget
 
     def evaluate(costs: ChunkCosts, p: int, b: int) -> tuple[Candidate, bool]:
         """The fastest layout that fits at (p, b), True; or, when none fits, the one with the

@@ -235,12 +235,7 @@ class Engine:
             self.plan.n_buffer,
             self.plan.block_modes,
         ):
-            # The same knobs: keep the managers, adopt the predictions.
-            self.plan = plan
-            self._plan_check = PlanCheck(plan, accumulation=self.settings.gradient_accumulation_steps)
-            self._reporter.show_plan(plan)
-            if self._metrics is not None:
-                self._metrics.write({"event": "plan", "plan": plan.to_dict()})
+            self._adopt(plan)  # the same knobs: keep the managers, take the predictions
             return
         self.switch_plan(plan)
 
@@ -461,11 +456,15 @@ class Engine:
         self.chunks = chunks
         self.activations = self._rebuild.activations(plan, chunks)
         self.checkpointer.use(chunks)
-        self.plan = plan
-        self._plan_check = PlanCheck(plan, accumulation=self.settings.gradient_accumulation_steps)
         self._peak_probe = PeakMemoryProbe(
             self.module, self.device_info, static_device_bytes=chunks.device_state_bytes()
         )
+        self._adopt(plan)
+
+    def _adopt(self, plan: Plan) -> None:
+        """``plan`` is the one in force: its checks start over; it is shown and recorded."""
+        self.plan = plan
+        self._plan_check = PlanCheck(plan, accumulation=self.settings.gradient_accumulation_steps)
         self._reporter.show_plan(plan)
         if self._metrics is not None:
             self._metrics.write({"event": "plan", "plan": plan.to_dict()})

@@ -290,7 +290,12 @@ class Checkpointer:
 
     def latest(self, root: Path) -> Checkpoint | None:
         """``resume: auto``: the latest complete checkpoint under ``root``, as rank 0 sees it."""
-        return self._on_main(lambda: (recover(root), latest_checkpoint(root))[1], f"reading {root}")
+
+        def find() -> Checkpoint | None:
+            recover(root)
+            return latest_checkpoint(root)
+
+        return self._on_main(find, f"reading {root}")
 
     def load(self, checkpoint: Checkpoint, *, log: Callable[[str], None]) -> dict[str, Any]:
         """Load ``checkpoint`` into the live state; returns its manifest."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import runtime
-from profiler.plan import BlockMode
+from profiler.plan import BlockMode, Plan
 from runtime.blocks import find_blocks
 from runtime.chunks.layout import model_params
 from runtime.device import select_device
@@ -61,19 +61,30 @@ def test_a_tight_budget_gets_a_searched_plan_that_fits_and_trains_exactly(tmp_pa
     assert (tmp_path / "cache").is_dir(), "the hardware profile is cached under profiler.cache_dir"
 
 
+def big_batch_job(tmp_path: Path, device_budget: int | str) -> dict[str, Any]:
+    """Sixteen samples per micro-batch: saved activations dominate the tiny GPT's memory."""
+    return {**job(tmp_path, device_budget=device_budget), "micro_batch_size": 16}
+
+
+def all_kept_plan(tmp_path: Path, batch: dict[str, torch.Tensor]) -> Plan:
+    """The plan searched with room for everything (every chunk persistent, every block kept)."""
+    engine = runtime.initialize(tiny_gpt(), config=big_batch_job(tmp_path, "1GiB"), example_batch=batch)
+    engine.close()
+    assert engine.plan.predicted_peak_device_bytes is not None
+    return engine.plan
+
+
 def test_activation_knobs_are_searched_when_activations_bind(tmp_path: Path) -> None:
     """Sixteen samples per micro-batch: saved activations dominate the tiny GPT's memory, so under
     a budget of 60% of the all-kept plan the search recomputes or offloads blocks; the math stays
     plain PyTorch's."""
     data = lm_batches(micro_batch_size=16, accumulation=1, world_size=1)
-    config = {**job(tmp_path, device_budget="1GiB"), "micro_batch_size": 16}
-    roomy = runtime.initialize(tiny_gpt(), config=config, example_batch=data.batch(0, 0, 0))
-    kept = roomy.plan
-    roomy.close()
+    kept = all_kept_plan(tmp_path, data.batch(0, 0, 0))
     assert set(kept.block_modes) == {BlockMode.KEEP} and kept.predicted_peak_device_bytes is not None
     budget = int(kept.predicted_peak_device_bytes * 0.6)
-    config["memory"] = {**config["memory"], "device_budget": budget}
-    engine = runtime.initialize(tiny_gpt(), config=config, example_batch=data.batch(0, 0, 0))
+    engine = runtime.initialize(
+        tiny_gpt(), config=big_batch_job(tmp_path, budget), example_batch=data.batch(0, 0, 0)
+    )
     plan = engine.plan
     assert set(plan.block_modes) != {BlockMode.KEEP}
     assert {"memory.n_swap", "memory.n_checkpoint"} <= set(plan.chosen)

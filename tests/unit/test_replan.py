@@ -13,7 +13,7 @@ import runtime
 from runtime.chunks.layout import layout_from_params
 from tests.checkpointing import checkpoint_tensors
 from tests.helpers import assert_state_equal, lm_batches, tiny_gpt, train_reference
-from tests.unit.test_planning import job
+from tests.unit.test_planning import all_kept_plan, big_batch_job, job
 
 STEPS = 9
 
@@ -29,13 +29,10 @@ def underestimated(engine: Any, factor: float) -> None:
 def test_a_peak_above_the_prediction_re_plans_and_training_stays_exact(tmp_path: Path) -> None:
     data = lm_batches(micro_batch_size=16, accumulation=1, world_size=1)
     expected, _ = train_reference(tiny_gpt(), data, steps=STEPS, lr=1e-3, weight_decay=0.1)
-    config = {**job(tmp_path, device_budget="1GiB"), "micro_batch_size": 16}
-    probe = runtime.initialize(tiny_gpt(), config=config, example_batch=data.batch(0, 0, 0))
-    kept_peak = probe.plan.predicted_peak_device_bytes
-    probe.close()
+    kept_peak = all_kept_plan(tmp_path, data.batch(0, 0, 0)).predicted_peak_device_bytes
     assert kept_peak is not None
     # A budget the all-kept plan fits with a third to spare, and a prediction half the truth.
-    config["memory"] = {**config["memory"], "device_budget": int(kept_peak * 1.3)}
+    config = big_batch_job(tmp_path, int(kept_peak * 1.3))
     engine = runtime.initialize(tiny_gpt(), config=config, example_batch=data.batch(0, 0, 0))
     first = engine.plan
     underestimated(engine, 0.5)
@@ -90,15 +87,10 @@ def test_without_an_example_batch_the_first_batch_is_profiled_and_searched(tmp_p
     batch (no training happens in it), searches, and switches; the run equals plain PyTorch."""
     data = lm_batches(micro_batch_size=16, accumulation=1, world_size=1)
     expected, _ = train_reference(tiny_gpt(), data, steps=STEPS, lr=1e-3, weight_decay=0.1)
-    probe = runtime.initialize(
-        tiny_gpt(), config={**job(tmp_path, device_budget="1GiB"), "micro_batch_size": 16},
-        example_batch=data.batch(0, 0, 0),
-    )  # fmt: skip
-    kept_peak = probe.plan.predicted_peak_device_bytes
-    probe.close()
+    kept_peak = all_kept_plan(tmp_path, data.batch(0, 0, 0)).predicted_peak_device_bytes
     assert kept_peak is not None
     # Tight enough that the search must recompute or offload; the resident rule ignores it.
-    config = {**job(tmp_path, device_budget=int(kept_peak * 0.6)), "micro_batch_size": 16}
+    config = big_batch_job(tmp_path, int(kept_peak * 0.6))
     engine = runtime.initialize(tiny_gpt(), config=config)
     assert engine.plan.predicted_step_s is None and not engine.plan.rule.startswith("search")
     for update in range(STEPS):
