@@ -33,7 +33,7 @@ from profiler.plan import Plan
 from runtime.activations.manager import ActivationManager
 from runtime.checkpoint.checkpointer import Checkpointer
 from runtime.checkpoint.store import Checkpoint, CheckpointError
-from runtime.chunks.manager import ChunkManager
+from runtime.chunks.manager import ChunkManager, SavedAlias
 from runtime.console import MetricsFile, ProgressReporter, StepRecord
 from runtime.device import DeviceInfo, synchronize
 from runtime.distributed import DistContext, all_reduce_max, all_reduce_sum_, broadcast_object, destroy
@@ -42,11 +42,13 @@ from runtime.memory_probe import PeakMemoryProbe
 from runtime.plan_check import PlanCheck
 from runtime.plan_check import describe as describe_plan_check
 from runtime.plan_switch import move_state
-from runtime.planning import batch_shape
+from runtime.planning import LossNotFoundError, batch_shape
+from runtime.probes import ChunkedRun
 from runtime.sampler import ShardedSampler
 from runtime.schedule import lr_factor
 from runtime.settings import TrainingSettings
 from runtime.spec import NonFiniteLossPolicy, Precision
+from runtime.spec_io import SpecError
 from runtime.stop import StopRequest, TrainingStopped
 
 _AUTOCAST_DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
@@ -112,13 +114,13 @@ class Engine:
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         rebuild: Rebuild | None = None,
         replan: Callable[[int], Plan] | None = None,
-        plan_from_batch: Callable[[Any], Plan | None] | None = None,
+        plan_from_batch: Callable[[Any, ChunkedRun | None], Plan | None] | None = None,
     ) -> None:
         """``rebuild`` makes the chunk and activation managers of another plan (for
         ``switch_plan``); ``replan(device_budget)`` searches again over the profiles the plan
         came from (None: the plan was not searched, so it is never re-planned);
-        ``plan_from_batch(batch)`` profiles on the first training batch and searches (when
-        ``initialize`` had no example batch)."""
+        ``plan_from_batch(batch, chunked)`` profiles on a batch through the chunk engine and
+        searches (when ``initialize`` could not profile the model whole: see ``plan_on_batch``)."""
         self.module = module
         self.plan = plan
         self.settings = settings
@@ -195,7 +197,7 @@ class Engine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._plan_from_batch is not None and self.module.training and torch.is_grad_enabled():
-            self._plan_on_first_batch(args, kwargs)
+            self.plan_on_batch(kwargs if kwargs else (args[0] if len(args) == 1 else args), asked=False)
         self._refuse_larger_batch(args, kwargs)
         if self.module.training and torch.is_grad_enabled():
             if self._window_start is None:
@@ -212,23 +214,33 @@ class Engine:
             self.activations.end_forward()
             self.chunks.end_forward()
 
-    def _plan_on_first_batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """No example batch was given: profile on this first training batch (the model as plain
-        PyTorch, random streams restored: no training happens) and switch to the searched plan.
-        Needs the parameters on the device (every chunk persistent); otherwise the rule's plan
-        stays."""
+    def plan_on_batch(self, batch: Any, *, asked: bool = True) -> None:
+        """Profile on ``batch`` and switch to the searched plan, once: ``initialize`` does so on
+        its example batch when it could not profile the model whole (weights streamed into
+        chunks), the first training forward does so when there was no example batch. The
+        profiling steps run through the chunk engine under the plan in force (so a model state
+        larger than the device is profiled too), every block kept, their gradients dropped and
+        the random streams restored: no training happens. ``asked`` False (the first training
+        batch, which nobody asked to profile with): an output without a loss keeps the plan."""
         planner, self._plan_from_batch = self._plan_from_batch, None
-        assert planner is not None
-        if any(not chunk.persistent for chunk in self.chunks.chunks):
-            self.log("plan: the model state does not fit the device for profiling; keeping the plan")
+        if planner is None:
             return
-        batch: Any = kwargs if kwargs else (args[0] if len(args) == 1 else args)
-        with self.chunks.detached():
-            plan = planner(batch)
+        was_training = self.module.training
+        self.module.train()
+        try:
+            with self.chunks.profiling(), self.activations.suspended():
+                plan = planner(batch, chunked_run(self.chunks))
+        except LossNotFoundError as err:
+            if asked:
+                raise SpecError(str(err)) from None
+            self.log(f"plan: {err}; keeping the plan")
+            return
+        finally:
+            self.module.train(was_training)
         if plan is None:
-            self.log("plan: profiling on the first batch did not fit the device; keeping the plan")
+            self.log("plan: profiling on a batch did not fit the device; keeping the plan")
             return
-        plan = dataclasses.replace(plan, rule=f"planned on the first batch: {plan.rule}")
+        plan = dataclasses.replace(plan, rule=f"planned on a batch through the chunk engine: {plan.rule}")
         if (plan.chunk_size, plan.n_persist, plan.n_buffer, plan.block_modes) == (
             self.plan.chunk_size,
             self.plan.n_persist,
@@ -677,3 +689,18 @@ class Engine:
             self.close()
         else:
             self._close()  # the exception in flight is the news, not a pending stop
+
+
+def chunked_run(chunks: ChunkManager) -> ChunkedRun:
+    """The chunk engine's side of profiling steps run through it, inside ``chunks.profiling()``."""
+
+    def pack(tensor: torch.Tensor) -> Any:
+        alias = chunks.pack_alias(tensor)
+        return tensor if alias is None else alias
+
+    def unpack(packed: Any) -> torch.Tensor:
+        return chunks.unpack_alias(packed) if isinstance(packed, SavedAlias) else packed
+
+    return ChunkedRun(
+        pack=pack, unpack=unpack, model_state=chunks.model_state_storages, stall_s=lambda: chunks.stall_s
+    )

@@ -6,6 +6,7 @@ file protrain-run wrote) and the rendezvous variables torch's launcher sets.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -38,6 +39,7 @@ from runtime.planning import (
     model_blocks,
     model_state_bytes,
 )
+from runtime.probes import ChunkedRun
 from runtime.settings import TrainingSettings, settings_from_spec
 from runtime.spec import AUTO, Spec
 from runtime.spec_io import (
@@ -121,31 +123,33 @@ def initialize(
         local_rank=env_int("LOCAL_RANK", 0),
         collective_device=device.device,
     )
+    budgets = _budgets(spec, device, ranks_on_host=env_int("LOCAL_WORLD_SIZE", 1))
     if reader is None:
+        _refuse_oversized_move(model, device, budgets[0])
         model.to(device.device)
         broadcast_module_(model, dist_ctx)  # streamed weights are the same file on every rank
     # Rank-offset seed: dropout masks differ across ranks, as they do under DDP with per-rank seeds.
     torch.manual_seed(spec.seed + dist_ctx.rank)
     example_batch = _to_device(example_batch, device.device)
     params = model_params(model, _execution_order(model, example_batch))
-    budgets = _budgets(spec, device, ranks_on_host=env_int("LOCAL_WORLD_SIZE", 1))
     # Every rank must run the same plan (collective order depends on it): agree on the smallest.
     agreed = all_reduce_min_(torch.tensor(budgets, dtype=torch.float64), dist_ctx)
     replanner: list[Callable[[int], Plan]] = []
-    first_batch: list[Callable[[Any], Plan | None]] = []
+    first_batch: list[Callable[[Any, ChunkedRun | None], Plan | None]] = []
     plan = make_plan(
         model,
         spec,
         params=params,
         world_size=dist_ctx.world_size,
         budgets=(int(agreed[0].item()), int(agreed[1].item())),
-        # Profiling runs the whole model at once: not for one whose weights are streamed.
+        # Profiling the model whole needs it whole: one whose weights are streamed into chunks
+        # is profiled through the chunk engine below instead.
         example_batch=example_batch if reader is None else None,
         loss_fn=loss_fn,
         device=device,
         dist_ctx=dist_ctx,
         replanner=replanner,
-        first_batch=first_batch if reader is None else None,
+        first_batch=first_batch,
     )
     _check_same_plan_everywhere(plan, dist_ctx)
     _check_supported(plan, spec)
@@ -186,6 +190,10 @@ def initialize(
         plan_from_batch=first_batch[0] if first_batch else None,
     )
     try:
+        if example_batch is not None:
+            # Not profiled whole (streamed weights, or the profiling step did not fit): profile
+            # through the chunks now, before a checkpoint is loaded into them.
+            engine.plan_on_batch(example_batch)
         engine.resume()
     except BaseException as err:
         engine.__exit__(type(err), err, err.__traceback__)
@@ -348,6 +356,22 @@ def _check_same_plan_everywhere(plan: Plan, dist_ctx: DistContext) -> None:
         )
 
 
+def _refuse_oversized_move(model: nn.Module, device: DeviceInfo, device_budget: int) -> None:
+    """A model held whole in host memory is moved to the device before it is chunked; on a GPU
+    one larger than the device budget would run out of memory there: say how to build it."""
+    if not device.is_cuda:
+        return  # the CPU "device" is host memory: nothing moves
+    held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "cuda")
+    if held > device_budget:
+        raise SpecError(
+            f"memory.device_budget: the model's parameters take {held / 2**30:.2f} GiB, more than the "
+            f"{device_budget / 2**30:.2f} GiB device budget, so they cannot be moved to the device whole; "
+            "build the model under accelerate.init_empty_weights() and pass "
+            "runtime.initialize(..., weights=<state dict, safetensors directory or callable>): it is then "
+            "filled chunk by chunk and profiled through its chunks"
+        )
+
+
 def _refuse_meta(model: nn.Module) -> None:
     meta = [name for name, p in model.named_parameters() if p.is_meta]
     if meta:
@@ -363,11 +387,24 @@ def _open_metrics(resolved: ResolvedSpec, run_dir: Path | None, dist_ctx: DistCo
         return None
     if run_dir is None:
         # Not launched by protrain-run: rank 0 makes its own run folder (no other rank writes).
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        run_dir = Path(resolved.spec.output_dir).expanduser() / f"{stamp}-{os.getpid()}"
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = _new_run_dir(Path(resolved.spec.output_dir).expanduser())
         (run_dir / "spec.json").write_text(resolved.to_json(), encoding="utf-8")
     return MetricsFile(run_dir / "metrics.jsonl")
+
+
+def _new_run_dir(output_dir: Path) -> Path:
+    """A fresh ``{time}-{pid}`` folder: a second engine in the same process and second gets
+    its own (``-2``, ...), not a share of the first one's metrics."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    for attempt in itertools.count(1):
+        run_dir = output_dir / (stem if attempt == 1 else f"{stem}-{attempt}")
+        try:
+            run_dir.mkdir()
+        except FileExistsError:
+            continue
+        return run_dir
+    raise AssertionError("unreachable")
 
 
 def _dry_run(

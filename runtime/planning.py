@@ -1,9 +1,11 @@
 """Making the plan: the spec's knobs, filled where they say "auto".
 
-With an example batch, the model and the machine are profiled (runtime/probes.py), the
-measurements agreed across ranks, and the profiler's search picks the fastest plan that fits
-(predictions included). Without one, the resident rule keeps every chunk on the device, or,
-when the model state alone exceeds the device budget, offloads every chunk (conservative).
+With an example batch and a model held whole, the model and the machine are profiled
+(runtime/probes.py), the measurements agreed across ranks, and the profiler's search picks the
+fastest plan that fits (predictions included). Otherwise the resident rule keeps every chunk on
+the device, or, when the model state alone exceeds the device budget, offloads every chunk
+(conservative); the engine then profiles through its chunks on a batch (the example batch, or
+the first training batch) and switches to the searched plan.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from runtime.chunks.layout import ParamInfo
 from runtime.device import DeviceInfo
 from runtime.distributed import DistContext, all_reduce_sum_
 from runtime.probes import (
+    ChunkedRun,
     agree_model,
     hardware_key,
     hardware_profile,
@@ -55,15 +58,16 @@ def make_plan(
     device: DeviceInfo | None = None,
     dist_ctx: DistContext | None = None,
     replanner: list[Callable[[int], Plan]] | None = None,
-    first_batch: list[Callable[[Any], Plan | None]] | None = None,
+    first_batch: list[Callable[[Any, ChunkedRun | None], Plan | None]] | None = None,
 ) -> Plan:
     """Fill the spec's "auto" memory knobs. ``budgets``: (device, host) bytes per rank, already
     resolved from "auto" and agreed across ranks. ``example_batch`` (on the model's device) and
     ``device`` enable profiling and the search; ``dist_ctx`` None means a dry run (one process).
     ``replanner``, when given, receives the search over the same profiles at another device
     budget (only when the plan came from a search): what a re-plan runs. ``first_batch``, when
-    given and there is no ``example_batch``, receives the profile-and-search to run on the first
-    real batch (the plan returned meanwhile is the resident or conservative rule's)."""
+    given and there is no ``example_batch``, receives the profile-and-search the engine runs
+    through its chunks on a batch (the plan returned meanwhile is the resident or conservative
+    rule's)."""
     memory = spec.memory
 
     def knob(value: int | str) -> int | None:
@@ -88,12 +92,15 @@ def make_plan(
         block_modes=memory.block_modes,
     )
     module_params = _module_params(model, params)
-    searchable = None in (request.chunk_size, request.n_persist, request.n_buffer) or activations_searchable(
-        request
+    # Without blocks the activation knobs have nothing to choose: all chunk knobs set by hand
+    # leave nothing to search (and nothing to profile for).
+    searchable = None in (request.chunk_size, request.n_persist, request.n_buffer) or (
+        bool(blocks) and activations_searchable(request)
     )
 
-    def profile_and_search(batch: Any) -> Plan | None:
-        """Profile on ``batch``, search; None when the profiling step does not fit the device."""
+    def profile_and_search(batch: Any, chunked: ChunkedRun | None = None) -> Plan | None:
+        """Profile on ``batch`` (through the chunk engine when ``chunked``), search; None when
+        the profiling step does not fit the device."""
         assert device is not None
         profiled = _profile(
             model,
@@ -108,6 +115,7 @@ def make_plan(
             dist_ctx,
             world_size,
             ssd_path=_ssd_path(request, len(blocks), memory),
+            chunked=chunked,
         )
         if profiled is None:
             return None
@@ -136,12 +144,13 @@ def make_plan(
             searched = profile_and_search(example_batch)
             if searched is not None:
                 return searched
-        elif searchable and device is not None and dist_ctx is not None and first_batch is not None:
-            # No example batch: the engine profiles on the first real one and switches to the
-            # searched plan (see Engine.forward); until then the rule below holds.
-            def from_first_batch(batch: Any) -> Plan | None:
+        if searchable and device is not None and dist_ctx is not None and first_batch is not None:
+            # Not profiled whole (no example batch, or the model did not fit): the engine
+            # profiles through its chunks on a batch and switches to the searched plan (see
+            # Engine.plan_on_batch); until then the rule below holds.
+            def from_first_batch(batch: Any, chunked: ChunkedRun | None) -> Plan | None:
                 try:
-                    return profile_and_search(batch)
+                    return profile_and_search(batch, chunked)
                 except NoPlanFitsError as err:
                     raise SpecError(f"memory: {err}") from None
 
@@ -230,6 +239,7 @@ def _profile(
     world_size: int,
     *,
     ssd_path: Path | None,
+    chunked: ChunkedRun | None = None,
 ) -> tuple[ModelProfile, HardwareProfile] | None:
     """(model profile, hardware profile), agreed across ranks; None when the profiling step
     does not fit the device (every rank then plans without a profile). The model profile is
@@ -257,7 +267,17 @@ def _profile(
     profile = read_agreed(path, ModelProfile.from_dict, dist_ctx)
     if profile is None:
         profile = _measure(
-            model, spec, params, module_params, block_path, blocks, run_forward, loss_fn, device, shape
+            model,
+            spec,
+            params,
+            module_params,
+            block_path,
+            blocks,
+            run_forward,
+            loss_fn,
+            device,
+            shape,
+            chunked,
         )
         failed = torch.tensor([1.0 if profile is None else 0.0], dtype=torch.float64)
         if dist_ctx is not None:
@@ -298,6 +318,7 @@ def _measure(
     loss_fn: Callable[[Any], torch.Tensor] | None,
     device: DeviceInfo,
     shape: tuple[int, ...],
+    chunked: ChunkedRun | None,
 ) -> ModelProfile | None:
     """The profiling steps; None when they do not fit the device."""
     try:
@@ -315,10 +336,12 @@ def _measure(
             device=device,
             warmup_steps=spec.profiler.warmup_steps,
             profile_steps=spec.profiler.profile_steps,
+            chunked=chunked,
         )
     except torch.OutOfMemoryError:
-        for param in model.parameters():
-            param.grad = None
+        if chunked is None:  # the chunk engine clears its own (see ChunkManager.profiling)
+            for param in model.parameters():
+                param.grad = None
         return None
 
 
@@ -334,6 +357,10 @@ def call_model(model: nn.Module, batch: Any) -> Any:
     return model(batch)
 
 
+class LossNotFoundError(ValueError):
+    """The model's output carries no loss to profile with (and no ``loss_fn`` says where)."""
+
+
 def default_loss(output: Any) -> torch.Tensor:
     """``output.loss``, or the output itself when it is a scalar tensor."""
     loss = getattr(output, "loss", None)
@@ -342,7 +369,7 @@ def default_loss(output: Any) -> torch.Tensor:
     if loss is None and isinstance(output, torch.Tensor) and output.dim() == 0:
         loss = output
     if not isinstance(loss, torch.Tensor):
-        raise ValueError(
+        raise LossNotFoundError(
             "cannot find the loss in the model's output for profiling: return it as output.loss or "
             "a scalar, or pass initialize(..., loss_fn=lambda output: ...)"
         )

@@ -2,10 +2,12 @@
 model (per block forward time and saved bytes, backward time, the transient peak), returned as
 the profiler's plain values.
 
-The model is profiled on the example batch before it is chunked, with its parameters where the
-caller put them: this needs the model to fit, which the caller checks (a model that does not fit
-is planned without a profile). Backward time per block is the measured backward total shared in
-proportion to forward time (per block backward hooks would wrap every block's outputs).
+The model is profiled on a batch either before it is chunked, its parameters where the caller
+put them (the model fits the device), or through the chunk engine (``ChunkedRun``: chunks
+gathered as training gathers them, the time compute waits for them taken off the clock), which
+is how a model whose state does not fit the device is profiled. Backward time per block is the
+measured backward total shared in proportion to forward time (per block backward hooks would
+wrap every block's outputs).
 
 Every rank must plan alike, so ``agree_*`` reduce measurements across ranks: the longest times,
 the most bytes, the slowest rates. Hardware profiles are cached per machine under
@@ -252,6 +254,20 @@ def hardware_key(device: DeviceInfo, world_size: int) -> str:
     )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkedRun:
+    """The chunk engine's side of a profiling step run through it (see
+    ``ChunkManager.profiling``): gradients are dropped there, not by the profiler."""
+
+    pack: Callable[[torch.Tensor], Any]
+    """A saved tensor's stand-in: a recipe for a view of a chunk buffer slot, else the tensor."""
+    unpack: Callable[[Any], torch.Tensor]
+    model_state: Callable[[], set[int]]
+    """Storage addresses of chunk memory: saved there, a tensor is model state, not activation."""
+    stall_s: Callable[[], float]
+    """Seconds compute has waited for chunks so far: off the profiler's clock."""
+
+
 def profile_model(
     model: nn.Module,
     run_forward: Callable[[], Any],
@@ -267,20 +283,23 @@ def profile_model(
     device: DeviceInfo,
     warmup_steps: int,
     profile_steps: int,
+    chunked: ChunkedRun | None = None,
 ) -> ModelProfile:
     """Forward, loss and backward on the example batch, ``warmup_steps`` untimed then
     ``profile_steps`` timed (the fastest kept). Gradients are cleared afterwards and the random
-    number generators restored, so training sees the model exactly as before."""
+    number generators restored, so training sees the model exactly as before. ``chunked``: the
+    steps run through the chunk engine (which drops their gradients)."""
     devices = [device.device.index or 0] if device.is_cuda else []
     with torch.random.fork_rng(devices=devices):
         for _ in range(warmup_steps):
-            _one_step(model, run_forward, loss_fn, blocks, device, instruments=None)
+            _one_step(model, run_forward, loss_fn, blocks, device, instruments=False, chunked=chunked)
         runs = [
-            _one_step(model, run_forward, loss_fn, blocks, device, instruments=True)
+            _one_step(model, run_forward, loss_fn, blocks, device, instruments=True, chunked=chunked)
             for _ in range(max(1, profile_steps))
         ]
-    for param in model.parameters():
-        param.grad = None
+    if chunked is None:
+        for param in model.parameters():
+            param.grad = None
     fastest = min(runs, key=lambda run: run["forward_s"] + run["backward_s"])
     timer: BlockTimer = fastest["timer"]
     saved: SavedBytes = fastest["saved"]
@@ -346,36 +365,55 @@ def _one_step(
     blocks: list[nn.Module],
     device: DeviceInfo,
     *,
-    instruments: bool | None,
+    instruments: bool,
+    chunked: ChunkedRun | None,
 ) -> dict[str, Any]:
-    for param in model.parameters():
-        param.grad = None
+    """One forward, loss and backward; measured when ``instruments``. Under the chunk engine
+    its saved-tensor recipes are kept (a view of a buffer slot must be re-gathered in backward)
+    and its gradients are not the profiler's to clear (they may view the fp32 shards)."""
+    if chunked is None:
+        for param in model.parameters():
+            param.grad = None
+    pack_inner = chunked.pack if chunked is not None else _same
+    unpack = chunked.unpack if chunked is not None else _same
     if not instruments:
-        loss_fn(run_forward()).backward()
+        hooks = (
+            torch.autograd.graph.saved_tensors_hooks(pack_inner, unpack)
+            if chunked is not None
+            else contextlib.nullcontext()
+        )
+        with hooks:
+            loss = loss_fn(run_forward())
+        loss.backward()
         synchronize(device)
         return {}
+    stall_s = chunked.stall_s if chunked is not None else lambda: 0.0
 
     def clock() -> float:
         synchronize(device)
-        return time.perf_counter()
+        return time.perf_counter() - stall_s()
 
     timer = BlockTimer(clock, len(blocks))
     saved = SavedBytes(len(blocks), where=lambda: timer.current)
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    if chunked is not None:
+        param_storages |= chunked.model_state()
     grad_bytes = [0]
     peak = PeakSampler(lambda: device_allocated_bytes(device))
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
+    def pack(tensor: torch.Tensor) -> Any:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in param_storages and storage.nbytes() > 0:
             saved.record((storage.data_ptr(), tensor.device), storage.nbytes())
-        return tensor
+        return pack_inner(tensor)
 
     def sample_forward(*_: Any) -> None:
         peak.sample(saved.total)
 
     def sample_backward(param: torch.Tensor) -> None:
-        if param.grad is not None:
+        # Plain PyTorch keeps every gradient to the end; the chunk engine takes each one into
+        # memory it already holds (counted in the base reading).
+        if param.grad is not None and chunked is None:
             grad_bytes[0] += param.grad.numel() * param.grad.element_size()
         peak.sample(saved.total + grad_bytes[0])
 
@@ -406,7 +444,7 @@ def _one_step(
             handles.append(param.register_post_accumulate_grad_hook(sample_backward))
     try:
         timer.start()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             loss = loss_fn(run_forward())
         timer.stop()
         started = clock()
@@ -423,6 +461,10 @@ def _one_step(
         "transient": peak.peak_beyond,
         "input_bytes": input_bytes,
     }
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def _param_blocks(params: tuple[ParamInfo, ...], block_path: str, num_blocks: int) -> tuple[int, ...]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -126,6 +126,7 @@ class ActivationManager:
         self._ssd_bytes_this_forward = 0
         self._handles: list[Any] = []
         self._patched: list[nn.Module] = []
+        self._suspended = False
         self._install()
 
     # ------------------------------------------------------------------ installation
@@ -178,12 +179,23 @@ class ActivationManager:
                 return original(*args, **kwargs)
 
         def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
+            if self._suspended or not torch.is_grad_enabled():
                 return original(*args, **kwargs)
             return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
 
         block.forward = checkpointed_forward  # type: ignore[method-assign]
         self._patched.append(block)
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Every block runs as ``keep`` for a while (profiling: a checkpointed block would hide
+        what it saves from the profiler; the offloaded blocks' hooks act only in the engine's
+        forward anyway)."""
+        self._suspended = True
+        try:
+            yield
+        finally:
+            self._suspended = False
 
     # ------------------------------------------------------------------ phases
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ from torch import nn
 from runtime.chunks.layout import ChunkInfo, ChunkLayout
 from runtime.chunks.residency import Residency, check_move
 from runtime.cpu_adam import ShardAdamW
-from runtime.device import DeviceEvent, DeviceInfo, MmapArena, SideStream
+from runtime.device import DeviceEvent, DeviceInfo, MmapArena, SideStream, synchronize
 from runtime.distributed import DistContext, all_gather_flat, all_reduce_sum_, reduce_scatter_flat
 
 
@@ -192,6 +193,9 @@ class ChunkManager:
         self.num_speculations = 0
         self.num_restores = 0
         """Speculative chunk updates undone from their snapshot (a triggering clip)."""
+        self._profiling = False
+        self.stall_s = 0.0
+        """Seconds compute waited for chunks during the last ``profiling`` window."""
         self._handles: list[Any] = []
         self._install_hooks()
         self.reset_backward()
@@ -438,8 +442,9 @@ class ChunkManager:
     def _make_pre_forward(self, owned: list[int]) -> Any:
         def pre_forward(module: nn.Module, _inputs: Any) -> None:
             self._pinned = set(owned)
-            for chunk_index in owned:
-                self.ensure_resident(chunk_index)
+            with self._stalling():
+                for chunk_index in owned:
+                    self.ensure_resident(chunk_index)
             if self._recomputing:
                 # The block's forward runs again inside backward: no prefetch in either
                 # direction would be right for long, so fetch on demand only.
@@ -464,6 +469,11 @@ class ChunkManager:
         assert param.grad is not None
         chunk_index = self.chunk_of_param[index]
         chunk = self.chunks[chunk_index]
+        if self._profiling:
+            # A profiling step's gradient is dropped (a direct one is zeroed afterwards).
+            if not self._direct_grads(chunk):
+                param.grad = None
+            return
         if self._direct_grads(chunk):
             # Autograd accumulated in place into the shard slice that is this parameter's
             # .grad; anything else means the view was replaced (e.g. set to None by hand).
@@ -516,7 +526,8 @@ class ChunkManager:
         return SavedAlias(owner, tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()))
 
     def unpack_alias(self, packed: SavedAlias) -> torch.Tensor:
-        full = self.ensure_resident(packed.chunk)
+        with self._stalling():
+            full = self.ensure_resident(packed.chunk)
         self._prefetch_backward(packed.chunk)
         return full.as_strided(packed.size, packed.stride, packed.offset)
 
@@ -560,26 +571,43 @@ class ChunkManager:
         return self.host_arena is not None and self.host_arena.contains(tensor)
 
     @contextlib.contextmanager
-    def detached(self) -> Iterator[None]:
-        """The model as plain PyTorch for a while (profiling on a real batch): no hooks, plain
-        ``.grad`` accumulation. Every chunk must be persistent (parameters then hold their real
-        values). Afterwards the hooks, the gradients' places and a clean window are back."""
-        if any(not chunk.persistent for chunk in self.chunks):
-            raise RuntimeError("detached() needs every chunk persistent (parameters hold placeholders)")
+    def profiling(self) -> Iterator[None]:
+        """Profiling steps run through the chunk engine as training does (chunks gathered in
+        forward, saved views of buffer slots re-gathered in backward), so a model whose state
+        does not fit the device is profiled too; but their gradients are dropped: nothing is
+        reduced or updated. The seconds compute waits for chunks are counted in ``stall_s``,
+        for the profiler to take off its clock (on CUDA the waits are synchronised to be seen).
+        Afterwards the gradients are zero and a clean window begins."""
         self.drain()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._profiling = True
+        self.stall_s = 0.0
         try:
             yield
         finally:
-            for param in self.params:
-                param.grad = None
-            self._install_hooks()
+            self._profiling = False
+            self.drain()
+            self._grad_buffers.clear()
             for chunk in self.chunks:
+                if not self._direct_grads(chunk):
+                    for index in chunk.info.params:
+                        self.params[index].grad = None
                 self._point_grads(chunk)
             self.zero_grad()
             self.reset_backward()
+
+    @contextlib.contextmanager
+    def _stalling(self) -> Iterator[None]:
+        """Compute waits for chunks here: timed while profiling (see ``profiling``)."""
+        if not self._profiling:
+            yield
+            return
+        synchronize(self.device)
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            synchronize(self.device)
+            self.stall_s += time.perf_counter() - started
 
     @contextlib.contextmanager
     def recomputing(self) -> Iterator[None]:

@@ -97,9 +97,15 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.d_model)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.wte.weight
+        self.tie_weights()
         self.apply(self._init_weights)
+
+    def tie_weights(self) -> None:
+        """The head shares the embedding (when the config says so). Hugging Face's name for it:
+        accelerate's ``init_empty_weights`` gives every registered parameter a new object, which
+        unties them, and loaders call this afterwards, as ``from_pretrained`` does."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

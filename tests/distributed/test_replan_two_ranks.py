@@ -60,6 +60,6 @@ def test_two_ranks_plan_on_their_first_batch(rank_pool: RankPool, tmp_path: Path
         train, root=str(tmp_path / "c"), budget=budget, underestimate=False, example=False
     )
     assert on_first_batch[0]["rule"] == on_first_batch[1]["rule"]
-    assert on_first_batch[0]["rule"].startswith("planned on the first batch: search")
+    assert on_first_batch[0]["rule"].startswith("planned on a batch through the chunk engine: search")
     assert_state_equal(on_first_batch[1]["state"], on_first_batch[0]["state"])
     assert_state_close(on_first_batch[0]["state"], planned_up_front[0]["state"])

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import runtime
 from runtime.engine import NonFiniteLossError
 from tests.helpers import (
     assert_state_close,
@@ -218,3 +219,11 @@ def test_memory_knobs_set_by_hand_are_obeyed_or_refused_clearly(tmp_path: Path) 
     # Not even the buffers fit: refused before training, naming the budget.
     with pytest.raises(SpecError, match="memory.device_budget"):
         runtime.initialize(tiny_gpt(), config=job(tmp_path, memory={"device_budget": "64KiB"}))
+
+
+def test_two_engines_in_one_process_keep_separate_run_folders(tmp_path: Path) -> None:
+    """Started in the same second by the same process, each still gets its own metrics file."""
+    config = {"output_dir": str(tmp_path / "runs")}
+    for _ in range(2):
+        runtime.initialize(tiny_gpt(), config=config).close()
+    assert len(list((tmp_path / "runs").glob("*/metrics.jsonl"))) == 2
