@@ -63,3 +63,38 @@ def test_two_ranks_plan_on_their_first_batch(rank_pool: RankPool, tmp_path: Path
     assert on_first_batch[0]["rule"].startswith("planned on a batch through the chunk engine: search")
     assert_state_equal(on_first_batch[1]["state"], on_first_batch[0]["state"])
     assert_state_close(on_first_batch[0]["state"], planned_up_front[0]["state"])
+
+
+def train_offloaded(*, rank: int, root: str, budget: int | str) -> dict[str, Any]:
+    """Micro-batches of 2, no example batch: the first batch is profiled and planned on."""
+    import runtime
+
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=2)
+    with runtime.initialize(tiny_gpt(), config=job(Path(root), device_budget=budget)) as engine:
+        start = engine.plan
+        for update in range(STEPS):
+            out = engine(**data.batch(update, 0, rank))
+            engine.backward(out.loss)
+            engine.step()
+        return {
+            "state": engine.state_dict(),
+            "start": (start.rule, start.n_persist),
+            "plan": (engine.plan.rule, engine.plan.n_persist, engine.plan.num_chunks),
+        }
+
+
+def test_two_ranks_profile_a_model_larger_than_the_device_through_its_chunks(
+    rank_pool: RankPool, tmp_path: Path
+) -> None:
+    """The budget is half the model state: both ranks start with every chunk offloaded, profile
+    the first batch through their chunks (all-gathers paired across ranks), agree on one plan,
+    and end where a run with room to spare ends."""
+    budget = 16 * sum(p.numel() for p in tiny_gpt().parameters()) // 2
+    roomy = rank_pool.run(train_offloaded, root=str(tmp_path / "a"), budget="1GiB")
+    tight = rank_pool.run(train_offloaded, root=str(tmp_path / "b"), budget=budget)
+    assert [r["start"] for r in tight] == [tight[0]["start"]] * 2 and tight[0]["start"][1] == 0
+    assert tight[0]["plan"] == tight[1]["plan"]
+    rule, n_persist, num_chunks = tight[0]["plan"]
+    assert rule.startswith("planned on a batch through the chunk engine: search") and n_persist < num_chunks
+    assert_state_equal(tight[1]["state"], tight[0]["state"])
+    assert_state_close(tight[0]["state"], roomy[0]["state"])
