@@ -50,6 +50,8 @@ ADAM_PROBE_NUMEL = 4 << 20
 ADAM_PROBE_SEGMENTS = 64
 COLLECTIVE_PROBE_BYTES = 8 << 20
 DISK_PROBE_BYTES = 64 << 20
+STEADY_STEPS = 0.05
+"""Profiling steps stop once one's wall time is within this fraction of the one before."""
 T = TypeVar("T")
 REFRESH_ENV = "PROTRAIN_REFRESH_PROFILE"
 """Set to 1 to measure the hardware again instead of using the cached profile."""
@@ -285,18 +287,30 @@ def profile_model(
     profile_steps: int,
     chunked: ChunkedRun | None = None,
 ) -> ModelProfile:
-    """Forward, loss and backward on the example batch, ``warmup_steps`` untimed then
-    ``profile_steps`` timed (the fastest kept). Gradients are cleared afterwards and the random
-    number generators restored, so training sees the model exactly as before. ``chunked``: the
-    steps run through the chunk engine (which drops their gradients)."""
+    """Forward, loss and backward on the example batch, ``warmup_steps`` uninstrumented then
+    up to ``profile_steps`` instrumented (the fastest kept). Measuring stops early once a step's
+    wall time is within ``STEADY_STEPS`` of the step before it: the figures have settled, and
+    each further step only adds to what profiling costs (a step of training, every one).
+    Gradients are cleared afterwards and the random number generators restored, so training
+    sees the model exactly as before. ``chunked``: the steps run through the chunk engine (which
+    drops their gradients)."""
     devices = [device.device.index or 0] if device.is_cuda else []
+    runs: list[dict[str, Any]] = []
     with torch.random.fork_rng(devices=devices):
+        previous_s: float | None = None
         for _ in range(warmup_steps):
+            started = time.perf_counter()
             _one_step(model, run_forward, loss_fn, blocks, device, instruments=False, chunked=chunked)
-        runs = [
-            _one_step(model, run_forward, loss_fn, blocks, device, instruments=True, chunked=chunked)
-            for _ in range(max(1, profile_steps))
-        ]
+            previous_s = time.perf_counter() - started
+        for _ in range(max(1, profile_steps)):
+            started = time.perf_counter()
+            runs.append(
+                _one_step(model, run_forward, loss_fn, blocks, device, instruments=True, chunked=chunked)
+            )
+            wall_s = time.perf_counter() - started
+            if previous_s is not None and abs(wall_s - previous_s) <= STEADY_STEPS * wall_s:
+                break
+            previous_s = wall_s
     if chunked is None:
         for param in model.parameters():
             param.grad = None

@@ -413,7 +413,8 @@ class ProfilerSpec(SpecModel):
     warmup_steps: NonNegInt = 1
     """Steps run before measuring."""
     profile_steps: PositiveInt = 2
-    """Steps measured."""
+    """Steps measured, at most: measuring stops once a step takes within 5% of the step before
+    it (the warm-up step counts)."""
 
 
 class LauncherSpec(SpecModel):

@@ -258,3 +258,49 @@ def test_profiles_are_cached_by_model_batch_and_machine(
     monkeypatch.setenv("PROTRAIN_REFRESH_PROFILE", "1")
     with pytest.raises(AssertionError, match="cached profile"):
         runtime.initialize(tiny_gpt(), config=config, example_batch=example())
+
+
+class _Sleeper(torch.nn.Module):
+    """A one-parameter model whose forward takes the next of ``durations`` seconds."""
+
+    def __init__(self, durations: list[float]) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4))
+        self.durations = durations
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(self.durations[min(self.calls, len(self.durations) - 1)])
+        self.calls += 1
+        return (self.weight * x).sum()
+
+
+@pytest.mark.parametrize(
+    ("durations", "steps_run"),
+    [
+        ([0.4], 2),  # the warm-up and the first measured step agree: one measured step is enough
+        ([0.1, 0.4, 0.4, 0.4], 3),  # a slow start: measured until two steps agree
+        ([0.1, 0.4, 0.1, 0.4], 4),  # never settled: every step asked for
+    ],
+)
+def test_profiling_stops_once_steps_agree(durations: list[float], steps_run: int) -> None:
+    model = _Sleeper(durations)
+    x = torch.ones(4)
+    profile_model(
+        model,
+        lambda: model(x),
+        loss_fn=default_loss,
+        params=model_params(model, None),
+        blocks=[],
+        block_path="",
+        module_params=[],
+        batch_shape=(4,),
+        precision="fp32",
+        element_size=4,
+        device=select_device(0),
+        warmup_steps=1,
+        profile_steps=3,
+    )
+    assert model.calls == steps_run
