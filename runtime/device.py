@@ -260,6 +260,23 @@ def malloc_in_use_bytes() -> int:
     return int(info.uordblks + info.hblkhd)
 
 
+def release_free_memory(info: DeviceInfo) -> None:
+    """Hand memory freed but still held by the allocator back: the C heap's free pages to the
+    OS (glibc ``malloc_trim``), and on CUDA the caching allocator's unused blocks. Called after
+    profiling: the steps' activations and gradients are gone, and the chunk state allocated next
+    (an mmap arena on CPU, pinned memory on CUDA) cannot reuse the pages glibc would keep."""
+    global _libc
+    if info.is_cuda:
+        torch.cuda.empty_cache()
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL("libc.so.6")
+            _libc.mallinfo2.restype = _MallInfo2
+        _libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
 def device_allocated_bytes(info: DeviceInfo) -> int:
     """Bytes allocated on the device now: CUDA's allocator statistics, or the C heap on CPU."""
     if info.is_cuda:

@@ -30,7 +30,7 @@ from profiler.profile import HardwareProfile, ModelProfile, cache_key
 from profiler.search import NoPlanFitsError
 from runtime.blocks import BlocksNotFoundError, find_blocks
 from runtime.chunks.layout import ParamInfo
-from runtime.device import DeviceInfo
+from runtime.device import DeviceInfo, release_free_memory
 from runtime.distributed import DistContext, all_reduce_sum_
 from runtime.probes import (
     ChunkedRun,
@@ -343,6 +343,8 @@ def _measure(
             for param in model.parameters():
                 param.grad = None
         return None
+    finally:
+        release_free_memory(device)
 
 
 _AUTOCAST = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}

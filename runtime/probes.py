@@ -36,7 +36,7 @@ from profiler.profile import BlockProfile, HardwareProfile, ModelProfile, cache_
 from runtime.activations.ssd_store import measure_disk_rates
 from runtime.chunks.layout import ParamInfo
 from runtime.cpu_adam import ShardAdamW
-from runtime.device import DeviceInfo, device_allocated_bytes, synchronize
+from runtime.device import DeviceInfo, device_allocated_bytes, release_free_memory, synchronize
 from runtime.distributed import (
     DistContext,
     all_gather_flat,
@@ -72,6 +72,7 @@ def hardware_profile(
     if cached is not None:
         return cached
     profile = measure_hardware(device, dist_ctx, world_size=world_size)
+    release_free_memory(device)  # the probes' buffers, freed but still resident
     if dist_ctx is not None:
         profile = agree_hardware(profile, dist_ctx)
         write_cached(path, profile.to_dict())

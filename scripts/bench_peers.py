@@ -15,7 +15,11 @@ own share of the same batches, so their final losses should agree):
 - DeepSpeed ZeRO-3 with ``offload_optimizer: cpu``: only if ``deepspeed`` is importable (never
   installed for this; the row says "not installed" otherwise);
 - ProTrain with ``n_persist=0`` (every chunk's fp32 master, gradient and Adam state in the host
-  tier), with the fewest ``n_buffer`` that ``runtime.initialize`` accepts, and with one more.
+  tier), with the fewest ``n_buffer`` that ``runtime.initialize`` accepts, with one more, and with
+  one buffer per chunk: each chunk is then gathered once per step (forward's copies serve
+  backward), so the collectives move what DDP's all-reduce moves (an all-gather and a
+  reduce-scatter) instead of a second all-gather in backward, while the optimizer state and its
+  update stay sharded and in the host tier.
 
 How it is measured (two separate phases, so that neither disturbs the other):
 
@@ -106,9 +110,10 @@ class Kind(Enum):
     DEEPSPEED = "deepspeed"
     PROTRAIN_MIN = "protrain-min"
     PROTRAIN_MORE = "protrain-more"
+    PROTRAIN_ALL = "protrain-all"
 
 
-PROTRAIN_KINDS = (Kind.PROTRAIN_MIN, Kind.PROTRAIN_MORE)
+PROTRAIN_KINDS = (Kind.PROTRAIN_MIN, Kind.PROTRAIN_MORE, Kind.PROTRAIN_ALL)
 PEER_LABELS = {
     Kind.DDP: "DDP + AdamW(fused)",
     Kind.FSDP2: "FSDP2 + CPUOffloadPolicy",
@@ -289,13 +294,13 @@ def build_protrain(
         return out.loss.detach()
 
     plan = engine.plan
-    suffix = " (min)" if kind is Kind.PROTRAIN_MIN else ""
+    suffix = {Kind.PROTRAIN_MIN: " (min)", Kind.PROTRAIN_ALL: " (all)"}.get(kind, "")
     label = f"ProTrain n_persist=0 n_buffer={plan.n_buffer}{suffix}"
     plan_info = {"n_buffer": plan.n_buffer, "num_chunks": plan.num_chunks, "chunk_bytes": plan.chunk_size}
     return Trainer(kind, label, train_step, close=engine.close, plan_info=plan_info)
 
 
-def build(kind: Kind, job: Job, batches: Sequence[Batch], min_n_buffer: int | None) -> Trainer:
+def build(kind: Kind, job: Job, batches: Sequence[Batch], min_plan: dict[str, int] | None) -> Trainer:
     if kind is Kind.DDP:
         return build_ddp(job.args)
     if kind is Kind.FSDP2:
@@ -307,18 +312,20 @@ def build(kind: Kind, job: Job, batches: Sequence[Batch], min_n_buffer: int | No
     elif kind is Kind.PROTRAIN_MIN:
         first, exact = 1, False
     else:
-        assert min_n_buffer is not None, "the minimum-buffer engine is built first"
-        first, exact = min_n_buffer + 1, True
+        assert min_plan is not None, "the minimum-buffer engine is built first"
+        more = min_plan["n_buffer"] + 1
+        first = max(more, min_plan["num_chunks"]) if kind is Kind.PROTRAIN_ALL else more
+        exact = True
     return build_protrain(kind, job.args, job.output_dir, batches[0], first_n_buffer=first, exact=exact)
 
 
-def probe(kind: Kind, job: Job, batches: Sequence[Batch], min_n_buffer: int | None) -> Trainer | str:
+def probe(kind: Kind, job: Job, batches: Sequence[Batch], min_plan: dict[str, int] | None) -> Trainer | str:
     """Build the candidate and take its first (warm-up) step; the reason it cannot run, agreed
     by every rank, when it fails anywhere."""
     reason = ""
     trainer: Trainer | None = None
     try:
-        trainer = build(kind, job, batches, min_n_buffer)
+        trainer = build(kind, job, batches, min_plan)
         trainer.run(batches, 1)
     except Unavailable as err:
         reason = str(err)
@@ -360,9 +367,9 @@ def time_phase(job: Job, rank: int) -> dict[str, Any]:
     batches = rank_batches(args, rank, args.warmup + args.steps * args.repeats)
     trainers: list[Trainer] = []
     result: dict[str, Any] = {"rows": {}, "plan": {}}
-    min_n_buffer: int | None = None
+    min_plan: dict[str, int] | None = None
     for kind in job.kinds:
-        built = probe(kind, job, batches, min_n_buffer)
+        built = probe(kind, job, batches, min_plan)
         if isinstance(built, str):
             result["rows"][kind.value] = {"label": PEER_LABELS.get(kind, kind.value), "reason": built}
             continue
@@ -370,7 +377,7 @@ def time_phase(job: Job, rank: int) -> dict[str, Any]:
         if built.plan_info is not None:
             result["plan"][kind.value] = built.plan_info
             if kind is Kind.PROTRAIN_MIN:
-                min_n_buffer = built.plan_info["n_buffer"]
+                min_plan = built.plan_info
     for trainer in trainers:
         trainer.run(batches, args.warmup - 1)  # the probe took the first warm-up step
     for repeat in range(args.repeats):

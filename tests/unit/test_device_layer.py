@@ -79,3 +79,23 @@ def test_malloc_counter_sees_ordinary_tensors() -> None:
     grown = malloc_in_use_bytes() - before
     assert grown >= tensor.numel() * 4
     del tensor
+
+
+def test_freed_heap_pages_go_back_to_the_os() -> None:
+    """What profiling leaves behind (many small freed tensors) stops counting in the process's
+    resident set once released, so the chunk state allocated next does not add up on top."""
+    from runtime.device import release_free_memory
+
+    def resident_mib() -> float:
+        with open("/proc/self/status") as status:
+            line = next(line for line in status if line.startswith("VmRSS"))
+        return int(line.split()[1]) / 1024
+
+    # 64 KiB each: below glibc's mmap threshold, so they live in the heap and stay there freed.
+    kept = [torch.ones(16 * 1024) for _ in range(3200)]
+    keep_last = kept[-1]  # a live block at the top of the heap: freeing alone cannot shrink it
+    del kept
+    before = resident_mib()
+    release_free_memory(DeviceInfo(torch.device("cpu"), "gloo"))
+    assert before - resident_mib() > 100, "about 200 MiB of freed heap should be returned"
+    assert float(keep_last.sum()) == 16 * 1024
