@@ -265,14 +265,10 @@ def release_free_memory(info: DeviceInfo) -> None:
     OS (glibc ``malloc_trim``), and on CUDA the caching allocator's unused blocks. Called after
     profiling: the steps' activations and gradients are gone, and the chunk state allocated next
     (an mmap arena on CPU, pinned memory on CUDA) cannot reuse the pages glibc would keep."""
-    global _libc
     if info.is_cuda:
         torch.cuda.empty_cache()
     try:
-        if _libc is None:
-            _libc = ctypes.CDLL("libc.so.6")
-            _libc.mallinfo2.restype = _MallInfo2
-        _libc.malloc_trim(0)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim
         pass
 

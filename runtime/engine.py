@@ -225,10 +225,13 @@ class Engine:
         planner, self._plan_from_batch = self._plan_from_batch, None
         if planner is None:
             return
-        was_training = self.module.training
-        self.module.train()
+        # Profiling steps are training steps: the module in training mode (each submodule's own
+        # mode put back afterwards: a frozen part may be in eval mode on purpose), grad enabled.
+        modes = [(module, module.training) for module in self.module.modules()]
+        if not self.module.training:
+            self.module.train()
         try:
-            with self.chunks.profiling(), self.activations.suspended():
+            with torch.enable_grad(), self.chunks.profiling(), self.activations.suspended():
                 plan = planner(batch, chunked_run(self.chunks))
         except LossNotFoundError as err:
             if asked:
@@ -236,7 +239,8 @@ class Engine:
             self.log(f"plan: {err}; keeping the plan")
             return
         finally:
-            self.module.train(was_training)
+            for module, training in modes:
+                module.training = training
         if plan is None:
             self.log("plan: profiling on a batch did not fit the device; keeping the plan")
             return
@@ -702,5 +706,10 @@ def chunked_run(chunks: ChunkManager) -> ChunkedRun:
         return chunks.unpack_alias(packed) if isinstance(packed, SavedAlias) else packed
 
     return ChunkedRun(
-        pack=pack, unpack=unpack, model_state=chunks.model_state_storages, stall_s=lambda: chunks.stall_s
+        pack=pack,
+        unpack=unpack,
+        model_state=chunks.model_state_storages,
+        stall_s=lambda: chunks.stall_s,
+        end_forward=chunks.end_forward,
+        end_step=chunks.drain,
     )

@@ -125,7 +125,8 @@ def initialize(
     )
     budgets = _budgets(spec, device, ranks_on_host=env_int("LOCAL_WORLD_SIZE", 1))
     if reader is None:
-        _refuse_oversized_move(model, device, budgets[0])
+        if device.is_cuda:
+            _refuse_oversized_move(model, free_bytes=torch.cuda.mem_get_info(device.device)[0])
         model.to(device.device)
         broadcast_module_(model, dist_ctx)  # streamed weights are the same file on every rank
     # Rank-offset seed: dropout masks differ across ranks, as they do under DDP with per-rank seeds.
@@ -356,19 +357,18 @@ def _check_same_plan_everywhere(plan: Plan, dist_ctx: DistContext) -> None:
         )
 
 
-def _refuse_oversized_move(model: nn.Module, device: DeviceInfo, device_budget: int) -> None:
-    """A model held whole in host memory is moved to the device before it is chunked; on a GPU
-    one larger than the device budget would run out of memory there: say how to build it."""
-    if not device.is_cuda:
-        return  # the CPU "device" is host memory: nothing moves
+def _refuse_oversized_move(model: nn.Module, *, free_bytes: int) -> None:
+    """A model held whole in host memory is moved to the GPU before it is chunked: one larger
+    than the GPU's free memory would run out of memory in the move, so say how to build it
+    instead. (One that fits the GPU but not a smaller device budget is moved, then chunked.)"""
     held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "cuda")
-    if held > device_budget:
+    if held > free_bytes:
         raise SpecError(
-            f"memory.device_budget: the model's parameters take {held / 2**30:.2f} GiB, more than the "
-            f"{device_budget / 2**30:.2f} GiB device budget, so they cannot be moved to the device whole; "
-            "build the model under accelerate.init_empty_weights() and pass "
-            "runtime.initialize(..., weights=<state dict, safetensors directory or callable>): it is then "
-            "filled chunk by chunk and profiled through its chunks"
+            f"the model's parameters take {held / 2**30:.2f} GiB, more than the {free_bytes / 2**30:.2f} GiB "
+            "free on the GPU, so they cannot be moved there whole; build the model under "
+            "accelerate.init_empty_weights() and pass runtime.initialize(..., weights=<state dict, "
+            "safetensors directory or callable>): it is then filled chunk by chunk and profiled through "
+            "its chunks"
         )
 
 

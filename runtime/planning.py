@@ -31,7 +31,7 @@ from profiler.search import NoPlanFitsError
 from runtime.blocks import BlocksNotFoundError, find_blocks
 from runtime.chunks.layout import ParamInfo
 from runtime.device import DeviceInfo, release_free_memory
-from runtime.distributed import DistContext, all_reduce_sum_
+from runtime.distributed import DistContext, all_reduce_max, all_reduce_sum_
 from runtime.probes import (
     ChunkedRun,
     agree_model,
@@ -65,9 +65,9 @@ def make_plan(
     ``device`` enable profiling and the search; ``dist_ctx`` None means a dry run (one process).
     ``replanner``, when given, receives the search over the same profiles at another device
     budget (only when the plan came from a search): what a re-plan runs. ``first_batch``, when
-    given and there is no ``example_batch``, receives the profile-and-search the engine runs
-    through its chunks on a batch (the plan returned meanwhile is the resident or conservative
-    rule's)."""
+    given and the model was not profiled whole (no ``example_batch``, or its profiling step did
+    not fit), receives the profile-and-search the engine runs through its chunks on a batch (the
+    plan returned meanwhile is the resident or conservative rule's)."""
     memory = spec.memory
 
     def knob(value: int | str) -> int | None:
@@ -278,6 +278,7 @@ def _profile(
             device,
             shape,
             chunked,
+            agree_max=(lambda seconds: all_reduce_max(seconds, dist_ctx)) if dist_ctx is not None else None,
         )
         failed = torch.tensor([1.0 if profile is None else 0.0], dtype=torch.float64)
         if dist_ctx is not None:
@@ -319,8 +320,11 @@ def _measure(
     device: DeviceInfo,
     shape: tuple[int, ...],
     chunked: ChunkedRun | None,
+    *,
+    agree_max: Callable[[float], float] | None,
 ) -> ModelProfile | None:
-    """The profiling steps; None when they do not fit the device."""
+    """The profiling steps; None when they do not fit the device. ``agree_max``: every rank's
+    largest figure (the ranks stop profiling after the same step)."""
     try:
         return profile_model(
             model,
@@ -337,6 +341,7 @@ def _measure(
             warmup_steps=spec.profiler.warmup_steps,
             profile_steps=spec.profiler.profile_steps,
             chunked=chunked,
+            **({} if agree_max is None else {"agree_max": agree_max}),
         )
     except torch.OutOfMemoryError:
         if chunked is None:  # the chunk engine clears its own (see ChunkManager.profiling)

@@ -269,6 +269,10 @@ class ChunkedRun:
     """Storage addresses of chunk memory: saved there, a tensor is model state, not activation."""
     stall_s: Callable[[], float]
     """Seconds compute has waited for chunks so far: off the profiler's clock."""
+    end_forward: Callable[[], None]
+    """The forward (and loss) is over: chunks it pinned may be evicted in backward."""
+    end_step: Callable[[], None]
+    """The step is over: wait for the side stream (the main thread issues collectives next)."""
 
 
 def profile_model(
@@ -287,31 +291,38 @@ def profile_model(
     warmup_steps: int,
     profile_steps: int,
     chunked: ChunkedRun | None = None,
+    agree_max: Callable[[float], float] = lambda seconds: seconds,
 ) -> ModelProfile:
     """Forward, loss and backward on the example batch, ``warmup_steps`` uninstrumented then
     up to ``profile_steps`` instrumented (the fastest kept). Measuring stops early once a step's
     wall time is within ``STEADY_STEPS`` of the step before it: the figures have settled, and
     each further step only adds to what profiling costs (a step of training, every one).
     Gradients are cleared afterwards and the random number generators restored, so training
-    sees the model exactly as before. ``chunked``: the steps run through the chunk engine (which
-    drops their gradients)."""
+    sees the model exactly as before (module buffers, e.g. running statistics, included).
+    ``chunked``: the steps run through the chunk engine (which drops their gradients).
+    ``agree_max(seconds)``: the largest of every rank's figure, so that all ranks stop after
+    the same step (their steps issue collectives under the chunk engine)."""
     devices = [device.device.index or 0] if device.is_cuda else []
     runs: list[dict[str, Any]] = []
+    buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
     with torch.random.fork_rng(devices=devices):
         previous_s: float | None = None
         for _ in range(warmup_steps):
             started = time.perf_counter()
             _one_step(model, run_forward, loss_fn, blocks, device, instruments=False, chunked=chunked)
-            previous_s = time.perf_counter() - started
+            previous_s = agree_max(time.perf_counter() - started)
         for _ in range(max(1, profile_steps)):
             started = time.perf_counter()
             runs.append(
                 _one_step(model, run_forward, loss_fn, blocks, device, instruments=True, chunked=chunked)
             )
-            wall_s = time.perf_counter() - started
+            wall_s = agree_max(time.perf_counter() - started)
             if previous_s is not None and abs(wall_s - previous_s) <= STEADY_STEPS * wall_s:
                 break
             previous_s = wall_s
+    with torch.no_grad():
+        for buffer, saved in buffers:
+            buffer.copy_(saved)
     if chunked is None:
         for param in model.parameters():
             param.grad = None
@@ -399,8 +410,12 @@ def _one_step(
         )
         with hooks:
             loss = loss_fn(run_forward())
+        if chunked is not None:
+            chunked.end_forward()
         loss.backward()
         synchronize(device)
+        if chunked is not None:
+            chunked.end_step()
         return {}
     stall_s = chunked.stall_s if chunked is not None else lambda: 0.0
 
@@ -462,9 +477,13 @@ def _one_step(
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             loss = loss_fn(run_forward())
         timer.stop()
+        if chunked is not None:
+            chunked.end_forward()
         started = clock()
         loss.backward()
         backward_s = clock() - started
+        if chunked is not None:
+            chunked.end_step()
     finally:
         for handle in handles:
             handle.remove()

@@ -442,9 +442,7 @@ class ChunkManager:
     def _make_pre_forward(self, owned: list[int]) -> Any:
         def pre_forward(module: nn.Module, _inputs: Any) -> None:
             self._pinned = set(owned)
-            with self._stalling():
-                for chunk_index in owned:
-                    self.ensure_resident(chunk_index)
+            self._wait_for(owned)
             if self._recomputing:
                 # The block's forward runs again inside backward: no prefetch in either
                 # direction would be right for long, so fetch on demand only.
@@ -526,8 +524,7 @@ class ChunkManager:
         return SavedAlias(owner, tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()))
 
     def unpack_alias(self, packed: SavedAlias) -> torch.Tensor:
-        with self._stalling():
-            full = self.ensure_resident(packed.chunk)
+        full = self._wait_for([packed.chunk])
         self._prefetch_backward(packed.chunk)
         return full.as_strided(packed.size, packed.stride, packed.offset)
 
@@ -575,39 +572,52 @@ class ChunkManager:
         """Profiling steps run through the chunk engine as training does (chunks gathered in
         forward, saved views of buffer slots re-gathered in backward), so a model whose state
         does not fit the device is profiled too; but their gradients are dropped: nothing is
-        reduced or updated. The seconds compute waits for chunks are counted in ``stall_s``,
-        for the profiler to take off its clock (on CUDA the waits are synchronised to be seen).
-        Afterwards the gradients are zero and a clean window begins."""
+        reduced or updated. Every gather happens on demand (no prefetch) and synchronously, and
+        its seconds are counted in ``stall_s`` for the profiler to take off its clock: a
+        prefetch in flight would otherwise be waited for inside a block's time (on CUDA any
+        synchronisation waits for the side stream too) and count as compute. Backward reuses
+        slots as usual but, with no gradient reported, never evicts ahead. Afterwards the
+        gradients are zero and a clean window begins."""
         self.drain()
         self._profiling = True
         self.stall_s = 0.0
+        prefetch_depth, self.prefetch_depth = self.prefetch_depth, 0
         try:
             yield
         finally:
             self._profiling = False
-            self.drain()
-            self._grad_buffers.clear()
-            for chunk in self.chunks:
-                if not self._direct_grads(chunk):
-                    for index in chunk.info.params:
-                        self.params[index].grad = None
-                self._point_grads(chunk)
-            self.zero_grad()
-            self.reset_backward()
+            self.prefetch_depth = prefetch_depth
+            self._pinned = set()
+            try:
+                self.drain()
+            finally:
+                self._grad_buffers.clear()
+                for chunk in self.chunks:
+                    if not self._direct_grads(chunk):
+                        for index in chunk.info.params:
+                            self.params[index].grad = None
+                    self._point_grads(chunk)
+                self.zero_grad()
+                self.reset_backward()
 
-    @contextlib.contextmanager
-    def _stalling(self) -> Iterator[None]:
-        """Compute waits for chunks here: timed while profiling (see ``profiling``)."""
-        if not self._profiling:
-            yield
-            return
-        synchronize(self.device)
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
+    def _wait_for(self, chunk_indices: Sequence[int]) -> torch.Tensor:
+        """Make these chunks resident (compute waits here); the last one's full copy. While
+        profiling, the wait is synchronous and counted in ``stall_s``."""
+        full: torch.Tensor | None = None
+        started = 0.0
+        if self._profiling:
             synchronize(self.device)
-            self.stall_s += time.perf_counter() - started
+            started = time.perf_counter()
+        try:
+            for chunk_index in chunk_indices:
+                full = self.ensure_resident(chunk_index)
+            if self._profiling:
+                synchronize(self.device)
+        finally:
+            if self._profiling:
+                self.stall_s += time.perf_counter() - started
+        assert full is not None, "no chunk to wait for"
+        return full
 
     @contextlib.contextmanager
     def recomputing(self) -> Iterator[None]:

@@ -168,20 +168,34 @@ def test_a_streamed_model_is_planned_on_the_example_batch_through_its_chunks(tmp
     engine.close()
 
 
-def test_a_gpu_model_larger_than_the_budget_is_not_moved_whole(tmp_path: Path) -> None:
-    """On a GPU, a model held whole in host memory and larger than the device budget would run
-    out of memory in the move: it is refused first, saying how to stream it into chunks. (The
-    device is described, not used: no GPU is needed to check the decision.)"""
+def test_a_model_larger_than_the_free_gpu_memory_is_not_moved_whole() -> None:
+    """On a GPU, a model held whole in host memory and larger than the GPU's free memory would
+    run out of memory in the move: it is refused first, saying how to stream it into chunks.
+    (The free memory is given, not read from a GPU: none is needed to check the decision.)"""
     import pytest
 
-    from runtime.device import DeviceInfo
     from runtime.entry import _refuse_oversized_move
     from runtime.spec_io import SpecError
 
-    gpu = DeviceInfo(torch.device("cuda", 0), "nccl")
     model = tiny_gpt()
     size = sum(p.numel() * 4 for p in model.parameters())
-    _refuse_oversized_move(model, gpu, size)  # fits: moved as before
-    _refuse_oversized_move(model, select_device(0), size // 2)  # the CPU moves nothing
-    with pytest.raises(SpecError, match=r"device_budget.*init_empty_weights.*weights="):
-        _refuse_oversized_move(model, gpu, size // 2)
+    _refuse_oversized_move(model, free_bytes=size)  # fits: moved as before
+    with pytest.raises(SpecError, match=r"free on the GPU.*init_empty_weights.*weights="):
+        _refuse_oversized_move(model, free_bytes=size // 2)
+
+
+def test_profiling_with_the_fewest_buffers_a_plan_allows(tmp_path: Path) -> None:
+    """One buffer for chunks as large as a block's weights: the chunk the forward ended on must
+    be free to leave its slot in backward while profiling, as in training."""
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    expected, _ = train_reference(tiny_gpt(), data, steps=STEPS, lr=1e-3, weight_decay=0.1)
+    config = job(tmp_path, chunk_size="256KiB", n_persist=0, n_buffer=1)
+    engine = runtime.initialize(tiny_gpt(), config=config)
+    assert engine.chunks.n_buffer == 1 and engine.chunks.layout.num_chunks > 1
+    for update in range(STEPS):
+        out = engine(**data.batch(update, 0, 0))
+        engine.backward(out.loss)
+        engine.step()
+    assert engine.plan.rule.startswith("planned on a batch through the chunk engine"), engine.plan.rule
+    assert_state_equal(engine.state_dict(), expected)
+    engine.close()

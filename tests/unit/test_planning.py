@@ -260,19 +260,19 @@ def test_profiles_are_cached_by_model_batch_and_machine(
         runtime.initialize(tiny_gpt(), config=config, example_batch=example())
 
 
-class _Sleeper(torch.nn.Module):
-    """A one-parameter model whose forward takes the next of ``durations`` seconds."""
+class _Timed(torch.nn.Module):
+    """A one-parameter model whose forward takes the next of ``durations`` seconds on the
+    profiler's clock (a fake one: the test does not depend on how busy the machine is)."""
 
-    def __init__(self, durations: list[float]) -> None:
+    def __init__(self, durations: list[float], clock: list[float]) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(4))
         self.durations = durations
+        self.clock = clock
         self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        import time
-
-        time.sleep(self.durations[min(self.calls, len(self.durations) - 1)])
+        self.clock[0] += self.durations[min(self.calls, len(self.durations) - 1)]
         self.calls += 1
         return (self.weight * x).sum()
 
@@ -281,12 +281,20 @@ class _Sleeper(torch.nn.Module):
     ("durations", "steps_run"),
     [
         ([0.4], 2),  # the warm-up and the first measured step agree: one measured step is enough
-        ([0.1, 0.4, 0.4, 0.4], 3),  # a slow start: measured until two steps agree
+        ([0.1, 0.4, 0.41, 0.4], 3),  # a slow start: measured until two steps agree (2.4% apart)
         ([0.1, 0.4, 0.1, 0.4], 4),  # never settled: every step asked for
     ],
 )
-def test_profiling_stops_once_steps_agree(durations: list[float], steps_run: int) -> None:
-    model = _Sleeper(durations)
+def test_profiling_stops_once_steps_agree(
+    durations: list[float], steps_run: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import types
+
+    from runtime import probes
+
+    clock = [0.0]
+    monkeypatch.setattr(probes, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    model = _Timed(durations, clock)
     x = torch.ones(4)
     profile_model(
         model,
@@ -304,3 +312,28 @@ def test_profiling_stops_once_steps_agree(durations: list[float], steps_run: int
         profile_steps=3,
     )
     assert model.calls == steps_run
+
+
+def test_profiling_leaves_running_statistics_as_they_were() -> None:
+    """Profiling steps are not training: a batch norm's running mean and variance stay put."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    norm = model[1]
+    before = {name: buffer.clone() for name, buffer in norm.named_buffers()}
+    x = torch.randn(16, 8) * 3 + 1
+    profile_model(
+        model,
+        lambda: model(x).square().mean(),
+        loss_fn=default_loss,
+        params=model_params(model, None),
+        blocks=[],
+        block_path="",
+        module_params=[],
+        batch_shape=(16, 8),
+        precision="fp32",
+        element_size=4,
+        device=select_device(0),
+        warmup_steps=1,
+        profile_steps=2,
+    )
+    for name, buffer in norm.named_buffers():
+        assert torch.equal(buffer, before[name]), name
