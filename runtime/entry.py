@@ -437,6 +437,15 @@ def _dry_run(
     )
     console.print_json(json.dumps(resolved.spec.model_dump(mode="json")))
     console.print(plan_table(plan, title=f"Plan for {resolved.world_size} rank(s)"))
+    chunk_knobs = {"memory.chunk_size", "memory.n_persist", "memory.n_buffer"}
+    if plan.predicted_step_s is None and (
+        chunk_knobs & set(plan.chosen) or (plan.chosen and plan.block_modes)
+    ):
+        console.print(
+            "Not profiled here (no example batch, or weights streamed into chunks): the run starts "
+            "under this rule, profiles a batch through the chunk engine and switches to the fastest "
+            "plan that fits."
+        )
     try:
         _check_supported(plan, resolved.spec)
     except SpecError as err:

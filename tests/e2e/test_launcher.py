@@ -144,6 +144,8 @@ def test_dry_run_one_child_no_group_no_files(job: Job) -> None:
     children = [line.split() for line in stdout.splitlines() if line.startswith("CHILD")]
     assert children == [["CHILD", str(proc.pid), "False"]]
     assert "Plan for 2 rank(s)" in stdout and "dry run: no process group, no training step" in stdout
+    # The script gives no example batch: the plan shown is where the run starts.
+    assert "profiles a batch through the chunk engine" in " ".join(stdout.split())
     assert sorted(str(p.relative_to(job.workdir)) for p in job.workdir.rglob("*")) == before
 
 
