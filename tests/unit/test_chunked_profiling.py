@@ -14,14 +14,12 @@ import runtime
 from profiler.plan import BlockMode
 from profiler.profile import ModelProfile
 from runtime.blocks import find_blocks
-from runtime.chunks.layout import model_params
 from runtime.chunks.residency import Residency
-from runtime.device import select_device
 from runtime.engine import Engine, chunked_run
-from runtime.planning import call_model, default_loss
-from runtime.probes import ChunkedRun, profile_model
+from runtime.planning import call_model
+from runtime.probes import ChunkedRun
 from tests.helpers import assert_state_equal, lm_batches, tiny_gpt, train_reference
-from tests.unit.test_planning import job
+from tests.unit.test_planning import fp32_profile, job
 
 STEPS = 4
 
@@ -29,20 +27,14 @@ STEPS = 4
 def profile(
     model: torch.nn.Module, batch: dict[str, torch.Tensor], chunked: ChunkedRun | None
 ) -> ModelProfile:
-    path, blocks = find_blocks(model, None)
-    return profile_model(
+    """One warm-up and one measured step on ``batch``, the blocks found as the planner finds them."""
+    path, _ = find_blocks(model, None)
+    shape = tuple(batch["input_ids"].shape)
+    return fp32_profile(
         model,
         lambda: call_model(model, batch),
-        loss_fn=default_loss,
-        params=model_params(model, None),
-        blocks=list(blocks),
+        batch_shape=shape,
         block_path=path,
-        module_params=[],
-        batch_shape=tuple(batch["input_ids"].shape),
-        precision="fp32",
-        element_size=4,
-        device=select_device(0),
-        warmup_steps=1,
         profile_steps=1,
         chunked=chunked,
     )

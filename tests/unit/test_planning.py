@@ -12,6 +12,7 @@ import torch
 
 import runtime
 from profiler.plan import BlockMode, Plan
+from profiler.profile import ModelProfile
 from runtime.blocks import find_blocks
 from runtime.chunks.layout import model_params
 from runtime.device import select_device
@@ -36,6 +37,36 @@ def job(tmp_path: Path, **memory: Any) -> dict[str, Any]:
 
 def example() -> dict[str, torch.Tensor]:
     return lm_batches(micro_batch_size=2, accumulation=1, world_size=1).batch(0, 0, 0)
+
+
+def fp32_profile(
+    model: torch.nn.Module,
+    run: Any,
+    *,
+    batch_shape: tuple[int, ...],
+    block_path: str = "",
+    warmup_steps: int = 1,
+    profile_steps: int = 2,
+    chunked: Any = None,
+) -> ModelProfile:
+    """``profile_model`` in fp32 on this machine's device, blocks found under ``block_path``."""
+    blocks = list(model.get_submodule(block_path)) if block_path else []
+    return profile_model(
+        model,
+        run,
+        loss_fn=default_loss,
+        params=model_params(model, None),
+        blocks=blocks,
+        block_path=block_path,
+        module_params=[],
+        batch_shape=batch_shape,
+        precision="fp32",
+        element_size=4,
+        device=select_device(0),
+        warmup_steps=warmup_steps,
+        profile_steps=profile_steps,
+        chunked=chunked,
+    )
 
 
 def test_a_tight_budget_gets_a_searched_plan_that_fits_and_trains_exactly(tmp_path: Path) -> None:
@@ -122,20 +153,8 @@ def test_profile_sees_every_block_and_leaves_the_model_untouched(tmp_path: Path)
     path, blocks = find_blocks(model, None)
     params = model_params(model, None)
     rng = torch.get_rng_state()
-    profile = profile_model(
-        model,
-        lambda: call_model(model, batch),
-        loss_fn=default_loss,
-        params=params,
-        blocks=list(blocks),
-        block_path=path,
-        module_params=[],
-        batch_shape=tuple(batch["input_ids"].shape),
-        precision="fp32",
-        element_size=4,
-        device=select_device(0),
-        warmup_steps=1,
-        profile_steps=2,
+    profile = fp32_profile(
+        model, lambda: call_model(model, batch), batch_shape=tuple(batch["input_ids"].shape), block_path=path
     )
     assert torch.equal(torch.get_rng_state(), rng), "profiling must not move the random stream"
     assert all(p.grad is None for p in model.parameters())
@@ -171,20 +190,8 @@ def test_saved_bytes_count_each_storage_once(tmp_path: Path) -> None:
 
     model = Shared()
     x = torch.randn(16, 8)
-    profile = profile_model(
-        model,
-        lambda: model(x),
-        loss_fn=default_loss,
-        params=model_params(model, None),
-        blocks=list(model.blocks),
-        block_path="blocks",
-        module_params=[],
-        batch_shape=(16, 8),
-        precision="fp32",
-        element_size=4,
-        device=select_device(0),
-        warmup_steps=0,
-        profile_steps=1,
+    profile = fp32_profile(
+        model, lambda: model(x), batch_shape=(16, 8), block_path="blocks", warmup_steps=0, profile_steps=1
     )
     # Inside the block: x (16x8 fp32). Outside: y once (16x8 fp32), though saved four times.
     assert profile.blocks[0].activation_bytes == 16 * 8 * 4
@@ -296,21 +303,7 @@ def test_profiling_stops_once_steps_agree(
     monkeypatch.setattr(probes, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     model = _Timed(durations, clock)
     x = torch.ones(4)
-    profile_model(
-        model,
-        lambda: model(x),
-        loss_fn=default_loss,
-        params=model_params(model, None),
-        blocks=[],
-        block_path="",
-        module_params=[],
-        batch_shape=(4,),
-        precision="fp32",
-        element_size=4,
-        device=select_device(0),
-        warmup_steps=1,
-        profile_steps=3,
-    )
+    fp32_profile(model, lambda: model(x), batch_shape=(4,), profile_steps=3)
     assert model.calls == steps_run
 
 
@@ -320,20 +313,6 @@ def test_profiling_leaves_running_statistics_as_they_were() -> None:
     norm = model[1]
     before = {name: buffer.clone() for name, buffer in norm.named_buffers()}
     x = torch.randn(16, 8) * 3 + 1
-    profile_model(
-        model,
-        lambda: model(x).square().mean(),
-        loss_fn=default_loss,
-        params=model_params(model, None),
-        blocks=[],
-        block_path="",
-        module_params=[],
-        batch_shape=(16, 8),
-        precision="fp32",
-        element_size=4,
-        device=select_device(0),
-        warmup_steps=1,
-        profile_steps=2,
-    )
+    fp32_profile(model, lambda: model(x).square().mean(), batch_shape=(16, 8))
     for name, buffer in norm.named_buffers():
         assert torch.equal(buffer, before[name]), name
