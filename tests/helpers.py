@@ -91,6 +91,14 @@ def reference_warmup_cosine(warmup: int, total: int, min_ratio: float) -> Callab
     return factor
 
 
+def train_updates(engine: Any, data: LMBatches, updates: range, *, rank: int = 0) -> None:
+    """One micro-batch per update through an engine: forward, backward, step."""
+    for update in updates:
+        out = engine(**data.batch(update, 0, rank))
+        engine.backward(out.loss)
+        engine.step()
+
+
 def train_reference(
     model: nn.Module,
     data: LMBatches,

@@ -18,7 +18,7 @@ from runtime.chunks.residency import Residency
 from runtime.engine import Engine, chunked_run
 from runtime.planning import call_model
 from runtime.probes import ChunkedRun
-from tests.helpers import assert_state_equal, lm_batches, tiny_gpt, train_reference
+from tests.helpers import assert_state_equal, lm_batches, tiny_gpt, train_reference, train_updates
 from tests.unit.test_planning import fp32_profile, job
 
 STEPS = 4
@@ -90,10 +90,7 @@ def test_profiling_steps_change_nothing(tmp_path: Path) -> None:
     assert torch.equal(torch.get_rng_state(), rng)
     assert_state_equal(engine.state_dict(), before)
     assert all(float(c.grad_shard.abs().sum()) == 0 for c in engine.chunks.trainable_chunks())
-    for update in range(STEPS):
-        out = engine(**data.batch(update, 0, 0))
-        engine.backward(out.loss)
-        engine.step()
+    train_updates(engine, data, range(STEPS))
     assert_state_equal(engine.state_dict(), expected)
     engine.close()
 
@@ -112,16 +109,13 @@ def test_a_model_larger_than_the_device_is_planned_on_its_first_batch(tmp_path: 
     budget = model_state_bytes(tiny_gpt()) // 2
     engine = runtime.initialize(tiny_gpt(), config=job(tmp_path, device_budget=budget))
     assert engine.plan.rule.startswith("conservative") and engine.plan.n_persist == 0
-    for update in range(STEPS):
-        out = engine(**data.batch(update, 0, 0))
-        engine.backward(out.loss)
-        engine.step()
-        if update == 0:
-            plan = engine.plan
-            assert plan.rule.startswith("planned on a batch through the chunk engine: search"), plan.rule
-            assert plan.predicted_peak_device_bytes is not None
-            assert plan.predicted_peak_device_bytes <= budget
-            assert plan.n_persist < plan.num_chunks  # still larger than the device
+    train_updates(engine, data, range(1))  # profiled, planned and switched here
+    plan = engine.plan
+    assert plan.rule.startswith("planned on a batch through the chunk engine: search"), plan.rule
+    assert plan.predicted_peak_device_bytes is not None
+    assert plan.predicted_peak_device_bytes <= budget
+    assert plan.n_persist < plan.num_chunks  # still larger than the device
+    train_updates(engine, data, range(1, STEPS))
     assert_state_equal(engine.state_dict(), expected)
     engine.close()
 
@@ -152,10 +146,7 @@ def test_a_streamed_model_is_planned_on_the_example_batch_through_its_chunks(tmp
     assert len(profiled) == 1
     blocks = ModelProfile.from_dict(json.loads(profiled[0].read_text())).blocks
     assert len({b.activation_bytes for b in blocks}) == 1 and blocks[0].activation_bytes > 0
-    for update in range(STEPS):
-        out = engine(**data.batch(update, 0, 0))
-        engine.backward(out.loss)
-        engine.step()
+    train_updates(engine, data, range(STEPS))
     assert_state_equal(engine.state_dict(), expected)
     engine.close()
 
@@ -184,10 +175,7 @@ def test_profiling_with_the_fewest_buffers_a_plan_allows(tmp_path: Path) -> None
     config = job(tmp_path, chunk_size="256KiB", n_persist=0, n_buffer=1)
     engine = runtime.initialize(tiny_gpt(), config=config)
     assert engine.chunks.n_buffer == 1 and engine.chunks.layout.num_chunks > 1
-    for update in range(STEPS):
-        out = engine(**data.batch(update, 0, 0))
-        engine.backward(out.loss)
-        engine.step()
+    train_updates(engine, data, range(STEPS))
     assert engine.plan.rule.startswith("planned on a batch through the chunk engine"), engine.plan.rule
     assert_state_equal(engine.state_dict(), expected)
     engine.close()

@@ -12,7 +12,7 @@ from typing import Any
 import runtime
 from runtime.chunks.layout import layout_from_params
 from tests.checkpointing import checkpoint_tensors
-from tests.helpers import assert_state_equal, lm_batches, tiny_gpt, train_reference
+from tests.helpers import assert_state_equal, lm_batches, tiny_gpt, train_reference, train_updates
 from tests.unit.test_planning import all_kept_plan, big_batch_job, job
 
 STEPS = 9
@@ -36,10 +36,7 @@ def test_a_peak_above_the_prediction_re_plans_and_training_stays_exact(tmp_path:
     engine = runtime.initialize(tiny_gpt(), config=config, example_batch=data.batch(0, 0, 0))
     first = engine.plan
     underestimated(engine, 0.5)
-    for update in range(STEPS):
-        out = engine(**data.batch(update, 0, 0))
-        engine.backward(out.loss)
-        engine.step()
+    train_updates(engine, data, range(STEPS))
     assert engine.replans == 1
     second = engine.plan
     assert second.rule.startswith("re-planned (measured peak") and second != first
@@ -93,14 +90,11 @@ def test_without_an_example_batch_the_first_batch_is_profiled_and_searched(tmp_p
     config = big_batch_job(tmp_path, int(kept_peak * 0.6))
     engine = runtime.initialize(tiny_gpt(), config=config)
     assert engine.plan.predicted_step_s is None and not engine.plan.rule.startswith("search")
-    for update in range(STEPS):
-        out = engine(**data.batch(update, 0, 0))
-        engine.backward(out.loss)
-        engine.step()
-        if update == 0:
-            plan = engine.plan
-            assert plan.rule.startswith("planned on a batch through the chunk engine: search")
-            assert plan.predicted_peak_device_bytes is not None
-            assert plan.predicted_peak_device_bytes * 1.05 <= int(kept_peak * 0.6)
+    train_updates(engine, data, range(1))  # profiled, planned and switched here
+    plan = engine.plan
+    assert plan.rule.startswith("planned on a batch through the chunk engine: search")
+    assert plan.predicted_peak_device_bytes is not None
+    assert plan.predicted_peak_device_bytes * 1.05 <= int(kept_peak * 0.6)
+    train_updates(engine, data, range(1, STEPS))
     assert_state_equal(engine.state_dict(), expected)
     engine.close()
