@@ -35,6 +35,8 @@ from runtime.planning import (
     COMPUTE_DTYPES,
     call_model,
     compute_element_size,
+    is_searchable,
+    knob_request,
     make_plan,
     model_blocks,
     model_state_bytes,
@@ -437,10 +439,8 @@ def _dry_run(
     )
     console.print_json(json.dumps(resolved.spec.model_dump(mode="json")))
     console.print(plan_table(plan, title=f"Plan for {resolved.world_size} rank(s)"))
-    chunk_knobs = {"memory.chunk_size", "memory.n_persist", "memory.n_buffer"}
-    if plan.predicted_step_s is None and (
-        chunk_knobs & set(plan.chosen) or (plan.chosen and plan.block_modes)
-    ):
+    searchable = is_searchable(knob_request(resolved.spec.memory), num_blocks=len(plan.block_modes))
+    if plan.predicted_step_s is None and searchable:
         console.print(
             "Not profiled here (no example batch, or weights streamed into chunks): the run starts "
             "under this rule, profiles a batch through the chunk engine and switches to the fastest "

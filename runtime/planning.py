@@ -70,9 +70,6 @@ def make_plan(
     plan returned meanwhile is the resident or conservative rule's)."""
     memory = spec.memory
 
-    def knob(value: int | str) -> int | None:
-        return None if value == AUTO else int(value)
-
     block_path, blocks = model_blocks(model, memory)
     chosen = tuple(path for path in auto_fields(spec) if path.startswith("memory."))
     element_size = compute_element_size(spec.precision)
@@ -82,21 +79,9 @@ def make_plan(
             f"memory.chunk_size={memory.chunk_size} is too small: parameter {largest.name} takes "
             f"{largest.numel * element_size:,} bytes in {spec.precision.value}; use at least that, or auto"
         )
-    request = KnobRequest(
-        chunk_size=knob(memory.chunk_size),
-        n_persist=knob(memory.n_persist),
-        n_buffer=knob(memory.n_buffer),
-        n_swap=knob(memory.n_swap),
-        n_checkpoint=knob(memory.n_checkpoint),
-        n_offload=knob(memory.ssd.n_offload),
-        block_modes=memory.block_modes,
-    )
+    request = knob_request(memory)
     module_params = _module_params(model, params)
-    # Without blocks the activation knobs have nothing to choose: all chunk knobs set by hand
-    # leave nothing to search (and nothing to profile for).
-    searchable = None in (request.chunk_size, request.n_persist, request.n_buffer) or (
-        bool(blocks) and activations_searchable(request)
-    )
+    searchable = is_searchable(request, num_blocks=len(blocks))
 
     def profile_and_search(batch: Any, chunked: ChunkedRun | None = None) -> Plan | None:
         """Profile on ``batch`` (through the chunk engine when ``chunked``), search; None when
@@ -180,6 +165,31 @@ def make_plan(
         raise SpecError(f"memory: {err}") from None
     except ValueError as err:
         raise SpecError(str(err)) from None
+
+
+def knob_request(memory: MemorySpec) -> KnobRequest:
+    """The spec's memory knobs: a number where set by hand, None where "auto"."""
+
+    def knob(value: int | str) -> int | None:
+        return None if value == AUTO else int(value)
+
+    return KnobRequest(
+        chunk_size=knob(memory.chunk_size),
+        n_persist=knob(memory.n_persist),
+        n_buffer=knob(memory.n_buffer),
+        n_swap=knob(memory.n_swap),
+        n_checkpoint=knob(memory.n_checkpoint),
+        n_offload=knob(memory.ssd.n_offload),
+        block_modes=memory.block_modes,
+    )
+
+
+def is_searchable(request: KnobRequest, *, num_blocks: int) -> bool:
+    """Whether any knob is left to the search (and so a profile is wanted). Without blocks the
+    activation knobs have nothing to choose: all chunk knobs set by hand leave nothing."""
+    return None in (request.chunk_size, request.n_persist, request.n_buffer) or (
+        num_blocks > 0 and activations_searchable(request)
+    )
 
 
 def _resident(
@@ -278,7 +288,7 @@ def _profile(
             device,
             shape,
             chunked,
-            agree_max=(lambda seconds: all_reduce_max(seconds, dist_ctx)) if dist_ctx is not None else None,
+            agree_max=lambda seconds: seconds if dist_ctx is None else all_reduce_max(seconds, dist_ctx),
         )
         failed = torch.tensor([1.0 if profile is None else 0.0], dtype=torch.float64)
         if dist_ctx is not None:
@@ -321,7 +331,7 @@ def _measure(
     shape: tuple[int, ...],
     chunked: ChunkedRun | None,
     *,
-    agree_max: Callable[[float], float] | None,
+    agree_max: Callable[[float], float],
 ) -> ModelProfile | None:
     """The profiling steps; None when they do not fit the device. ``agree_max``: every rank's
     largest figure (the ranks stop profiling after the same step)."""
@@ -341,7 +351,7 @@ def _measure(
             warmup_steps=spec.profiler.warmup_steps,
             profile_steps=spec.profiler.profile_steps,
             chunked=chunked,
-            **({} if agree_max is None else {"agree_max": agree_max}),
+            agree_max=agree_max,
         )
     except torch.OutOfMemoryError:
         if chunked is None:  # the chunk engine clears its own (see ChunkManager.profiling)
