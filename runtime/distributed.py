@@ -131,13 +131,41 @@ def destroy(ctx: DistContext) -> None:
 
 def all_gather_flat(output: torch.Tensor, shard: torch.Tensor) -> None:
     """Every rank's ``shard`` concatenated into ``output`` (world size x shard elements)."""
+    if _is_gloo():
+        # gloo's flat all-gather stages through temporaries allocated on its own threads, which
+        # glibc keeps as per-thread free memory: 8 MiB chunks left 100-160 MiB of it per rank,
+        # and one broadcast per rank straight into its slice took half the time (2 ranks on 2
+        # cores: 4.4 vs 8.4 ms for 8 MiB). The bytes each rank sends and receives are the same.
+        size = shard.numel()
+        mine = output[dist.get_rank() * size :][:size]
+        if mine.data_ptr() != shard.data_ptr():
+            mine.copy_(shard)
+        for src in range(dist.get_world_size()):
+            dist.broadcast(output[src * size :][:size], src=src)
+        return
     # torch 2.13 renamed the flat collectives and warns on the old names, which are all that
     # torch 2.4-2.12 have.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(output, shard)
 
 
-def reduce_scatter_flat(output: torch.Tensor, flat: torch.Tensor) -> None:
-    """The sum over ranks of ``flat``, this rank's slice of it into ``output``."""
+def reduce_scatter_flat_(flat: torch.Tensor) -> torch.Tensor:
+    """This rank's slice (``flat`` split evenly over the ranks) of the sum over ranks of ``flat``.
+    ``flat`` is scratch: its contents are undefined afterwards, and the result may view it."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    size = flat.numel() // world
+    if _is_gloo():
+        # As for the all-gather: gloo's flat reduce-scatter stages through temporaries on its
+        # own threads (about 64 MiB kept per rank for 8 MiB), while one in-place reduce per
+        # destination rank needs none and took half the time (8.5 vs 16 ms).
+        for dst in range(world):
+            dist.reduce(flat[dst * size :][:size], dst=dst)
+        return flat[rank * size :][:size]
+    output = torch.empty(size, dtype=flat.dtype, device=flat.device)
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     scatter(output, flat)
+    return output
+
+
+def _is_gloo() -> bool:
+    return dist.get_backend() == dist.Backend.GLOO

@@ -42,7 +42,7 @@ from runtime.distributed import (
     all_gather_flat,
     all_reduce_min_,
     all_reduce_sum_,
-    reduce_scatter_flat,
+    reduce_scatter_flat_,
 )
 
 COPY_PROBE_BYTES = 32 << 20
@@ -191,7 +191,7 @@ def _collective_rates(device: DeviceInfo, dist_ctx: DistContext) -> tuple[float,
     shard = torch.ones(numel // world, dtype=dtype, device=device.device)
     tiny = torch.zeros(1, dtype=dtype, device=device.device)
     gather_s = _best_time(lambda: all_gather_flat(full, shard), device)
-    scatter_s = _best_time(lambda: reduce_scatter_flat(shard, full), device)
+    scatter_s = _best_time(lambda: reduce_scatter_flat_(full), device)
     latency = _best_time(lambda: all_reduce_sum_(tiny, dist_ctx), device)
     size = numel * 4
     return size / max(gather_s - latency, 1e-9), size / max(scatter_s - latency, 1e-9), latency

@@ -50,11 +50,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from runtime.chunks.grad_buffers import GradientBufferPool
 from runtime.chunks.layout import ChunkInfo, ChunkLayout
 from runtime.chunks.residency import Residency, check_move
 from runtime.cpu_adam import ShardAdamW
 from runtime.device import DeviceEvent, DeviceInfo, MmapArena, SideStream, synchronize
-from runtime.distributed import DistContext, all_gather_flat, all_reduce_sum_, reduce_scatter_flat
+from runtime.distributed import DistContext, all_gather_flat, all_reduce_sum_, reduce_scatter_flat_
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +171,7 @@ class ChunkManager:
             self._point_params(chunk)
             self._point_grads(chunk)
         self._grad_buffers: dict[int, torch.Tensor] = {}
+        """The gradient buffer each chunk is filling (taken from ``_grad_pool``)."""
         self._remaining = [0] * len(self.chunks)
         self._fired = torch.zeros(len(self.params), dtype=torch.bool)
         self._fired_in_window = torch.zeros(len(self.params), dtype=torch.bool)
@@ -177,6 +179,9 @@ class ChunkManager:
         self._next_reduction = 0
         self.stream = SideStream(device, name="protrain-chunks")
         """The one thread (CUDA: stream) that issues every collective, in program order."""
+        self._grad_pool = GradientBufferPool(
+            numel=layout.chunk_numel, dtype=compute_dtype, device=device, stream=self.stream
+        )
         self._fetches: dict[int, DeviceEvent] = {}
         self._last_submitted: DeviceEvent | None = None
         self.prefetch_depth = 0 if n_buffer <= 1 else n_buffer - 1
@@ -483,10 +488,7 @@ class ChunkManager:
         else:
             buffer = self._grad_buffers.get(chunk_index)
             if buffer is None:
-                buffer = torch.zeros(
-                    self.layout.chunk_numel, dtype=self.compute_dtype, device=self.device.device
-                )
-                self._grad_buffers[chunk_index] = buffer
+                buffer = self._grad_buffers[chunk_index] = self._grad_pool.take()
             offset = self.layout.slots[index].offset
             buffer[offset : offset + param.numel()].add_(param.grad.reshape(-1))
             param.grad = None
@@ -592,6 +594,7 @@ class ChunkManager:
                 self.drain()
             finally:
                 self._grad_buffers.clear()
+                self._grad_pool.release()
                 for chunk in self.chunks:
                     if not self._direct_grads(chunk):
                         for index in chunk.info.params:
@@ -669,6 +672,7 @@ class ChunkManager:
             self._reduce(self._reduce_order[self._next_reduction])
             self._next_reduction += 1
         self.drain()
+        self._grad_pool.release()
         self._speculation_lr = None  # queued updates finish on their own; step() waits for them
         self.reset_backward()
 
@@ -685,10 +689,9 @@ class ChunkManager:
             reduced = DeviceEvent.completed()  # no gradient, nothing to add
         else:
             if buffer is None:  # no gradient here; other ranks may have some, so take part anyway
-                buffer = torch.zeros(
-                    self.layout.chunk_numel, dtype=self.compute_dtype, device=self.device.device
-                )
+                buffer = self._grad_pool.take()
             reduced = self._submit(lambda: self._reduce_into(buffer, grad_shard))
+            self._grad_pool.reducing(buffer, reduced)
         if self._speculation_lr is not None and not chunk.persistent:
             active = [bool(self._fired_in_window[s.param]) for s in chunk.segments]
             lr = self._speculation_lr
@@ -704,9 +707,7 @@ class ChunkManager:
         if world == 1:
             grad_shard.add_(buffer.to(grad_shard.device, torch.float32))
             return
-        reduced = torch.empty(self.layout.shard_numel, dtype=self.compute_dtype, device=self.device.device)
-        reduce_scatter_flat(reduced, buffer)
-        reduced.div_(world)
+        reduced = reduce_scatter_flat_(buffer).div_(world)
         grad_shard.add_(reduced.to(grad_shard.device, torch.float32))
 
     def _submit(self, work: Callable[[], None]) -> DeviceEvent:

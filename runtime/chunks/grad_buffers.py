@@ -1,0 +1,75 @@
+"""Chunk-sized gradient buffers for one backward, reused instead of allocated per chunk.
+
+Backward copies each parameter's gradient into its chunk's full-size buffer; once the chunk is
+complete the side stream reduce-scatters the buffer into the fp32 shard. Allocating a new
+buffer per chunk lets them pile up whenever the side stream falls behind compute (on 2 CPU
+cores: every chunk of the model at once, 1.4 times the parameter bytes, measured in
+scripts/bench_peers.py), while the cost model counts one. The pool instead hands a buffer back
+once its reduction has run: the next chunk waits for the oldest reduction in flight rather than
+allocating a third buffer, so one buffer fills while the previous one is reduced.
+
+The bound is soft. A chunk that cannot be reduced yet (reductions go in a fixed order, and a
+chunk with a parameter that has not reported holds up the ones behind it) keeps its buffer; with
+no reduction in flight to wait for, the pool allocates another rather than wait forever.
+Buffers are dropped when backward ends, so forward's peak does not carry them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from runtime.device import DeviceEvent, DeviceInfo, SideStream
+
+GRADIENT_BUFFERS = 2
+"""One buffer filling while the previous chunk's is reduced: enough to overlap the two."""
+
+
+class GradientBufferPool:
+    def __init__(
+        self,
+        *,
+        numel: int,
+        dtype: torch.dtype,
+        device: DeviceInfo,
+        stream: SideStream,
+        capacity: int = GRADIENT_BUFFERS,
+    ) -> None:
+        self.numel = numel
+        self.dtype = dtype
+        self.device = device
+        self.stream = stream
+        self.capacity = capacity
+        self._idle: list[torch.Tensor] = []
+        self._reducing: deque[tuple[DeviceEvent, torch.Tensor]] = deque()
+        self.allocated = 0
+        """Buffers alive now (idle, filling or being reduced)."""
+        self.most_allocated = 0
+        """The most buffers alive at once since the pool was made (for tests and benchmarks)."""
+
+    def take(self) -> torch.Tensor:
+        """A zeroed buffer: an idle one, the oldest one whose reduction has run, a new one below
+        capacity, or else the oldest one, whose reduction compute waits for here (the host on
+        CPU, the compute stream on CUDA)."""
+        if self._idle:
+            buffer = self._idle.pop()
+        elif self._reducing and (self._reducing[0][0].query() or self.allocated >= self.capacity):
+            event, buffer = self._reducing.popleft()
+            self.stream.make_compute_wait(event)
+        else:
+            self.allocated += 1
+            self.most_allocated = max(self.most_allocated, self.allocated)
+            return torch.zeros(self.numel, dtype=self.dtype, device=self.device.device)
+        return buffer.zero_()
+
+    def reducing(self, buffer: torch.Tensor, done: DeviceEvent) -> None:
+        """``buffer`` is read by side-stream work until ``done``; it may be reused after that."""
+        self._reducing.append((done, buffer))
+
+    def release(self) -> None:
+        """Drop every buffer: backward is over and the side stream has drained (the caller
+        waited for it), so no work still reads them."""
+        self._idle.clear()
+        self._reducing.clear()
+        self.allocated = 0

@@ -1,0 +1,132 @@
+"""The engine's flat collectives on two gloo ranks, and the gradient buffers backward reuses.
+
+On gloo the chunk engine all-gathers with one broadcast per rank and reduce-scatters with one
+in-place reduce per rank (runtime/distributed.py says why); these must give exactly what torch's
+own flat collectives give. Backward's gradient buffers come from a small pool: a step with many
+offloaded chunks keeps only a few alive, counted here from the live tensors themselves."""
+
+from __future__ import annotations
+
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed.pool import RankPool
+from tests.helpers import assert_state_close, lm_batches, tiny_gpt, train_reference
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def flat_collectives(*, rank: int) -> list[str]:
+    """Every case where ours and torch's differ (empty: all equal)."""
+    import torch.distributed as dist
+
+    from runtime.distributed import all_gather_flat, reduce_scatter_flat_
+
+    mismatches = []
+    for shard_numel in (3, 1023, 1 << 16):
+        for dtype in (torch.float32, torch.bfloat16):
+            generator = torch.Generator().manual_seed(1000 * rank + shard_numel)
+            full = torch.randn(2 * shard_numel, generator=generator).to(dtype)
+            shard = full[rank * shard_numel :][:shard_numel].clone()
+
+            gathered = torch.full((2 * shard_numel,), float("nan"), dtype=dtype)
+            all_gather_flat(gathered, shard)
+            expected = torch.empty_like(gathered)
+            dist.all_gather_into_tensor(expected, shard)
+            if not torch.equal(gathered, expected):
+                mismatches.append(f"all-gather {shard_numel} {dtype}")
+
+            # The shard may already be this rank's slice of the output (no copy then).
+            in_place = torch.zeros(2 * shard_numel, dtype=dtype)
+            in_place[rank * shard_numel :][:shard_numel] = shard
+            all_gather_flat(in_place, in_place[rank * shard_numel :][:shard_numel])
+            if not torch.equal(in_place, expected):
+                mismatches.append(f"all-gather in place {shard_numel} {dtype}")
+
+            reduced = reduce_scatter_flat_(full.clone())  # its input is scratch
+            expected_shard = torch.empty(shard_numel, dtype=dtype)
+            dist.reduce_scatter_tensor(expected_shard, full.clone())
+            if not torch.equal(reduced, expected_shard):
+                mismatches.append(f"reduce-scatter {shard_numel} {dtype}")
+    return mismatches
+
+
+def test_gloo_flat_collectives_equal_torchs(rank_pool: RankPool) -> None:
+    assert rank_pool.run(flat_collectives) == [[], []]
+
+
+def train_counting_gradient_buffers(*, rank: int, output_dir: str) -> dict[str, Any]:
+    """Every chunk persistent (backward then never waits for the side stream, which would pace
+    it), 64 KiB chunks, every reduction slowed down; at every parameter's gradient hook, count
+    the gradient buffers still alive."""
+    import runtime
+
+    def config(n_persist: int) -> dict[str, Any]:
+        return {
+            "seed": 3,
+            "micro_batch_size": 2,
+            "optimizer": {"lr": 1e-3, "weight_decay": 0.1},
+            "scheduler": {"type": "constant"},
+            "memory": {"chunk_size": "64KiB", "n_persist": n_persist, "n_buffer": 0 if n_persist else 2},
+            "output_dir": output_dir,
+        }
+
+    with runtime.initialize(tiny_gpt(0), config=config(0)) as counting:
+        num_chunks = counting.plan.num_chunks
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=2)
+    engine = runtime.initialize(tiny_gpt(0), config=config(num_chunks))
+    chunks = engine.chunks
+    most_alive = 0
+    reduce_into = chunks._reduce_into
+
+    def slow_reduce_into(buffer: torch.Tensor, grad_shard: torch.Tensor) -> None:
+        time.sleep(0.05)  # a slow link: reductions fall behind backward
+        reduce_into(buffer, grad_shard)
+
+    chunks._reduce_into = slow_reduce_into
+
+    # Every buffer backward takes, held weakly: what is counted is the buffers still alive.
+    taken: dict[int, weakref.ref[torch.Tensor]] = {}
+    take = chunks._grad_pool.take
+
+    def take_and_watch() -> torch.Tensor:
+        buffer = take()
+        taken[id(buffer)] = weakref.ref(buffer)
+        return buffer
+
+    chunks._grad_pool.take = take_and_watch
+
+    def count(_param: torch.nn.Parameter) -> None:
+        nonlocal most_alive
+        most_alive = max(most_alive, sum(1 for ref in taken.values() if ref() is not None))
+
+    with engine:
+        hooks = [p.register_post_accumulate_grad_hook(count) for p in engine.module.parameters()]
+        for update in range(3):
+            out = engine(**data.batch(update, 0, rank))
+            engine.backward(out.loss)
+            engine.step()
+        for hook in hooks:
+            hook.remove()
+        return {
+            "state": engine.state_dict(),
+            "trainable_chunks": sum(1 for c in chunks.chunks if c.info.trainable),
+            "most_alive": most_alive,
+        }
+
+
+def test_backward_reuses_a_few_gradient_buffers(rank_pool: RankPool, tmp_path: Path) -> None:
+    results = rank_pool.run(train_counting_gradient_buffers, output_dir=str(tmp_path))
+    for result in results:
+        # Two in rotation, and a third while a module's parameters span two chunks that fill
+        # together: not one per chunk waiting for its reduction, as before the pool.
+        assert result["trainable_chunks"] >= 10
+        assert 2 <= result["most_alive"] <= 3
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=2)
+    expected, _ = train_reference(tiny_gpt(0), data, steps=3, lr=1e-3, weight_decay=0.1, clip=0.0)
+    assert_state_close(results[0]["state"], expected)
