@@ -18,7 +18,8 @@ The main thread only issues collectives after draining it. With offloaded chunks
 therefore run the same modules in a step (as with any ZeRO-3 implementation).
 
 Gradients: a hook after each parameter's gradient accumulation copies the gradient into the
-chunk's gradient buffer (one rank in fp32: straight into the fp32 shard); when every trainable
+chunk's gradient buffer (one rank in fp32: straight into the fp32 shard), taken from a small pool
+that hands a buffer back once its reduction has run (grad_buffers.py); when every trainable
 parameter of a chunk has reported, the chunk is ready. Ready chunks are reduce-scattered into
 the fp32 shard gradient strictly in reverse chunk order, the same on every rank (chunks left
 incomplete by unused parameters are flushed, in that order, when backward ends).
