@@ -7,8 +7,12 @@ memory per rank, with ratios against DDP and FSDP2 measured in the same run.
 
 Candidates (all fp32, AdamW lr 1e-3 with torch's other defaults applied to every parameter, no
 clipping, constant learning rate; all start from the same weights and every rank trains on its
-own share of the same batches, so their final losses should agree):
+own share of the same batches, so their final losses should agree, all but the first):
 
+- PyTorch alone: each rank trains its own copy with ``torch.optim.AdamW(fused=True)`` and no
+  collectives at all. Not a peer but the floor: the compute and update every candidate pays, on
+  cores shared with the other rank; no distributed scheme can step faster. Its loss is rank 0's
+  copy's, trained on rank 0's share only;
 - DDP: ``DistributedDataParallel`` (default buckets) + ``torch.optim.AdamW(fused=True)``;
 - FSDP2: ``fully_shard`` on every transformer block and the root, ``CPUOffloadPolicy(pin_memory=
   False)``, + ``torch.optim.AdamW(fused=True)`` over the sharded DTensor parameters;
@@ -105,6 +109,7 @@ FORKSERVER_PRELOAD = [
 class Kind(Enum):
     """The candidates, in the table's (and the interleaving's) order."""
 
+    ALONE = "alone"
     DDP = "ddp"
     FSDP2 = "fsdp2"
     DEEPSPEED = "deepspeed"
@@ -115,6 +120,7 @@ class Kind(Enum):
 
 PROTRAIN_KINDS = (Kind.PROTRAIN_MIN, Kind.PROTRAIN_MORE, Kind.PROTRAIN_ALL)
 PEER_LABELS = {
+    Kind.ALONE: "PyTorch alone: no comms (floor)",
     Kind.DDP: "DDP + AdamW(fused)",
     Kind.FSDP2: "FSDP2 + CPUOffloadPolicy",
     Kind.DEEPSPEED: "DeepSpeed ZeRO-3 offload cpu",
@@ -171,6 +177,16 @@ class Trainer:
 
 
 # ---------------------------------------------------------------- candidates (run inside a rank)
+
+
+def build_alone(args: argparse.Namespace) -> Trainer:
+    """The floor: each rank trains its own copy (no collectives at all), so its step is the
+    compute and update every candidate pays, on cores shared with the other rank."""
+    model = build_gpt(gpt_config(args))
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True
+    )
+    return Trainer(Kind.ALONE, PEER_LABELS[Kind.ALONE], torch_step(model, optimizer))
 
 
 def build_ddp(args: argparse.Namespace) -> Trainer:
@@ -301,6 +317,8 @@ def build_protrain(
 
 
 def build(kind: Kind, job: Job, batches: Sequence[Batch], min_plan: dict[str, int] | None) -> Trainer:
+    if kind is Kind.ALONE:
+        return build_alone(job.args)
     if kind is Kind.DDP:
         return build_ddp(job.args)
     if kind is Kind.FSDP2:
@@ -579,6 +597,7 @@ def print_table(
         return memory.get(kind, {}).get("peak_mib")
 
     ddp_s, fsdp_s, ddp_mib = median(Kind.DDP), median(Kind.FSDP2), peak(Kind.DDP)
+    floor_s = median(Kind.ALONE)
     print(header)
     title = (
         f"{'candidate':<40}{'s/step':>8}{'min-max (s)':>14}{'vs DDP':>8}{'vs FSDP2':>10}"
@@ -597,6 +616,11 @@ def print_table(
             f"{row['label']:<40}{step_s:>8.3f}{spread:>14}{fmt_ratio(step_s, ddp_s):>8}"
             f"{fmt_ratio(step_s, fsdp_s):>10}{fmt_mib(mib['peak_mib']):>10}{fmt_mib(mib['live_mib']):>10}"
             f"{fmt_mib(mib['steps_mib']):>11}{fmt_ratio(peak(kind), ddp_mib):>12}{row['loss']:>12.5f}"
+        )
+    if floor_s is not None and fsdp_s is not None:
+        print(
+            f"floor: with no communication at all a step takes {floor_s / fsdp_s:.2f}x FSDP2's "
+            f"({fmt_ratio(floor_s, ddp_s)} DDP's); a target below that cannot be met on this machine"
         )
     for kind in PROTRAIN_KINDS:
         step_s, mib = median(kind), peak(kind)

@@ -17,7 +17,8 @@ def test_bench_peers_smoke() -> None:
         line.startswith("candidate") and "s/step" in line and "vs DDP" in line and "vs FSDP2" in line
         for line in lines
     ), stdout
-    for row in ("DDP", "FSDP2", "DeepSpeed ZeRO-3", "ProTrain n_persist=0"):
+    for row in ("PyTorch alone", "DDP", "FSDP2", "DeepSpeed ZeRO-3", "ProTrain n_persist=0"):
         assert any(line.startswith(row) for line in lines), f"no {row} row:\n{stdout}"
     assert any(line.startswith("ProTrain") and "(min)" in line for line in lines)
+    assert any(line.startswith("floor: with no communication") for line in lines), stdout
     assert "CPU figures" in stdout
