@@ -112,6 +112,10 @@ class SideStream:
             self._cuda_stream = torch.cuda.Stream(device=info.device)
             return
         self._cuda_stream = None
+        self._failure: BaseException | None = None
+        """The first work that failed. Like a CUDA error it sticks: every later event reports
+        it without running its work, since that work may depend on what failed (so a drain,
+        which waits for the last event only, cannot miss a failure)."""
         self._work: queue.SimpleQueue[tuple[Callable[[], None], DeviceEvent] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -122,12 +126,17 @@ class SideStream:
             if item is None:
                 return
             work, event = item
-            try:
-                work()
-            except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the event
-                event._finish(err)
-            else:
-                event._finish()
+            del item
+            if self._failure is None:
+                try:
+                    work()
+                except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the event
+                    self._failure = err
+            # Drop the work, and what its closure holds (a gradient buffer, say), before the event
+            # says it is done: whoever waited may count on it being freed.
+            del work
+            event._finish(self._failure)
+            del event
 
     def submit(self, work: Callable[[], None]) -> DeviceEvent:
         """Queue ``work`` after everything submitted before; returns its completion event."""

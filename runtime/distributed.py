@@ -137,6 +137,7 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor) -> None:
         # and one broadcast per rank straight into its slice took half the time (2 ranks on 2
         # cores: 4.4 vs 8.4 ms for 8 MiB). The bytes each rank sends and receives are the same.
         size = shard.numel()
+        _check_flat(output, shard, size * dist.get_world_size())
         mine = output[dist.get_rank() * size :][:size]
         if mine.data_ptr() != shard.data_ptr():
             mine.copy_(shard)
@@ -155,6 +156,7 @@ def reduce_scatter_flat_(flat: torch.Tensor) -> torch.Tensor:
     world, rank = dist.get_world_size(), dist.get_rank()
     size = flat.numel() // world
     if _is_gloo():
+        _check_flat(flat, flat, size * world)
         # As for the all-gather: gloo's flat reduce-scatter stages through temporaries on its
         # own threads (about 64 MiB kept per rank for 8 MiB), while one in-place reduce per
         # destination rank needs none and took half the time (8.5 vs 16 ms).
@@ -165,6 +167,19 @@ def reduce_scatter_flat_(flat: torch.Tensor) -> torch.Tensor:
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     scatter(output, flat)
     return output
+
+
+def _check_flat(flat: torch.Tensor, part: torch.Tensor, numel: int) -> None:
+    """What torch's flat collectives check (a mismatch would hang the ranks, not raise)."""
+    if (
+        flat.numel() != numel
+        or flat.dtype != part.dtype
+        or not (flat.is_contiguous() and part.is_contiguous())
+    ):
+        raise ValueError(
+            f"flat collective: {flat.numel()} {flat.dtype} elements for {numel} {part.dtype} "
+            "(both contiguous, the flat one world size x the shard)"
+        )
 
 
 def _is_gloo() -> bool:

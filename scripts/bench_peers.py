@@ -482,8 +482,8 @@ def rank_main(rank: int, port: int, job: Job, results: Any) -> None:
         }
     )
     torch.set_num_threads(1)
-    # The chunk engine still calls the collective names torch 2.13 deprecates; one warning per
-    # call site and rank would bury the table.
+    # Peers (and the hardware probe, on other backends) still call the collective names torch
+    # 2.13 deprecates; one warning per call site and rank would bury the table.
     warnings.filterwarnings(
         "ignore",
         message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
@@ -617,9 +617,9 @@ def print_table(
             f"{fmt_ratio(step_s, fsdp_s):>10}{fmt_mib(mib['peak_mib']):>10}{fmt_mib(mib['live_mib']):>10}"
             f"{fmt_mib(mib['steps_mib']):>11}{fmt_ratio(peak(kind), ddp_mib):>12}{row['loss']:>12.5f}"
         )
-    if floor_s is not None and fsdp_s is not None:
+    if floor_s is not None:
         print(
-            f"floor: with no communication at all a step takes {floor_s / fsdp_s:.2f}x FSDP2's "
+            f"floor: with no communication at all a step takes {fmt_ratio(floor_s, fsdp_s)} FSDP2's "
             f"({fmt_ratio(floor_s, ddp_s)} DDP's); a target below that cannot be met on this machine"
         )
     for kind in PROTRAIN_KINDS:

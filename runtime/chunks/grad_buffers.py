@@ -10,8 +10,11 @@ allocating a third buffer, so one buffer fills while the previous one is reduced
 
 The bound is soft. A chunk that cannot be reduced yet (reductions go in a fixed order, and a
 chunk with a parameter that has not reported holds up the ones behind it) keeps its buffer; with
-no reduction in flight to wait for, the pool allocates another rather than wait forever.
-Buffers are dropped when backward ends, so forward's peak does not carry them.
+no reduction in flight to wait for, the pool allocates another rather than wait forever, and
+frees it again once its reduction has run. Buffers are dropped when backward ends, so forward's
+peak does not carry them. The cost model counts one buffer: its predicted peak falls where
+backward starts, when only the first chunk's buffer exists; a second one is taken once that
+chunk's gradients are complete, by when the last block's activations are being freed.
 """
 
 from __future__ import annotations
@@ -41,27 +44,29 @@ class GradientBufferPool:
         self.device = device
         self.stream = stream
         self.capacity = capacity
-        self._idle: list[torch.Tensor] = []
         self._reducing: deque[tuple[DeviceEvent, torch.Tensor]] = deque()
         self.allocated = 0
-        """Buffers alive now (idle, filling or being reduced)."""
+        """Buffers alive now (filling or being reduced)."""
         self.most_allocated = 0
         """The most buffers alive at once since the pool was made (for tests and benchmarks)."""
 
     def take(self) -> torch.Tensor:
-        """A zeroed buffer: an idle one, the oldest one whose reduction has run, a new one below
-        capacity, or else the oldest one, whose reduction compute waits for here (the host on
-        CPU, the compute stream on CUDA)."""
-        if self._idle:
-            buffer = self._idle.pop()
-        elif self._reducing and (self._reducing[0][0].query() or self.allocated >= self.capacity):
-            event, buffer = self._reducing.popleft()
-            self.stream.make_compute_wait(event)
-        else:
-            self.allocated += 1
-            self.most_allocated = max(self.most_allocated, self.allocated)
-            return torch.zeros(self.numel, dtype=self.dtype, device=self.device.device)
-        return buffer.zero_()
+        """A zeroed buffer: the oldest one whose reduction has run, a new one below capacity, or
+        else the oldest one, whose reduction compute waits for here (the host on CPU, the
+        compute stream on CUDA)."""
+        # Buffers allocated past capacity (nothing was in flight to wait for) are freed as soon
+        # as their reduction has run, not kept for the rest of backward.
+        while self.allocated > self.capacity and self._reducing and self._reducing[0][0].query():
+            self._reducing.popleft()
+            self.allocated -= 1
+        if self._reducing and (self._reducing[0][0].query() or self.allocated >= self.capacity):
+            event, buffer = self._reducing[0]
+            self.stream.make_compute_wait(event)  # raises if the reduction failed
+            self._reducing.popleft()
+            return buffer.zero_()
+        self.allocated += 1
+        self.most_allocated = max(self.most_allocated, self.allocated)
+        return torch.zeros(self.numel, dtype=self.dtype, device=self.device.device)
 
     def reducing(self, buffer: torch.Tensor, done: DeviceEvent) -> None:
         """``buffer`` is read by side-stream work until ``done``; it may be reused after that."""
@@ -70,6 +75,5 @@ class GradientBufferPool:
     def release(self) -> None:
         """Drop every buffer: backward is over and the side stream has drained (the caller
         waited for it), so no work still reads them."""
-        self._idle.clear()
         self._reducing.clear()
         self.allocated = 0

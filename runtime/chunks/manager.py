@@ -669,13 +669,17 @@ class ChunkManager:
     def finish_backward(self) -> None:
         """Flush chunks that unused parameters left incomplete, in the fixed order, and wait for
         every reduction to land in the shards."""
-        while self._next_reduction < len(self._reduce_order):
-            self._reduce(self._reduce_order[self._next_reduction])
-            self._next_reduction += 1
-        self.drain()
-        self._grad_pool.release()
-        self._speculation_lr = None  # queued updates finish on their own; step() waits for them
-        self.reset_backward()
+        try:
+            while self._next_reduction < len(self._reduce_order):
+                self._reduce(self._reduce_order[self._next_reduction])
+                self._next_reduction += 1
+            self.drain()
+        finally:
+            # Also after a failure: the next backward must not find this one's buffers or count.
+            self._grad_buffers.clear()
+            self._grad_pool.release()
+            self._speculation_lr = None  # queued updates finish on their own; step() waits for them
+            self.reset_backward()
 
     def _reduce(self, chunk_index: int) -> None:
         """Queue the chunk's reduce-scatter (and the fp32 accumulation into its shard) on the

@@ -105,11 +105,13 @@ def train_counting_gradient_buffers(*, rank: int, output_dir: str) -> dict[str, 
         nonlocal most_alive
         most_alive = max(most_alive, sum(1 for ref in taken.values() if ref() is not None))
 
+    alive_after_backward: list[int] = []
     with engine:
         hooks = [p.register_post_accumulate_grad_hook(count) for p in engine.module.parameters()]
         for update in range(3):
             out = engine(**data.batch(update, 0, rank))
             engine.backward(out.loss)
+            alive_after_backward.append(sum(1 for ref in taken.values() if ref() is not None))
             engine.step()
         for hook in hooks:
             hook.remove()
@@ -117,6 +119,7 @@ def train_counting_gradient_buffers(*, rank: int, output_dir: str) -> dict[str, 
             "state": engine.state_dict(),
             "trainable_chunks": sum(1 for c in chunks.chunks if c.info.trainable),
             "most_alive": most_alive,
+            "alive_after_backward": alive_after_backward,
         }
 
 
@@ -127,6 +130,7 @@ def test_backward_reuses_a_few_gradient_buffers(rank_pool: RankPool, tmp_path: P
         # together: not one per chunk waiting for its reduction, as before the pool.
         assert result["trainable_chunks"] >= 10
         assert 2 <= result["most_alive"] <= 3
+        assert result["alive_after_backward"] == [0, 0, 0], "forward would carry gradient buffers"
     data = lm_batches(micro_batch_size=2, accumulation=1, world_size=2)
     expected, _ = train_reference(tiny_gpt(0), data, steps=3, lr=1e-3, weight_decay=0.1, clip=0.0)
     assert_state_close(results[0]["state"], expected)

@@ -50,7 +50,13 @@ def test_failure_on_the_stream_is_raised_to_the_waiter() -> None:
     with pytest.raises(RuntimeError, match="side stream failed") as info:
         event.wait()
     assert isinstance(info.value.__cause__, OSError)
-    assert stream.submit(lambda: None).wait() is None  # the stream keeps working
+    # Like a CUDA error, the failure sticks: later work does not run (it may depend on what
+    # failed) and its event reports the failure, so waiting for the last event cannot miss it.
+    ran: list[int] = []
+    later = stream.submit(lambda: ran.append(1))
+    with pytest.raises(RuntimeError, match="side stream failed") as info:
+        later.wait()
+    assert isinstance(info.value.__cause__, OSError) and ran == []
     stream.close()
     with pytest.raises(RuntimeError, match="closed"):
         stream.submit(lambda: None)

@@ -4,8 +4,10 @@ bound. (tests/distributed/test_collectives_two_ranks.py counts the buffers of re
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 
+import pytest
 import torch
 
 from runtime.chunks.grad_buffers import GradientBufferPool
@@ -48,6 +50,41 @@ def test_a_finished_reduction_is_reused_before_allocating() -> None:
         pool.reducing(first, DeviceEvent.completed())
         again = pool.take()
         assert again is first and not again.any() and pool.allocated == 1
+    finally:
+        stream.close()
+
+
+def test_buffers_past_capacity_are_freed_once_reduced() -> None:
+    stream = SideStream(CPU, name="test-reductions")
+    try:
+        pool = make_pool(stream)
+        held = [pool.take() for _ in range(3)]  # nothing in flight: the pool grows to 3
+        for buffer in held:
+            pool.reducing(buffer, DeviceEvent.completed())
+        first = weakref.ref(held[0])
+        del held, buffer
+        again = pool.take()
+        assert pool.allocated == 2 and first() is None, "a buffer past capacity was kept"
+        assert not again.any()
+    finally:
+        stream.close()
+
+
+def test_a_failed_reduction_is_raised_by_the_next_take() -> None:
+    stream = SideStream(CPU, name="test-reductions")
+    try:
+        pool = make_pool(stream)
+        buffer = pool.take()
+
+        def fail() -> None:
+            raise OSError("link down")
+
+        failed = stream.submit(fail)
+        pool.reducing(buffer, failed)
+        while not failed.query():
+            time.sleep(0.001)
+        with pytest.raises(RuntimeError, match="side stream failed"):
+            pool.take()  # its buffer would be the one to reuse
     finally:
         stream.close()
 
