@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,93 +17,80 @@ from runtime.device import DeviceEvent, DeviceInfo, SideStream
 CPU = DeviceInfo(torch.device("cpu"), "gloo")
 
 
-def make_pool(stream: SideStream, capacity: int = 2) -> GradientBufferPool:
-    return GradientBufferPool(numel=8, dtype=torch.float32, device=CPU, stream=stream, capacity=capacity)
+@pytest.fixture
+def stream() -> Iterator[SideStream]:
+    side = SideStream(CPU, name="test-reductions")
+    yield side
+    side.close()
 
 
-def test_a_full_pool_waits_for_the_oldest_reduction_and_hands_its_buffer_back_zeroed() -> None:
-    stream = SideStream(CPU, name="test-reductions")
-    try:
-        pool = make_pool(stream)
-        first, second = pool.take(), pool.take()
-        first.fill_(1.0)
-        gate = threading.Event()
-        pool.reducing(first, stream.submit(lambda: gate.wait(10)))  # a reduction still running
-        taken: list[torch.Tensor] = []
-        taker = threading.Thread(target=lambda: taken.append(pool.take()))
-        taker.start()
-        taker.join(0.3)
-        assert taker.is_alive(), "took a third buffer instead of waiting for the reduction"
-        gate.set()
-        taker.join(10)
-        assert taken[0] is first and not taken[0].any()
-        assert pool.allocated == pool.most_allocated == 2 and second is not first
-    finally:
-        stream.close()
+@pytest.fixture
+def pool(stream: SideStream) -> GradientBufferPool:
+    return GradientBufferPool(numel=8, dtype=torch.float32, device=CPU, stream=stream, capacity=2)
 
 
-def test_a_finished_reduction_is_reused_before_allocating() -> None:
-    stream = SideStream(CPU, name="test-reductions")
-    try:
-        pool = make_pool(stream)
-        first = pool.take()
-        first.fill_(3.0)
-        pool.reducing(first, DeviceEvent.completed())
-        again = pool.take()
-        assert again is first and not again.any() and pool.allocated == 1
-    finally:
-        stream.close()
+def test_a_full_pool_waits_for_the_oldest_reduction_and_hands_its_buffer_back_zeroed(
+    stream: SideStream, pool: GradientBufferPool
+) -> None:
+    first, second = pool.take(), pool.take()
+    first.fill_(1.0)
+    gate = threading.Event()
+    pool.reducing(first, stream.submit(lambda: gate.wait(10)))  # a reduction still running
+    taken: list[torch.Tensor] = []
+    taker = threading.Thread(target=lambda: taken.append(pool.take()))
+    taker.start()
+    taker.join(0.3)
+    assert taker.is_alive(), "took a third buffer instead of waiting for the reduction"
+    gate.set()
+    taker.join(10)
+    assert taken[0] is first and not taken[0].any()
+    assert pool.allocated == pool.most_allocated == 2 and second is not first
 
 
-def test_buffers_past_capacity_are_freed_once_reduced() -> None:
-    stream = SideStream(CPU, name="test-reductions")
-    try:
-        pool = make_pool(stream)
-        held = [pool.take() for _ in range(3)]  # nothing in flight: the pool grows to 3
-        for buffer in held:
-            pool.reducing(buffer, DeviceEvent.completed())
-        first = weakref.ref(held[0])
-        del held, buffer
-        again = pool.take()
-        assert pool.allocated == 2 and first() is None, "a buffer past capacity was kept"
-        assert not again.any()
-    finally:
-        stream.close()
+def test_a_finished_reduction_is_reused_before_allocating(pool: GradientBufferPool) -> None:
+    first = pool.take()
+    first.fill_(3.0)
+    pool.reducing(first, DeviceEvent.completed())
+    again = pool.take()
+    assert again is first and not again.any() and pool.allocated == 1
 
 
-def test_a_failed_reduction_is_raised_by_the_next_take() -> None:
-    stream = SideStream(CPU, name="test-reductions")
-    try:
-        pool = make_pool(stream)
-        buffer = pool.take()
-
-        def fail() -> None:
-            raise OSError("link down")
-
-        failed = stream.submit(fail)
-        pool.reducing(buffer, failed)
-        while not failed.query():
-            time.sleep(0.001)
-        with pytest.raises(RuntimeError, match="side stream failed"):
-            pool.take()  # its buffer would be the one to reuse
-    finally:
-        stream.close()
+def test_buffers_past_capacity_are_freed_once_reduced(pool: GradientBufferPool) -> None:
+    held = [pool.take() for _ in range(3)]  # nothing in flight: the pool grows to 3
+    for buffer in held:
+        pool.reducing(buffer, DeviceEvent.completed())
+    first = weakref.ref(held[0])
+    del held, buffer
+    again = pool.take()
+    assert pool.allocated == 2 and first() is None, "a buffer past capacity was kept"
+    assert not again.any()
 
 
-def test_with_nothing_to_wait_for_the_pool_grows_and_release_drops_everything() -> None:
+def test_a_failed_reduction_is_raised_by_the_next_take(stream: SideStream, pool: GradientBufferPool) -> None:
+    buffer = pool.take()
+
+    def fail() -> None:
+        raise OSError("link down")
+
+    failed = stream.submit(fail)
+    pool.reducing(buffer, failed)
+    while not failed.query():
+        time.sleep(0.001)
+    with pytest.raises(RuntimeError, match="side stream failed"):
+        pool.take()  # its buffer would be the one to reuse
+
+
+def test_with_nothing_to_wait_for_the_pool_grows_and_release_drops_everything(
+    pool: GradientBufferPool,
+) -> None:
     # Chunks reduce in a fixed order: ones that filled early hold their buffers until the chunk
     # ahead of them is complete, and no reduction is in flight to wait for.
-    stream = SideStream(CPU, name="test-reductions")
-    try:
-        pool = make_pool(stream)
-        held = [pool.take() for _ in range(3)]
-        assert len({t.data_ptr() for t in held}) == 3 and pool.allocated == 3
-        for buffer in held:
-            pool.reducing(buffer, DeviceEvent.completed())
-        alive = [weakref.ref(buffer) for buffer in held]
-        del held, buffer
-        pool.release()
-        assert pool.allocated == 0 and pool.most_allocated == 3
-        assert all(ref() is None for ref in alive), "the pool still holds buffers after release"
-    finally:
-        stream.close()
+    held = [pool.take() for _ in range(3)]
+    assert len({t.data_ptr() for t in held}) == 3 and pool.allocated == 3
+    for buffer in held:
+        pool.reducing(buffer, DeviceEvent.completed())
+    alive = [weakref.ref(buffer) for buffer in held]
+    del held, buffer
+    pool.release()
+    assert pool.allocated == 0 and pool.most_allocated == 3
+    assert all(ref() is None for ref in alive), "the pool still holds buffers after release"
