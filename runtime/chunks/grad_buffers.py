@@ -2,9 +2,11 @@
 
 Backward copies each parameter's gradient into its chunk's full-size buffer; once the chunk is
 complete the side stream reduce-scatters the buffer into the fp32 shard. Allocating a new
-buffer per chunk lets them pile up whenever the side stream falls behind compute (on 2 CPU
-cores: every chunk of the model at once, 1.4 times the parameter bytes, measured in
-scripts/bench_peers.py), while the cost model counts one. The pool instead hands a buffer back
+buffer per chunk lets them pile up whenever reductions fall behind backward (one per chunk, 12
+for 12 chunks, with every chunk persistent and a slow link in
+tests/distributed/test_collectives_two_ranks.py), while the cost model counts one. With
+offloaded chunks backward's own gathers queue behind the reductions and pace it, so there the
+pile-up stays small. The pool instead hands a buffer back
 once its reduction has run: the next chunk waits for the oldest reduction in flight rather than
 allocating a third buffer, so one buffer fills while the previous one is reduced.
 
