@@ -11,6 +11,7 @@ the first training batch) and switches to the searched plan.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,15 +89,8 @@ def make_plan(
         the profiling step does not fit the device."""
         assert device is not None
         profiled = _profile(
-            model,
-            spec,
-            params,
-            module_params,
-            block_path,
-            blocks,
+            _Subject(model, spec, params, module_params, block_path, blocks, loss_fn, device),
             batch,
-            loss_fn,
-            device,
             dist_ctx,
             world_size,
             ssd_path=_ssd_path(request, len(blocks), memory),
@@ -235,16 +229,23 @@ def model_state_bytes(plan: Plan, element_size: int) -> int:
     return needed + plan.n_buffer * chunk_numel * element_size
 
 
+@dataclass(frozen=True, slots=True)
+class _Subject:
+    """What is profiled, and how: passed from ``make_plan`` through ``_profile`` to ``_measure``."""
+
+    model: nn.Module
+    spec: Spec
+    params: tuple[ParamInfo, ...]
+    module_params: list[list[int]]
+    block_path: str
+    blocks: list[nn.Module]
+    loss_fn: Callable[[Any], torch.Tensor] | None
+    device: DeviceInfo
+
+
 def _profile(
-    model: nn.Module,
-    spec: Spec,
-    params: tuple[ParamInfo, ...],
-    module_params: list[list[int]],
-    block_path: str,
-    blocks: list[nn.Module],
+    subject: _Subject,
     example_batch: Any,
-    loss_fn: Callable[[Any], torch.Tensor] | None,
-    device: DeviceInfo,
     dist_ctx: DistContext | None,
     world_size: int,
     *,
@@ -254,6 +255,7 @@ def _profile(
     """(model profile, hardware profile), agreed across ranks; None when the profiling step
     does not fit the device (every rank then plans without a profile). The model profile is
     cached by the model's structure, the batch shape, precision, world size and machine."""
+    model, spec, params, device = subject.model, subject.spec, subject.params, subject.device
     autocast = _AUTOCAST.get(spec.precision)
 
     def run_forward() -> Any:
@@ -267,7 +269,7 @@ def _profile(
     key = cache_key(
         [(p.name, p.shape, p.trainable) for p in params],
         [type(module).__name__ for module in model.modules()],
-        block_path,
+        subject.block_path,
         shape,
         spec.precision.value,
         world_size,
@@ -277,15 +279,8 @@ def _profile(
     profile = read_agreed(path, ModelProfile.from_dict, dist_ctx)
     if profile is None:
         profile = _measure(
-            model,
-            spec,
-            params,
-            module_params,
-            block_path,
-            blocks,
+            subject,
             run_forward,
-            loss_fn,
-            device,
             shape,
             chunked,
             agree_max=lambda seconds: seconds if dist_ctx is None else all_reduce_max(seconds, dist_ctx),
@@ -319,15 +314,8 @@ def _ssd_path(request: KnobRequest, num_blocks: int, memory: MemorySpec) -> Path
 
 
 def _measure(
-    model: nn.Module,
-    spec: Spec,
-    params: tuple[ParamInfo, ...],
-    module_params: list[list[int]],
-    block_path: str,
-    blocks: list[nn.Module],
+    subject: _Subject,
     run_forward: Callable[[], Any],
-    loss_fn: Callable[[Any], torch.Tensor] | None,
-    device: DeviceInfo,
     shape: tuple[int, ...],
     chunked: ChunkedRun | None,
     *,
@@ -335,19 +323,20 @@ def _measure(
 ) -> ModelProfile | None:
     """The profiling steps; None when they do not fit the device. ``agree_max``: every rank's
     largest figure (the ranks stop profiling after the same step)."""
+    spec = subject.spec
     try:
         return profile_model(
-            model,
+            subject.model,
             run_forward,
-            loss_fn=loss_fn or default_loss,
-            params=params,
-            blocks=blocks,
-            block_path=block_path,
-            module_params=module_params,
+            loss_fn=subject.loss_fn or default_loss,
+            params=subject.params,
+            blocks=subject.blocks,
+            block_path=subject.block_path,
+            module_params=subject.module_params,
             batch_shape=shape,
             precision=spec.precision.value,
             element_size=compute_element_size(spec.precision),
-            device=device,
+            device=subject.device,
             warmup_steps=spec.profiler.warmup_steps,
             profile_steps=spec.profiler.profile_steps,
             chunked=chunked,
@@ -355,11 +344,11 @@ def _measure(
         )
     except torch.OutOfMemoryError:
         if chunked is None:  # the chunk engine clears its own (see ChunkManager.profiling)
-            for param in model.parameters():
+            for param in subject.model.parameters():
                 param.grad = None
         return None
     finally:
-        release_free_memory(device)
+        release_free_memory(subject.device)
 
 
 _AUTOCAST = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
