@@ -8,7 +8,9 @@ chunk engine reads each parameter from a ``WeightReader`` straight into its chun
 
 from __future__ import annotations
 
+import copy
 import os
+import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Union
@@ -21,6 +23,62 @@ WeightsSource = Union[
 ]
 """A state dict; a directory holding ``*.safetensors`` shards (as ``save_pretrained`` writes);
 or ``fn(name, empty_tensor) -> tensor`` called once per parameter and buffer name."""
+
+
+class ModelInit:
+    """A weights source (``fn(name, empty) -> tensor``) that gives each parameter of a model
+    built on the meta device the value its own construction would: the owning module's
+    ``reset_parameters()`` (torch's default init) then the model's ``_init_weights(module)``
+    (what ``model.apply(model._init_weights)`` does for the repo's GPT and ``post_init`` does for
+    Hugging Face models). Each parameter draws from the global generator seeded by (``seed``,
+    its name), so every rank gets the same values whatever order the chunks are filled in, and
+    only the one parameter asked for is ever allocated. The values are not those of the model
+    built whole under ``torch.manual_seed(seed)`` (that draws from one stream in module order).
+
+    A parameter neither initialiser writes (a custom ``nn.Parameter``) is an error naming it:
+    it would otherwise train from uninitialised memory."""
+
+    def __init__(self, model: nn.Module, *, seed: int) -> None:
+        if not all(p.is_meta for p in model.parameters()):
+            raise ValueError("ModelInit initialises a model built on the meta device (init_empty_weights)")
+        # The initialisers run on a private copy (its parameters meta, so copying costs nothing):
+        # initialize swaps the model's own parameters for stand-ins and chunk views, which an
+        # initialiser reaching past its module (a reset of a submodule) must never write into.
+        self._template = copy.deepcopy(model)
+        self._init_module = getattr(self._template, "_init_weights", None)
+        self._seed = seed
+
+    def __call__(self, name: str, empty: torch.Tensor) -> torch.Tensor:
+        owner_name, _, leaf = name.rpartition(".")
+        owner = self._template.get_submodule(owner_name) if owner_name else self._template
+        meta = owner._parameters.get(leaf)
+        if meta is None:
+            raise ValueError(
+                f"model init: {name} is not a parameter of the model; a meta buffer? build the model "
+                "under init_empty_weights(include_buffers=False)"
+            )
+        value = torch.full(tuple(empty.shape), float("nan"), dtype=empty.dtype)
+        owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed(self.seed_for(name))
+                reset = getattr(owner, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+                if self._init_module is not None:
+                    self._init_module(owner)
+        finally:
+            owner._parameters[leaf] = meta  # the copy keeps no real memory between calls
+        if torch.isnan(value).any():
+            raise ValueError(
+                f"model init: neither {type(owner).__name__}.reset_parameters nor the model's "
+                f"_init_weights sets {name}; pass the weights instead (e.g. a safetensors directory)"
+            )
+        return value
+
+    def seed_for(self, name: str) -> int:
+        """The generator seed of parameter ``name``: the job's seed and a checksum of the name."""
+        return (self._seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (1 << 63)
 
 
 def load_weights_(model: nn.Module, weights: WeightsSource) -> None:

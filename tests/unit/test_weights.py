@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 import runtime
-from tests.helpers import assert_state_equal, lm_batches, tiny_gpt
+from tests.helpers import TINY_LLAMA, assert_state_equal, lm_batches, tiny_gpt
 
 
 def config(tmp_path: Path) -> dict[str, object]:
@@ -142,3 +142,59 @@ def test_a_meta_model_is_streamed_one_parameter_at_a_time(tmp_path: Path) -> Non
     engine.backward(out.loss)
     engine.step()
     engine.close()
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_model_init_gives_each_parameter_its_constructors_init(arch: str) -> None:
+    """ModelInit, the weights source for a model too large to build whole: norms and biases get
+    exactly the constructor's constants, weights its N(0, 0.02); the same value however often or
+    in whatever order it is asked (every rank fills its chunks alike), whatever the global
+    random state, and one source per seed."""
+    from accelerate import init_empty_weights
+
+    from runtime.weights import ModelInit
+
+    if arch == "gpt":
+        torch.manual_seed(0)
+        whole = tiny_gpt(seed=0)
+        with init_empty_weights():
+            empty = tiny_gpt(seed=0)
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        whole = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+        with init_empty_weights():
+            empty = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+    init = ModelInit(empty, seed=7)
+    names = [name for name, _ in empty.named_parameters()]
+    first = {name: init(name, empty.get_parameter(name)) for name in names}
+    torch.manual_seed(123)  # the global stream does not matter, nor the order
+    again = {name: init(name, empty.get_parameter(name)) for name in reversed(names)}
+    other_seed = ModelInit(empty, seed=8)
+    for name, expected in whole.named_parameters():
+        value = first[name]
+        assert torch.equal(value, again[name]), name
+        assert value.shape == expected.shape and value.dtype == expected.dtype
+        if bool((expected == expected.flatten()[0]).all()):  # a constant: ones or zeros
+            assert torch.equal(value, expected), name
+        else:
+            assert abs(value.std().item() - 0.02) < 0.004 and abs(value.mean().item()) < 0.004, name
+            assert not torch.equal(value, other_seed(name, empty.get_parameter(name))), name
+    assert all(p.is_meta for p in empty.parameters()), "the model itself is never materialised"
+
+
+def test_model_init_refuses_a_parameter_nothing_initialises() -> None:
+    from accelerate import init_empty_weights
+
+    from runtime.weights import ModelInit
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(4))  # set in __init__, by no initialiser
+
+    with init_empty_weights():
+        model = Scaled()
+    with pytest.raises(ValueError, match="sets scale; pass the weights instead"):
+        ModelInit(model, seed=0)("scale", model.scale)
