@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from profiler.plan import Plan
+from profiler.plan import BlockMode, Plan
 from runtime.activations.manager import ActivationManager
 from runtime.checkpoint.checkpointer import Checkpointer
 from runtime.checkpoint.store import Checkpoint, CheckpointError
@@ -39,6 +39,7 @@ from runtime.device import DeviceInfo, synchronize
 from runtime.distributed import DistContext, all_reduce_max, all_reduce_sum_, broadcast_object, destroy
 from runtime.loss_scale import DynamicLossScaler
 from runtime.memory_probe import PeakMemoryProbe
+from runtime.model_cache import CACHE_OFF_NOTE, cache_configs, caches_off, refuse_cache_with_recompute
 from runtime.plan_check import PlanCheck
 from runtime.plan_check import describe as describe_plan_check
 from runtime.plan_switch import move_state
@@ -158,6 +159,8 @@ class Engine:
         """Plans switched to because the measured peak exceeded the prediction."""
         self._plan_check = PlanCheck(plan, accumulation=settings.gradient_accumulation_steps)
         self._peak_probe = PeakMemoryProbe(module, device, static_device_bytes=chunks.device_state_bytes())
+        self._cache_configs = cache_configs(module)
+        self._cache_note_shown = False
 
     # ---------------------------------------------------------------- properties
 
@@ -199,7 +202,9 @@ class Engine:
         if self._plan_from_batch is not None and self.module.training and torch.is_grad_enabled():
             self.plan_on_batch(kwargs if kwargs else (args[0] if len(args) == 1 else args), asked=False)
         self._refuse_larger_batch(args, kwargs)
-        if self.module.training and torch.is_grad_enabled():
+        training = self.module.training and torch.is_grad_enabled()
+        if training:
+            refuse_cache_with_recompute(kwargs, recomputes=BlockMode.CHECKPOINT in self.plan.block_modes)
             if self._window_start is None:
                 self._window_start = time.perf_counter()
                 if self._plan_check.measuring_peak:
@@ -208,7 +213,11 @@ class Engine:
             self._window_samples += count_samples(args, kwargs)
         self.activations.begin_forward()
         try:
-            with self._autocast(), self.activations.saved_tensor_hooks():
+            with (
+                self._autocast(),
+                self.activations.saved_tensor_hooks(),
+                self._caches_off(training, note="use_cache" not in kwargs),
+            ):
                 return self.module(*args, **kwargs)
         finally:
             self.activations.end_forward()
@@ -286,7 +295,9 @@ class Engine:
             )
         self.activations.begin_backward()
         try:
-            scaled.backward()
+            # Recomputed blocks run here: they see the configs their forward saw.
+            with self._caches_off(True, note=False):
+                scaled.backward()
         finally:
             self.activations.end_backward()
             # Reduce what unused parameters left incomplete, in the fixed order every rank uses.
@@ -484,6 +495,19 @@ class Engine:
         self._reporter.show_plan(plan)
         if self._metrics is not None:
             self._metrics.write({"event": "plan", "plan": plan.to_dict()})
+
+    @contextlib.contextmanager
+    def _caches_off(self, training: bool, *, note: bool) -> Iterator[None]:
+        """Training runs without the model's key/value cache (see ``runtime.model_cache``);
+        ``note``: say so, once, when that changes what the caller's forward does."""
+        if not training:
+            yield
+            return
+        with caches_off(self._cache_configs) as turned_off:
+            if turned_off and note and not self._cache_note_shown:
+                self._cache_note_shown = True
+                self.log(CACHE_OFF_NOTE)
+            yield
 
     @contextlib.contextmanager
     def _autocast(self) -> Iterator[None]:

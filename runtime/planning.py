@@ -33,6 +33,7 @@ from runtime.blocks import BlocksNotFoundError, find_blocks
 from runtime.chunks.layout import ParamInfo
 from runtime.device import DeviceInfo, release_free_memory
 from runtime.distributed import DistContext, all_reduce_max, all_reduce_sum_
+from runtime.model_cache import cache_configs, caches_off
 from runtime.probes import (
     ChunkedRun,
     agree_model,
@@ -257,12 +258,15 @@ def _profile(
     cached by the model's structure, the batch shape, precision, world size and machine."""
     model, spec, params, device = subject.model, subject.spec, subject.params, subject.device
     autocast = _AUTOCAST.get(spec.precision)
+    configs = cache_configs(model)
 
     def run_forward() -> Any:
-        if autocast is None:
-            return call_model(model, example_batch)
-        with torch.autocast(device_type=device.autocast_type, dtype=autocast):
-            return call_model(model, example_batch)
+        # Profiled as trained: without the model's key/value cache (see runtime.model_cache).
+        with caches_off(configs):
+            if autocast is None:
+                return call_model(model, example_batch)
+            with torch.autocast(device_type=device.autocast_type, dtype=autocast):
+                return call_model(model, example_batch)
 
     cache_dir = Path(spec.profiler.cache_dir).expanduser()
     shape = batch_shape(example_batch)
