@@ -8,8 +8,12 @@ module only moves bytes and makes every failure loud. It avoids the original's f
 - an I/O error is never logged and ignored: it is raised on the caller's thread (``wait_written``,
   ``PendingRead.result``, the next ``write``, ``close``), and a failed read never yields zeros;
 - free space can be checked up front (``check_free_space``);
-- files live in one directory per host, process and rank, removed by ``close``, at interpreter
-  exit or garbage collection, and after a crash by the next store created on the same root;
+- files live in one directory per store, named for its host, process and rank (a second store of
+  the same process and rank, say a teacher's beside a student's, gets ``-2``, then ``-3``),
+  removed by ``close``, at interpreter exit or garbage collection, and after a crash by the next
+  store created on the same root;
+- after a failed step the caller can ``discard`` its files at once: a full disk gets its space
+  back as soon as the error is raised, not when the store closes;
 - no GPUDirect Storage is needed: O_DIRECT where the filesystem allows it, else buffered I/O that
   drops the page cache behind itself, since cached pages would only move the "saved" activation
   memory from the process into the kernel.
@@ -26,6 +30,7 @@ import ctypes
 import dataclasses
 import enum
 import errno
+import itertools
 import mmap
 import os
 import queue
@@ -36,7 +41,7 @@ import threading
 import time
 import weakref
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,11 +61,12 @@ _RUN_DIR_PREFIX = "protrain-act-"
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere only the buffered path exists
 _FADVISE = getattr(os, "posix_fadvise", None)
 
-# Run directories of the stores open in this process. A directory named for this host, pid and
-# rank that is not listed here was left by an earlier process with the same pid (a restarted
-# container reuses pids), so it is stale even though its pid is alive.
+# Run directories of the stores open in this process. A directory named for this host and pid
+# that is not listed here was left by an earlier process with the same pid (a restarted container
+# reuses pids), so it is stale even though its pid is alive. Reentrant: a store's finalizer takes
+# the lock and garbage collection may run it on a thread that already holds it.
 _LIVE_RUN_DIRS: set[Path] = set()
-_LIVE_RUN_DIRS_LOCK = threading.Lock()
+_LIVE_RUN_DIRS_LOCK = threading.RLock()
 
 
 class SsdIoError(OSError):
@@ -205,7 +211,9 @@ class _StagingBuffers:
 
 
 class ActivationFileStore:
-    """Asynchronous activation files in ``run_dir = root / protrain-act-{host}-{pid}-rank{rank}``.
+    """Asynchronous activation files in ``run_dir = root / protrain-act-{host}-{pid}-rank{rank}``
+    (``...-rank{rank}-2``, ``-3`` for further stores of this process and rank: two engines alive
+    at once, each with its own directory).
 
     ``write`` queues a tensor's bytes and returns at once; ``read`` starts a prefetch (waiting for
     the write if it is still going); ``release`` unlinks a file or cancels a write not yet started.
@@ -308,6 +316,18 @@ class ActivationFileStore:
             self._stats.bytes_on_disk -= file.disk_bytes
         _remove_file(file.path)
 
+    def discard(self, files: Iterable[ActivationFile]) -> None:
+        """Release ``files`` and return once none of them takes space on disk: a write still
+        running is awaited (its job unlinks the file). For a step that failed (a full disk):
+        its files can never be read, and the caller gets their space back at once. A file that
+        cannot be unlinked stays until ``close``; the step's own error is the news."""
+        files = list(files)
+        for file in files:
+            with contextlib.suppress(OSError):
+                self.release(file)
+        for file in files:
+            file._done.wait()
+
     def check_free_space(self, nbytes: int) -> None:
         """Raise ``SsdIoError`` when the filesystem of ``run_dir`` has fewer than ``nbytes`` free."""
         try:
@@ -353,9 +373,11 @@ class ActivationFileStore:
 
     @staticmethod
     def remove_stale(root: str | os.PathLike[str]) -> list[Path]:
-        """Remove this host's run directories under ``root`` whose process is gone (a crashed or
-        killed run); live processes' and other hosts' directories are left alone."""
-        pattern = re.compile(re.escape(f"{_RUN_DIR_PREFIX}{socket.gethostname()}-") + r"(\d+)-rank\d+")
+        """Remove this host's run directories under ``root`` that no live store owns: those of
+        processes that are gone (a crashed or killed run), and those named for this process that
+        none of its open stores holds (left by an earlier process with the same pid). Other live
+        processes', this process's open stores' and other hosts' directories are left alone."""
+        pattern = re.compile(re.escape(f"{_RUN_DIR_PREFIX}{socket.gethostname()}-") + r"(\d+)-rank\d+(-\d+)?")
         try:
             entries = sorted(Path(root).iterdir())
         except (FileNotFoundError, NotADirectoryError):
@@ -363,9 +385,18 @@ class ActivationFileStore:
         removed: list[Path] = []
         for entry in entries:
             match = pattern.fullmatch(entry.name)
-            if match is None or entry.is_symlink() or not entry.is_dir() or _pid_alive(int(match.group(1))):
+            if match is None or entry.is_symlink() or not entry.is_dir():
                 continue
-            shutil.rmtree(entry, ignore_errors=True)  # another rank of this host may be removing it too
+            pid = int(match.group(1))
+            if pid == os.getpid():
+                with _LIVE_RUN_DIRS_LOCK:  # no store of ours can claim the name while it goes
+                    if _held_by_this_process(entry):
+                        continue
+                    shutil.rmtree(entry, ignore_errors=True)
+            elif _pid_alive(pid):
+                continue
+            else:
+                shutil.rmtree(entry, ignore_errors=True)  # another rank of this host may be removing it too
             if not entry.exists():
                 removed.append(entry)
         return removed
@@ -623,7 +654,8 @@ def _check_arguments(rank: int, max_inflight_bytes: int, io_workers: int, stagin
 
 
 def _create_run_dir(root: Path, rank: int) -> Path:
-    """Make ``root`` (if needed), clear crashed runs' directories, create this store's own."""
+    """Make ``root`` (if needed), clear crashed runs' directories, create this store's own: the
+    first name for this host, pid and rank that no open store of this process holds."""
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -636,13 +668,11 @@ def _create_run_dir(root: Path, rank: int) -> Path:
             f"{root} is not a writable directory; set memory.ssd.path to one this process can write"
         )
     ActivationFileStore.remove_stale(root)
-    run_dir = root.resolve() / f"{_RUN_DIR_PREFIX}{socket.gethostname()}-{os.getpid()}-rank{rank}"
+    stem = root.resolve() / f"{_RUN_DIR_PREFIX}{socket.gethostname()}-{os.getpid()}-rank{rank}"
     with _LIVE_RUN_DIRS_LOCK:
-        if run_dir in _LIVE_RUN_DIRS:
-            raise SsdIoError(
-                f"{run_dir} is in use by another activation store of this process; give each its own rank"
-            )
-        # Named for our pid but owned by no store of ours: an earlier process with this pid left it.
+        run_dir = _unused_run_dir(stem)
+        # Named for our pid but held by no store of ours: left by an earlier process with this
+        # pid (remove_stale cleared it unless it is new) or by a store of ours whose removal failed.
         shutil.rmtree(run_dir, ignore_errors=True)
         try:
             run_dir.mkdir()
@@ -652,6 +682,22 @@ def _create_run_dir(root: Path, rank: int) -> Path:
             ) from err
         _LIVE_RUN_DIRS.add(run_dir)
     return run_dir
+
+
+def _unused_run_dir(stem: Path) -> Path:
+    """``stem``, else ``stem-2``, ``stem-3``, ...: the first that no open store of this process
+    holds (lock held), as run folders are numbered for a second engine of the same process."""
+    for attempt in itertools.count(1):
+        candidate = stem if attempt == 1 else stem.with_name(f"{stem.name}-{attempt}")
+        if candidate not in _LIVE_RUN_DIRS:
+            return candidate
+    raise AssertionError("unreachable")
+
+
+def _held_by_this_process(run_dir: Path) -> bool:
+    """An open store of this process holds ``run_dir`` (lock held; the registry keeps resolved
+    paths, ``run_dir`` may be spelled through a symlinked root)."""
+    return run_dir.parent.resolve() / run_dir.name in _LIVE_RUN_DIRS
 
 
 def _shut_down(executor: ThreadPoolExecutor, run_dir: Path, owner_pid: int) -> None:

@@ -247,6 +247,27 @@ def test_release_during_the_write_unlinks_the_file_once_written(
 # -- backpressure ------------------------------------------------------------------------------------
 
 
+def test_discard_returns_once_the_files_are_off_the_disk(
+    open_store: StoreFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed step's files, whatever state their writes are in, take no space once
+    ``discard`` returns: the running write is awaited and unlinked, the queued one cancelled."""
+    store = open_store(io_workers=1)
+    written = store.write(payload(5000))
+    written.wait_written()
+    gate, started = gate_writes(store, monkeypatch)
+    running = store.write(payload(5000))
+    assert started.wait(5)
+    queued = store.write(payload(5000))
+    threading.Timer(0.1, gate.set).start()
+    store.discard([written, running, queued])
+    assert running.written() and queued.written()
+    assert files_in(store.run_dir) == [] and store.stats.bytes_on_disk == 0
+    assert store.stats.writes_cancelled == 1
+    kept = store.write(payload(100))  # the store goes on
+    assert torch.equal(store.read(kept).result(), payload(100))
+
+
 def test_write_blocks_while_in_flight_bytes_would_exceed_the_limit(
     open_store: StoreFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -442,42 +463,86 @@ def test_a_forked_child_leaves_the_parents_run_directory_alone(open_store: Store
     assert torch.equal(store.read(file).result(), payload(5000))
 
 
-def test_two_stores_of_one_process_cannot_share_a_run_directory(open_store: StoreFactory) -> None:
-    open_store(rank=0)
-    with pytest.raises(SsdIoError, match="in use by another activation store"):
-        open_store(rank=0)
-    open_store(rank=1)
+def test_two_stores_of_one_process_and_rank_get_their_own_directories(
+    open_store: StoreFactory, tmp_path: Path
+) -> None:
+    """A teacher and a student (two engines, one process, one memory.ssd.path): each store has
+    its own directory, their files interleave without mixing, closing one leaves the other's
+    files readable, and nothing is left once both are closed."""
+    teacher, student = open_store(rank=0), open_store(rank=0)
+    assert student.run_dir == teacher.run_dir.with_name(f"{teacher.run_dir.name}-2")
+    files = [(store, store.write(payload(5000 + i, seed=i)), i) for i in range(6) for store in (teacher, student)]
+    reads = [(store.read(file), i) for store, file, i in files]
+    for read, i in reads:
+        assert torch.equal(read.result(), payload(5000 + i, seed=i))
+    assert len(files_in(teacher.run_dir)) == len(files_in(student.run_dir)) == 6
+
+    teacher.close()
+    assert not teacher.run_dir.exists()
+    for store, file, i in files[1::2]:
+        assert store is student and torch.equal(student.read(file).result(), payload(5000 + i, seed=i))
+    third = open_store(rank=0)  # the first name is free again
+    assert third.run_dir == teacher.run_dir
+    third.close()
+    student.close()
+    assert list((tmp_path / "act").iterdir()) == []
 
 
-def test_remove_stale_removes_only_this_hosts_dirs_of_dead_processes(tmp_path: Path) -> None:
+@pytest.fixture
+def live_pid() -> Iterator[int]:
+    """The pid of another process that stays alive for the test."""
+    process = subprocess.Popen(["sleep", "60"])
+    yield process.pid
+    process.kill()
+    process.wait()
+
+
+def test_remove_stale_removes_only_this_hosts_dirs_that_no_live_store_holds(
+    tmp_path: Path, open_store: StoreFactory, live_pid: int
+) -> None:
+    ours_open = [open_store(tmp_path, rank=7), open_store(tmp_path, rank=7)]  # -rank7 and -rank7-2
+    ours_files = [store.write(payload(5000)) for store in ours_open]
+    for file in ours_files:
+        file.wait_written()
     finished = subprocess.Popen(["true"])
     finished.wait()
     host = socket.gethostname()
-    dead = tmp_path / f"protrain-act-{host}-{finished.pid}-rank0"
-    alive = tmp_path / f"protrain-act-{host}-{os.getpid()}-rank7"
+    dead = [tmp_path / f"protrain-act-{host}-{finished.pid}-rank0{suffix}" for suffix in ("", "-2", "-13")]
+    # Named for this process yet held by none of its stores: an earlier process with this pid.
+    ours_unheld = tmp_path / f"protrain-act-{host}-{os.getpid()}-rank7-3"
+    other_live = [tmp_path / f"protrain-act-{host}-{live_pid}-rank0{suffix}" for suffix in ("", "-2")]
     other_host = tmp_path / f"protrain-act-not-{host}-{finished.pid}-rank0"
-    unrelated = tmp_path / "keep-me"
-    for directory in (dead, alive, other_host, unrelated):
+    unrelated = [tmp_path / "keep-me", tmp_path / f"protrain-act-{host}-{finished.pid}-rank0-x"]
+    for directory in (*dead, ours_unheld, *other_live, other_host, *unrelated):
         directory.mkdir()
         (directory / "00000000.act").write_bytes(b"x" * 10)
-    assert ActivationFileStore.remove_stale(tmp_path) == [dead]
-    assert alive.exists() and other_host.exists() and unrelated.exists()
+
+    assert ActivationFileStore.remove_stale(tmp_path) == sorted([*dead, ours_unheld])
+    for directory in (*other_live, other_host, *unrelated):
+        assert directory.exists(), directory
+    for store, file in zip(ours_open, ours_files, strict=True):
+        assert torch.equal(store.read(file).result(), payload(5000)), "open stores keep their files"
     assert ActivationFileStore.remove_stale(tmp_path / "missing") == []
 
-    dead.mkdir()
-    with ActivationFileStore(tmp_path, rank=0):  # a new store clears crashed runs first
-        assert not dead.exists() and alive.exists()
+    dead[1].mkdir()
+    open_store(tmp_path, rank=0)  # a new store clears crashed runs first
+    assert not dead[1].exists() and all(directory.exists() for directory in other_live)
 
 
 def test_a_dir_left_by_an_earlier_process_with_this_pid_is_cleared(
     open_store: StoreFactory, tmp_path: Path
 ) -> None:
     # A restarted container reuses pids: the name matches a live pid, yet no store of ours owns it.
-    stale = tmp_path / "act" / f"protrain-act-{socket.gethostname()}-{os.getpid()}-rank5"
-    stale.mkdir(parents=True)
-    (stale / "00000000.act").write_bytes(b"x" * 10)
+    stale = [
+        tmp_path / "act" / f"protrain-act-{socket.gethostname()}-{os.getpid()}-rank5{suffix}"
+        for suffix in ("", "-2")
+    ]
+    for directory in stale:
+        directory.mkdir(parents=True)
+        (directory / "00000000.act").write_bytes(b"x" * 10)
     store = open_store(rank=5)
-    assert store.run_dir == stale.resolve() and files_in(store.run_dir) == []
+    assert store.run_dir == stale[0].resolve() and files_in(store.run_dir) == []
+    assert not stale[1].exists()
 
 
 # -- run directories of processes that end badly -----------------------------------------------------
