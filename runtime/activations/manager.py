@@ -22,17 +22,25 @@ original tensor still held by someone else. Prefetch: backward starts by fetchin
 offloaded blocks, and each block's first unpack fetches the offloaded blocks before it, so at
 most ``prefetch_blocks`` blocks are on their way back at a time. In-place changes to a saved
 tensor after it was saved raise, as autograd itself would.
+
+An ``SsdIoError`` (a full disk, a failed read) ends the step. Before it reaches the caller, every
+ssd activation not yet back in memory is dropped and its file removed, waiting out writes still
+running: they belong to the failed pass (or to a graph whose backward would need the same disk),
+could never be read again, and a user who catches the error has the disk space back at once.
+The store stays open: once space is freed, the next forward writes files again. Backward
+through a graph whose activations were dropped raises ``SsdIoError`` saying so.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.utils.checkpoint
@@ -43,6 +51,7 @@ from profiler.activation_cost import PREFETCH_BLOCKS
 from profiler.plan import BlockMode
 from runtime.activations.host_pool import HostActivationPool
 from runtime.activations.records import KeptTensor, SavedActivation, SavedTensorModifiedError, StoredStorage
+from runtime.activations.ssd_store import PendingRead, SsdIoError
 from runtime.chunks.manager import ChunkManager, SavedAlias
 from runtime.device import DeviceEvent, DeviceInfo, SideStream
 
@@ -50,6 +59,23 @@ SMALL_TENSOR_BYTES = 4096
 """Saved storages smaller than this stay put: moving them costs more than the memory saved."""
 
 OFFLOADED = (BlockMode.SWAP, BlockMode.SSD)
+
+_Result = TypeVar("_Result")
+
+
+def _drops_files_on_io_error(method: Callable[..., _Result]) -> Callable[..., _Result]:
+    """``method`` of ``ActivationManager``: an ``SsdIoError`` it raises first drops the step's
+    activation files (see the module docstring), then goes on to the caller."""
+
+    @functools.wraps(method)
+    def guarded(self: ActivationManager, *args: Any, **kwargs: Any) -> _Result:
+        try:
+            return method(self, *args, **kwargs)
+        except SsdIoError as err:
+            self._drop_files(err)
+            raise
+
+    return guarded
 
 
 class Phase(str, Enum):
@@ -154,6 +180,7 @@ class ActivationManager:
 
         return hook
 
+    @_drops_files_on_io_error
     def _end_block(self) -> None:
         """The block's forward is over: check that nothing it saved was changed in place since
         (those tensors were held until now, so a change right after saving cannot slip by as
@@ -221,6 +248,7 @@ class ActivationManager:
         self._end_block()
         self._expected_ssd_bytes = max(self._expected_ssd_bytes, self._ssd_bytes_this_forward)
 
+    @_drops_files_on_io_error
     def begin_backward(self) -> None:
         """Start fetching the last offloaded blocks: backward needs them first."""
         self.phase = Phase.BACKWARD
@@ -236,6 +264,7 @@ class ActivationManager:
 
     # ------------------------------------------------------------------ pack (forward)
 
+    @_drops_files_on_io_error
     def _pack(self, tensor: torch.Tensor) -> Any:
         alias = self.chunks.pack_alias(tensor)
         if alias is not None:
@@ -335,6 +364,7 @@ class ActivationManager:
 
     # ------------------------------------------------------------------ unpack (backward)
 
+    @_drops_files_on_io_error
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, SavedAlias):
             return self.chunks.unpack_alias(packed)
@@ -353,6 +383,8 @@ class ActivationManager:
             if live is not None:
                 self.stats.served_live += 1
                 return live
+            if record.lost is not None:
+                raise SsdIoError(record.lost)
             return packed.view_of(self._bytes_back(record))
 
     def _prefetch_before(self, block: int) -> None:
@@ -369,7 +401,7 @@ class ActivationManager:
                 return
 
     def _start_inbound(self, record: StoredStorage) -> None:
-        if record.released or record.restored is not None or record.inbound is not None:
+        if record.released or record.lost or record.restored is not None or record.inbound is not None:
             return
         if record.source is not None:
             # Forwarding: the original is still in memory (its copy or write in flight). A write
@@ -440,6 +472,46 @@ class ActivationManager:
             record.file = None
         self._free_host(record)
         record.source = None
+
+    def _drop_files(self, error: SsdIoError) -> None:
+        """Drop every ssd activation not yet back in memory and remove its file (a write still
+        running is awaited, a read in flight too: an open file keeps its blocks), so the disk
+        has its space back when ``error`` reaches the caller."""
+        if self.store is None:
+            return
+        with self._lock:
+            doomed = [
+                record
+                for records in self._by_block.values()
+                for record in records
+                if record.mode is BlockMode.SSD and record.restored is None and record.lost is None
+            ]
+            files = [record.file for record in doomed if record.file is not None]
+            reads = [record.inbound for record in doomed if isinstance(record.inbound, PendingRead)]
+            for record in doomed:
+                self._forget(record, error)
+            self._outbound = [record for record in self._outbound if record.lost is None]
+        self.store.discard(files)
+        for read in reads:
+            with contextlib.suppress(SsdIoError):  # its file is gone: it fails, or it had finished
+                read.result()
+
+    def _forget(self, record: StoredStorage, error: SsdIoError) -> None:
+        """``record``'s bytes are given up (lock held; its file is the caller's to discard)."""
+        record.lost = (
+            f"the saved activations of block {record.block} were dropped when a step failed on an "
+            f"I/O error ({error}); run the forward again (after freeing space on a full disk)"
+        )
+        record.file = None
+        record.inbound = None
+        if record.outbound is not None:
+            with contextlib.suppress(Exception):  # a failed staging copy: the I/O error is the news
+                record.outbound.wait()  # it writes into the host buffer freed below
+            record.outbound = None
+        self._free_host(record)
+        record.source = None
+        if self._by_storage.get(record.address) is record:
+            del self._by_storage[record.address]  # never a deduplication target again
 
     def _free_host(self, record: StoredStorage) -> None:
         if record.host is not None:

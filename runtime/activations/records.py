@@ -87,6 +87,9 @@ class StoredStorage:
     has ended: an in-place change through any of them that is still alive is noticed."""
     modified: str | None = None
     released: bool = False
+    lost: str | None = None
+    """ssd: why its bytes were dropped before they came back (a step failed on an I/O error and
+    its files were removed at once); backward cannot have them."""
 
     def check_versions(self) -> None:
         """Note (in ``modified``) the first saved tensor whose version moved since it was saved."""

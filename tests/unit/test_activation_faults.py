@@ -6,6 +6,7 @@ exception or Ctrl-C."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import subprocess
@@ -112,6 +113,62 @@ def test_a_full_disk_raises_naming_the_path_and_cleans_up(tmp_path: Path) -> Non
         engine.close()
         assert not run_dir.exists()
         assert list(disk.iterdir()) == []
+
+
+def disk_used_bytes(path: Path) -> int:
+    """Bytes in use on ``path``'s filesystem as ``df`` counts them, not as the store tallies."""
+    stat = os.statvfs(path)
+    return (stat.f_blocks - stat.f_bfree) * stat.f_frsize
+
+
+def test_a_full_disk_has_its_space_back_when_the_error_is_raised(tmp_path: Path) -> None:
+    """Something else fills the disk. The step's files go as the error is raised (not at close),
+    though the caught error still holds the failed forward's graph; once space is freed the same
+    engine runs the step again and trains exactly as one that never failed."""
+    reference = two_steps(ssd_job(tmp_path / "a", tmp_path / "ssd-a"))
+    expected = reference.state_dict()
+    reference.close()
+    with small_tmpfs(tmp_path / "small", "4m") as disk:
+        engine = runtime.initialize(tiny_gpt(config=FOUR_BLOCKS), config=ssd_job(tmp_path / "b", disk))
+        filler = disk / "filler"
+        filler.write_bytes(b"\0" * (os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize - (128 << 10)))
+        used_before_bytes = disk_used_bytes(disk)
+        with pytest.raises(SsdIoError, match="No space left on device") as caught:
+            out = engine(**batch(0))
+            engine.backward(out.loss)
+        assert disk_used_bytes(disk) == used_before_bytes, "the failed step's files were removed"
+        assert list(engine.activations.store.run_dir.iterdir()) == []
+        assert caught.value.__traceback__ is not None  # the graph it holds did not free them
+        filler.unlink()  # the user frees space and goes on
+        for step in range(2):
+            out = engine(**batch(step))
+            engine.backward(out.loss)
+            engine.step()
+        assert_state_equal(engine.state_dict(), expected)
+        engine.close()
+        assert list(disk.iterdir()) == []
+
+
+def test_backward_through_a_graph_whose_files_were_dropped_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two graphs alive, the second forward fails on a full disk: the files of both go at once,
+    and the first graph's backward says why its activations are gone instead of reading them."""
+    engine = runtime.initialize(tiny_gpt(config=FOUR_BLOCKS), config=ssd_job(tmp_path, tmp_path / "ssd"))
+    store = engine.activations.store
+    first = engine(**batch(0))
+
+    def disk_full(*_args: Any) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(ssd_store, "_pwrite_all", disk_full)
+    with pytest.raises(SsdIoError, match="No space left on device"):
+        engine(**batch(1))
+    assert list(store.run_dir.iterdir()) == []
+    with pytest.raises(SsdIoError, match=r"block \d+ were dropped when a step failed on an I/O error"):
+        engine.backward(first.loss)
+    engine.close()
+    assert not store.run_dir.exists()
 
 
 def test_free_space_is_checked_before_a_step(tmp_path: Path) -> None:
