@@ -24,7 +24,8 @@ class GPTConfig:
     tie_embeddings: bool = True
     qkv_bias: bool = True
     """The key bias never changes attention (softmax ignores a per-query constant), so its exact
-    gradient is zero and Adam amplifies rounding noise in it; equivalence tests turn it off."""
+    gradient is zero and Adam amplifies rounding noise in it; equivalence tests keep it and judge
+    it against the same training in float64 (DESIGN section 6)."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:

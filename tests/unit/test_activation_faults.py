@@ -25,7 +25,7 @@ from runtime.activations.ssd_store import SsdIoError
 from runtime.models.gpt import GPTConfig
 from tests.helpers import assert_state_equal, lm_batches, tiny_gpt
 
-FOUR_BLOCKS = GPTConfig(vocab_size=256, seq_len=32, n_layer=4, n_head=2, d_model=64, qkv_bias=False)
+FOUR_BLOCKS = GPTConfig(vocab_size=256, seq_len=32, n_layer=4, n_head=2, d_model=64)
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -19,7 +19,7 @@ from runtime.spec_io import SpecError
 from tests.helpers import assert_state_close, assert_state_equal, lm_batches, tiny_gpt, train_reference
 
 STEPS = 4
-FOUR_BLOCKS = GPTConfig(vocab_size=256, seq_len=32, n_layer=4, n_head=2, d_model=64, qkv_bias=False)
+FOUR_BLOCKS = GPTConfig(vocab_size=256, seq_len=32, n_layer=4, n_head=2, d_model=64)
 
 
 def job(tmp_path: Path, modes: list[str] | None, **memory: Any) -> dict[str, Any]:

@@ -13,7 +13,15 @@ import torch
 import runtime
 from runtime.chunks.residency import IllegalTransition, Residency, check_move
 from runtime.spec_io import SpecError
-from tests.helpers import assert_state_close, assert_state_equal, lm_batches, tiny_gpt, train_reference
+from tests.helpers import (
+    assert_matches_reference,
+    assert_state_close,
+    assert_state_equal,
+    gpt_reference,
+    lm_batches,
+    tiny_gpt,
+    train_reference,
+)
 
 STEPS = 12
 CHUNK = "64KiB"  # the tiny GPT (~120K fp32 parameters) in 12 chunks
@@ -141,14 +149,15 @@ def test_too_few_buffers_is_refused_before_training(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "deferred"])
 def test_clipping_undoes_speculative_updates_and_matches(tmp_path: Path, speculative: bool) -> None:
-    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
-    expected, _ = train_reference(tiny_gpt(), data, steps=6, lr=1e-3, weight_decay=0.1, clip=0.05)
+    reference = gpt_reference(steps=6, lr=1e-3, weight_decay=0.1, clip=0.05)
     config = job(tmp_path, n_persist=3, n_buffer=2)
     config["gradient_clipping"] = 0.05
     engine = runtime.initialize(tiny_gpt(), config=config)
     engine.chunks.speculative_cpu_adam = speculative
     train(engine, 6)
-    assert_state_close(engine.state_dict(), expected)
+    # The clip coefficient is rounded differently (norm over flat shards): the key biases'
+    # Adam updates amplify that, within the float64 noise floor.
+    assert_matches_reference(engine.state_dict(), reference.fp32, reference.fp64)
     offloaded = engine.plan.num_chunks - 3
     if speculative:  # every update clips here, so every speculative update was undone and redone
         assert engine.chunks.num_speculations == engine.chunks.num_restores == 6 * offloaded

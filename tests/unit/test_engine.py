@@ -13,10 +13,10 @@ from torch import nn
 import runtime
 from runtime.engine import NonFiniteLossError
 from tests.helpers import (
-    assert_state_close,
+    assert_matches_reference,
     assert_state_equal,
+    gpt_reference,
     lm_batches,
-    reference_warmup_cosine,
     tiny_gpt,
     train_engine,
     train_reference,
@@ -46,14 +46,8 @@ def test_bit_exact_with_plain_pytorch_without_accumulation(tmp_path: Path) -> No
 
 def test_accumulation_schedule_and_triggering_clip_match_plain_pytorch(tmp_path: Path) -> None:
     data = lm_batches(micro_batch_size=2, accumulation=4, world_size=1)
-    expected, ref_losses = train_reference(
-        tiny_gpt(),
-        data,
-        steps=STEPS,
-        lr=1e-3,
-        weight_decay=0.1,
-        clip=0.05,
-        schedule=reference_warmup_cosine(5, STEPS, 0.1),
+    reference = gpt_reference(
+        accumulation=4, steps=STEPS, lr=1e-3, weight_decay=0.1, clip=0.05, warmup_cosine=(5, STEPS, 0.1)
     )
     config = job(
         tmp_path,
@@ -63,9 +57,10 @@ def test_accumulation_schedule_and_triggering_clip_match_plain_pytorch(tmp_path:
     )
     actual, losses = train_engine(tiny_gpt(), data, config, steps=STEPS)
     # The clip coefficient comes from a norm summed over flat shards instead of torch's norm of
-    # per-tensor norms: equal up to rounding, hence the tolerance rather than bit-equality.
-    assert_state_close(actual, expected)
-    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    # per-tensor norms: equal up to rounding, hence the tolerance rather than bit-equality (and
+    # the float64 floor for the key biases, whose updates are that rounding amplified by Adam).
+    assert_matches_reference(actual, reference.fp32, reference.fp64)
+    assert losses == pytest.approx(reference.losses, rel=1e-6)
     (metrics,) = (tmp_path / "runs").glob("*/metrics.jsonl")
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     norms = [record["grad_norm"] for record in records if "step" in record]
