@@ -401,7 +401,9 @@ class ActivationManager:
                 return
 
     def _start_inbound(self, record: StoredStorage) -> None:
-        if record.released or record.lost or record.restored is not None or record.inbound is not None:
+        if record.released or record.lost is not None:
+            return
+        if record.restored is not None or record.inbound is not None:
             return
         if record.source is not None:
             # Forwarding: the original is still in memory (its copy or write in flight). A write

@@ -471,7 +471,9 @@ def test_two_stores_of_one_process_and_rank_get_their_own_directories(
     files readable, and nothing is left once both are closed."""
     teacher, student = open_store(rank=0), open_store(rank=0)
     assert student.run_dir == teacher.run_dir.with_name(f"{teacher.run_dir.name}-2")
-    files = [(store, store.write(payload(5000 + i, seed=i)), i) for i in range(6) for store in (teacher, student)]
+    files = [
+        (store, store.write(payload(5000 + i, seed=i)), i) for i in range(6) for store in (teacher, student)
+    ]
     reads = [(store.read(file), i) for store, file, i in files]
     for read, i in reads:
         assert torch.equal(read.result(), payload(5000 + i, seed=i))
