@@ -17,10 +17,17 @@ class DistContext:
     rank: int
     world_size: int
     local_rank: int
-    owns_group: bool
-    """True when ``initialize`` created the process group (and so destroys it)."""
     collective_device: torch.device
     """Where the backend's collectives run: host tensors are staged there for NCCL."""
+    group: dist.ProcessGroup | None = None
+    """This engine's own process group over every rank (None: the default group, or world size
+    1). Two engines in one process each issue collectives from their own threads and in their
+    own order; on one shared group the ranks could pair one engine's all-gather with the other's
+    and hang, so each engine gets a group of its own (``new_group``) over the same ranks."""
+    holds_default_group: bool = False
+    """True when this context counts as a user of a default group that ``initialize`` created:
+    the last such user to ``release`` it destroys it (closing one of two engines must not
+    take the group from under the other)."""
 
     @property
     def is_main(self) -> bool:
@@ -32,38 +39,59 @@ def env_int(name: str, default: int) -> int:
     return default if value is None or value == "" else int(value)
 
 
+_created_default_group_users = 0
+"""Engines alive in this process on a default process group that ``init_distributed`` created
+(the group is destroyed with the last of them)."""
+
+
 def init_distributed(
     *, backend: str, timeout_s: float, world_size: int, local_rank: int, collective_device: torch.device
 ) -> DistContext:
     """Join the process group torch's launcher described in the environment (init method
-    ``env://``), or reuse one the caller already made; world size 1 needs none."""
-    if dist.is_available() and dist.is_initialized():
-        return DistContext(
-            rank=dist.get_rank(),
-            world_size=dist.get_world_size(),
-            local_rank=local_rank,
-            owns_group=False,
-            collective_device=collective_device,
-        )
-    if world_size == 1:
-        return DistContext(
-            rank=0, world_size=1, local_rank=local_rank, owns_group=False, collective_device=collective_device
-        )
+    ``env://``), or reuse one the caller (or an earlier engine) already made, and make this
+    engine's own group over every rank; world size 1 needs none. Every rank must call it in the
+    same order (``new_group`` is a collective)."""
+    global _created_default_group_users
+    already = dist.is_available() and dist.is_initialized()
+    if not already and world_size == 1:
+        return DistContext(rank=0, world_size=1, local_rank=local_rank, collective_device=collective_device)
     timeout = timedelta(seconds=timeout_s)
-    store = _attempt_store(world_size, timeout)
-    if store is None:
-        dist.init_process_group(backend=backend, timeout=timeout)
-    else:
-        dist.init_process_group(
-            backend=backend, timeout=timeout, store=store, rank=env_int("RANK", 0), world_size=world_size
-        )
+    if not already:
+        store = _attempt_store(world_size, timeout)
+        if store is None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend=backend, timeout=timeout, store=store, rank=env_int("RANK", 0), world_size=world_size
+            )
+        _created_default_group_users = 0
+    holds_default = not already or _created_default_group_users > 0
+    if holds_default:
+        _created_default_group_users += 1
+    size = dist.get_world_size()
+    group = None if size == 1 else dist.new_group(ranks=list(range(size)), timeout=timeout)
     return DistContext(
         rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
+        world_size=size,
         local_rank=local_rank,
-        owns_group=True,
         collective_device=collective_device,
+        group=group,
+        holds_default_group=holds_default,
     )
+
+
+def release(ctx: DistContext) -> None:
+    """Leave the process group: destroy this engine's own group, and the default group when
+    ``initialize`` created it and no other engine of this process still uses it."""
+    global _created_default_group_users
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if ctx.group is not None:
+        dist.destroy_process_group(ctx.group)
+    if ctx.holds_default_group:
+        _created_default_group_users -= 1
+        if _created_default_group_users == 0:
+            dist.destroy_process_group()
 
 
 def _attempt_store(world_size: int, timeout: timedelta) -> dist.Store | None:
@@ -89,7 +117,7 @@ def broadcast_object(value: object, ctx: DistContext, group: dist.ProcessGroup |
     if ctx.world_size == 1:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
+    dist.broadcast_object_list(box, src=0, group=ctx.group if group is None else group)
     return box[0]
 
 
@@ -97,7 +125,7 @@ def _all_reduce_(tensor: torch.Tensor, ctx: DistContext, op: dist.ReduceOp.RedOp
     if ctx.world_size == 1:
         return tensor
     staged = tensor if tensor.device == ctx.collective_device else tensor.to(ctx.collective_device)
-    dist.all_reduce(staged, op=op)
+    dist.all_reduce(staged, op=op, group=ctx.group)
     if staged is not tensor:
         tensor.copy_(staged)
     return tensor
@@ -121,51 +149,47 @@ def broadcast_module_(module: nn.Module, ctx: DistContext) -> None:
     if ctx.world_size == 1:
         return
     for tensor in list(module.parameters()) + list(module.buffers()):
-        dist.broadcast(tensor.data, src=0)
+        dist.broadcast(tensor.data, src=0, group=ctx.group)
 
 
-def destroy(ctx: DistContext) -> None:
-    if ctx.owns_group and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def all_gather_flat(output: torch.Tensor, shard: torch.Tensor) -> None:
-    """Every rank's ``shard`` concatenated into ``output`` (world size x shard elements)."""
-    if _is_gloo():
+def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """Every rank's ``shard`` concatenated into ``output`` (world size x shard elements), over
+    ``group`` (an engine's own group over every rank; None: the default group)."""
+    if _is_gloo(group):
         # gloo's flat all-gather stages through temporaries allocated on its own threads, which
         # glibc keeps as per-thread free memory: 8 MiB chunks left 100-160 MiB of it per rank,
         # and one broadcast per rank straight into its slice took half the time (2 ranks on 2
         # cores: 4.4 vs 8.4 ms for 8 MiB). The bytes each rank sends and receives are the same.
         size = shard.numel()
-        _check_flat(output, shard, size * dist.get_world_size())
-        mine = output[dist.get_rank() * size :][:size]
+        _check_flat(output, shard, size * dist.get_world_size(group))
+        mine = output[dist.get_rank(group) * size :][:size]
         if mine.data_ptr() != shard.data_ptr():
             mine.copy_(shard)
-        for src in range(dist.get_world_size()):
-            dist.broadcast(output[src * size :][:size], src=src)
+        for src in range(dist.get_world_size(group)):
+            dist.broadcast(output[src * size :][:size], src=src, group=group)
         return
     # torch 2.13 renamed the flat collectives and warns on the old names, which are all that
     # torch 2.4-2.12 have.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, shard)
+    gather(output, shard, group=group)
 
 
-def reduce_scatter_flat_(flat: torch.Tensor) -> torch.Tensor:
+def reduce_scatter_flat_(flat: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """This rank's slice (``flat`` split evenly over the ranks) of the sum over ranks of ``flat``.
     ``flat`` is scratch: its contents are undefined afterwards, and the result may view it."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     size = flat.numel() // world
-    if _is_gloo():
+    if _is_gloo(group):
         _check_flat(flat, flat, size * world)
         # As for the all-gather: gloo's flat reduce-scatter stages through temporaries on its
         # own threads (about 64 MiB kept per rank for 8 MiB), while one in-place reduce per
         # destination rank needs none and took half the time (8.5 vs 16 ms).
         for dst in range(world):
-            dist.reduce(flat[dst * size :][:size], dst=dst)
+            dist.reduce(flat[dst * size :][:size], dst=dst, group=group)
         return flat[rank * size :][:size]
     output = torch.empty(size, dtype=flat.dtype, device=flat.device)
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(output, flat)
+    scatter(output, flat, group=group)
     return output
 
 
@@ -182,5 +206,5 @@ def _check_flat(flat: torch.Tensor, part: torch.Tensor, numel: int) -> None:
         )
 
 
-def _is_gloo() -> bool:
-    return dist.get_backend() == dist.Backend.GLOO
+def _is_gloo(group: dist.ProcessGroup | None) -> bool:
+    return dist.get_backend(group) == dist.Backend.GLOO

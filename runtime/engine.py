@@ -36,7 +36,8 @@ from runtime.checkpoint.store import Checkpoint, CheckpointError
 from runtime.chunks.manager import ChunkManager, SavedAlias
 from runtime.console import MetricsFile, ProgressReporter, StepRecord
 from runtime.device import DeviceInfo, synchronize
-from runtime.distributed import DistContext, all_reduce_max, all_reduce_sum_, broadcast_object, destroy
+from runtime.distributed import DistContext, all_reduce_max, all_reduce_sum_, broadcast_object, release
+from runtime.live_engines import EngineClaim
 from runtime.loss_scale import DynamicLossScaler
 from runtime.memory_probe import PeakMemoryProbe
 from runtime.model_cache import CACHE_OFF_NOTE, cache_configs, caches_off, refuse_cache_with_recompute
@@ -112,6 +113,7 @@ class Engine:
         activations: ActivationManager,
         checkpointer: Checkpointer,
         stop: StopRequest | None = None,
+        claim: EngineClaim | None = None,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         rebuild: Rebuild | None = None,
         replan: Callable[[int], Plan] | None = None,
@@ -134,6 +136,7 @@ class Engine:
         self.activations = activations
         self.checkpointer = checkpointer
         self._stop = stop
+        self._claim = claim
         self.loss_scaler = DynamicLossScaler(settings.loss_scale) if settings.loss_scale else None
         self.global_step = 0
         """Optimizer updates made (skipped updates do not count)."""
@@ -702,12 +705,18 @@ class Engine:
             self._close_components()
 
     def _close_components(self) -> None:
-        self._reporter.close()
-        if self._metrics is not None:
-            self._metrics.close()
-        self.activations.close()
-        self.chunks.close()
-        destroy(self.dist_ctx)
+        try:
+            self._reporter.close()
+            if self._metrics is not None:
+                self._metrics.close()
+            self.activations.close()
+            self.chunks.close()
+        finally:
+            # Whatever failed above, the group and the claims go: another engine of the process
+            # may still be training and must be able to close (and claim) after this one.
+            release(self.dist_ctx)
+            if self._claim is not None:
+                self._claim.release()
 
     def __enter__(self) -> Engine:
         return self

@@ -28,7 +28,15 @@ from runtime.chunks.layout import ParamInfo, first_use_order, layout_from_params
 from runtime.chunks.manager import ChunkManager
 from runtime.console import MetricsFile, ProgressReporter, plan_table
 from runtime.device import DeviceInfo, select_device
-from runtime.distributed import DistContext, all_reduce_min_, broadcast_module_, env_int, init_distributed
+from runtime import live_engines
+from runtime.distributed import (
+    DistContext,
+    all_reduce_min_,
+    broadcast_module_,
+    env_int,
+    init_distributed,
+    release,
+)
 from runtime.engine import Engine, Rebuild
 from runtime.param_groups import split_decay
 from runtime.planning import (
@@ -118,23 +126,82 @@ def initialize(
         install_placeholders_(model, device.device, reader)
     if resolved.dry_run:
         _dry_run(model, resolved, example_batch, loss_fn, profile=reader is None)
-    dist_ctx = init_distributed(
-        backend=device.backend,
-        timeout_s=spec.launcher.dist_timeout_s,
-        world_size=env_int("WORLD_SIZE", 1),
-        local_rank=env_int("LOCAL_RANK", 0),
-        collective_device=device.device,
+    # Another engine alive in this process (a teacher beside a student) owns the random streams
+    # as they are: reseeding them here would change its dropout masks.
+    reseed = not live_engines.others_alive()
+    claim = _claim(spec, device, ranks_on_host=env_int("LOCAL_WORLD_SIZE", 1))
+    dist_ctx: DistContext | None = None
+    try:
+        dist_ctx = init_distributed(
+            backend=device.backend,
+            timeout_s=spec.launcher.dist_timeout_s,
+            world_size=env_int("WORLD_SIZE", 1),
+            local_rank=env_int("LOCAL_RANK", 0),
+            collective_device=device.device,
+        )
+        return _build_engine(
+            model,
+            resolved,
+            run_dir,
+            example_batch=example_batch,
+            loss_fn=loss_fn,
+            reader=reader,
+            device=device,
+            dist_ctx=dist_ctx,
+            claim=claim,
+            reseed=reseed,
+        )
+    except BaseException:
+        # The engine (once built) released both itself on the way out; before that, nothing did.
+        if not claim.released:
+            claim.release()
+            if dist_ctx is not None:
+                release(dist_ctx)
+        raise
+
+
+def _claim(spec: Spec, device: DeviceInfo, *, ranks_on_host: int) -> live_engines.EngineClaim:
+    """This engine's device budget and checkpoint directory, registered against the other engines
+    alive in this process (an auto budget is what they left)."""
+    auto = spec.memory.device_budget == AUTO
+    return live_engines.claim(
+        device_budget=None if auto else int(spec.memory.device_budget),
+        measured_auto_bytes=auto_device_budget(device, ranks_on_host) if auto else 0,
+        checkpoint_dir=None if spec.checkpoint.dir is None else Path(spec.checkpoint.dir).expanduser().resolve(),
     )
-    budgets = _budgets(spec, device, ranks_on_host=env_int("LOCAL_WORLD_SIZE", 1))
+
+
+def _build_engine(
+    model: nn.Module,
+    resolved: ResolvedSpec,
+    run_dir: Path | None,
+    *,
+    example_batch: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    reader: WeightReader | None,
+    device: DeviceInfo,
+    dist_ctx: DistContext,
+    claim: live_engines.EngineClaim,
+    reseed: bool,
+) -> Engine:
+    spec = resolved.spec
+    budgets = (claim.device_budget_bytes, _budgets(spec, device, ranks_on_host=env_int("LOCAL_WORLD_SIZE", 1))[1])
     if reader is None:
         if device.is_cuda:
             _refuse_oversized_move(model, free_bytes=torch.cuda.mem_get_info(device.device)[0])
         model.to(device.device)
         broadcast_module_(model, dist_ctx)  # streamed weights are the same file on every rank
-    # Rank-offset seed: dropout masks differ across ranks, as they do under DDP with per-rank seeds.
-    torch.manual_seed(spec.seed + dist_ctx.rank)
+    if reseed:
+        # Rank-offset seed: dropout masks differ across ranks, as under DDP with per-rank seeds.
+        torch.manual_seed(spec.seed + dist_ctx.rank)
+    elif dist_ctx.is_main:
+        print(
+            f"protrain: engine {claim.label} shares this process's random streams with the engine(s) "
+            "already alive (not reseeded)",
+            flush=True,
+        )
     example_batch = _to_device(example_batch, device.device)
-    params = model_params(model, _execution_order(model, example_batch))
+    params = model_params(model, _execution_order(model, example_batch, device))
     # Every rank must run the same plan (collective order depends on it): agree on the smallest.
     agreed = all_reduce_min_(torch.tensor(budgets, dtype=torch.float64), dist_ctx)
     replanner: list[Callable[[int], Plan]] = []
@@ -183,6 +250,7 @@ def initialize(
         activations=activations,
         checkpointer=checkpointer,
         stop=StopRequest(announce=dist_ctx.is_main).install(),
+        claim=claim,
         loss_fn=loss_fn,
         rebuild=Rebuild(
             # Values come from the old layout (runtime.plan_switch), not from the parameters.
@@ -296,12 +364,14 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def _execution_order(model: nn.Module, example_batch: Any) -> list[str] | None:
+def _execution_order(model: nn.Module, example_batch: Any, device: DeviceInfo) -> list[str] | None:
     """Parameter names in first-use order from a no-grad forward on ``example_batch`` (module
-    order when there is none)."""
+    order when there is none). The forward's random draws (dropout) are undone: recording the
+    order is not a training step, and another engine of the process may be drawing too."""
     if example_batch is None:
         return None
-    return first_use_order(model, lambda: call_model(model, example_batch))
+    with torch.random.fork_rng(devices=[device.device.index or 0] if device.is_cuda else []):
+        return first_use_order(model, lambda: call_model(model, example_batch))
 
 
 def _build_chunks(
@@ -422,7 +492,7 @@ def _dry_run(
     console = Console(highlight=False)
     device = select_device(0)
     example_batch = _to_device(example_batch, device.device)
-    params = model_params(model, _execution_order(model, example_batch))
+    params = model_params(model, _execution_order(model, example_batch, device))
     plan = make_plan(
         model,
         resolved.spec,

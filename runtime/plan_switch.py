@@ -23,7 +23,7 @@ def _full(shard: torch.Tensor, old: ChunkManager, dist_ctx: DistContext) -> torc
     if dist_ctx.world_size == 1:
         return local.detach().to("cpu", copy=True)
     full = torch.empty(old.layout.chunk_numel, dtype=local.dtype, device=old.device.device)
-    all_gather_flat(full, local)
+    all_gather_flat(full, local, dist_ctx.group)
     return full.to("cpu")
 
 

@@ -99,7 +99,8 @@ def write_cached(path: Path, body: dict[str, Any]) -> None:
     cannot be written is only a cache."""
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        # Per process and thread: two engines of one process may profile from two threads.
+        temporary = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
         temporary.write_text(json.dumps(body, indent=1))
         temporary.replace(path)
 
@@ -190,8 +191,8 @@ def _collective_rates(device: DeviceInfo, dist_ctx: DistContext) -> tuple[float,
     full = torch.zeros(numel, dtype=dtype, device=device.device)
     shard = torch.ones(numel // world, dtype=dtype, device=device.device)
     tiny = torch.zeros(1, dtype=dtype, device=device.device)
-    gather_s = _best_time(lambda: all_gather_flat(full, shard), device)
-    scatter_s = _best_time(lambda: reduce_scatter_flat_(full), device)
+    gather_s = _best_time(lambda: all_gather_flat(full, shard, dist_ctx.group), device)
+    scatter_s = _best_time(lambda: reduce_scatter_flat_(full, dist_ctx.group), device)
     latency = _best_time(lambda: all_reduce_sum_(tiny, dist_ctx), device)
     size = numel * 4
     return size / max(gather_s - latency, 1e-9), size / max(scatter_s - latency, 1e-9), latency

@@ -34,33 +34,78 @@ class TrainingStopped(SystemExit):
 
 
 class StopRequest:
+    """One engine's view of the process's stop: ``requested`` once a stop signal arrived.
+
+    Signals belong to the process, not to an engine: every live engine's request joins one
+    ``_SignalHub``, which installs the handlers with the first request and puts back the ones
+    that were there before with the last. So a signal stops every engine of the process alike,
+    and closing one of two engines leaves the other's stop working (each engine setting and
+    restoring handlers itself would have restored the pre-engine handler under the live one).
+    """
+
     def __init__(self, *, announce: bool = False) -> None:
         self.signum: int | None = None
         self._announce = announce
-        self._previous: dict[int, Any] = {}
+        self._installed = False
 
     @property
     def requested(self) -> bool:
         return self.signum is not None
 
+    @property
+    def announce(self) -> bool:
+        return self._announce
+
     def install(self) -> StopRequest:
-        if threading.current_thread() is not threading.main_thread():
-            return self
-        for signum in STOP_SIGNALS:
-            if signal.getsignal(signum) is signal.SIG_IGN:
-                continue
-            self._previous[signum] = signal.signal(signum, self._on_signal)
+        if threading.current_thread() is threading.main_thread() and not self._installed:
+            self._installed = True
+            _HUB.join(self)
         return self
 
     def uninstall(self) -> None:
+        if self._installed:
+            self._installed = False
+            _HUB.leave(self)
+
+
+class _SignalHub:
+    """The process's stop handlers, shared by the live ``StopRequest``s (see its docstring). The
+    first signal raises every request's flag; a second one aborts at once through the handler
+    that was in place before."""
+
+    def __init__(self) -> None:
+        self._requests: list[StopRequest] = []
+        self._previous: dict[int, Any] = {}
+        self._signum: int | None = None
+
+    def join(self, request: StopRequest) -> None:
+        if not self._requests:
+            self._signum = None
+            for signum in STOP_SIGNALS:
+                if signal.getsignal(signum) is signal.SIG_IGN:
+                    continue
+                self._previous[signum] = signal.signal(signum, self._on_signal)
+        self._requests.append(request)
+        if self._signum is not None:
+            request.signum = self._signum  # the process is already stopping
+
+    def leave(self, request: StopRequest) -> None:
+        if request in self._requests:
+            self._requests.remove(request)
+        if not self._requests:
+            self._restore()
+
+    def _restore(self) -> None:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is None:
-            self.signum = signum
-            if self._announce:
+        if self._signum is None:
+            self._signum = signum
+            for request in self._requests:
+                request.signum = signum
+            if any(request.announce for request in self._requests):
                 name = signal.Signals(signum).name
                 message = (
                     f"{name}: stopping at the end of this step (a checkpoint is saved when "
@@ -72,10 +117,16 @@ class StopRequest:
                     pass
             return
         previous = self._previous.get(signum, signal.SIG_DFL)
-        self.uninstall()
+        for request in self._requests:
+            request._installed = False
+        self._requests.clear()
+        self._restore()
         if callable(previous):
             previous(signum, frame)
         elif previous == signal.SIG_DFL:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             sys.exit(128 + signum)
+
+
+_HUB = _SignalHub()

@@ -425,7 +425,7 @@ class ChunkManager:
         if self.dist_ctx.world_size == 1:
             out.copy_(shard)
         else:
-            all_gather_flat(out, shard)
+            all_gather_flat(out, shard, self.dist_ctx.group)
 
     def resident_chunks(self) -> list[int]:
         return [c.index for c in self.chunks if c.residency is Residency.RESIDENT]
@@ -712,7 +712,7 @@ class ChunkManager:
         if world == 1:
             grad_shard.add_(buffer.to(grad_shard.device, torch.float32))
             return
-        reduced = reduce_scatter_flat_(buffer).div_(world)
+        reduced = reduce_scatter_flat_(buffer, self.dist_ctx.group).div_(world)
         grad_shard.add_(reduced.to(grad_shard.device, torch.float32))
 
     def _submit(self, work: Callable[[], None]) -> DeviceEvent:
@@ -897,7 +897,7 @@ class ChunkManager:
                 full = shard.clone()
             else:
                 full = torch.empty(self.layout.chunk_numel, dtype=shard.dtype, device=self.device.device)
-                all_gather_flat(full, shard)
+                all_gather_flat(full, shard, self.dist_ctx.group)
             for index in chunk.info.params:
                 info = self.layout.params[index]
                 offset = self.layout.slots[index].offset

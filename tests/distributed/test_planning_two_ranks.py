@@ -33,9 +33,7 @@ def agree_different_measurements(*, rank: int) -> dict[str, Any]:
         memory_bytes_per_s=4e10 + rank,
         copies_overlap_compute=False,
     )
-    ctx = DistContext(
-        rank=rank, world_size=2, local_rank=rank, owns_group=False, collective_device=torch.device("cpu")
-    )
+    ctx = DistContext(rank=rank, world_size=2, local_rank=rank, collective_device=torch.device("cpu"))
     assert dist.is_initialized()
     return agree_hardware(mine, ctx).to_dict()
 
