@@ -81,13 +81,22 @@ class MetricsFile:
             self._file = None
 
 
-class ProgressReporter:
-    """A live progress bar on a terminal; on a pipe or file, one plain line every few steps."""
+_LIVE_BAR_OWNER: list[ProgressReporter] = []
+"""The one reporter of the process showing a live bar: two bars redrawing one terminal garble
+each other, so a second engine alive at once (a teacher beside a student) prints plain lines."""
 
-    def __init__(self, *, total_steps: int | None, enabled: bool, stream: TextIO | None = None) -> None:
+
+class ProgressReporter:
+    """A live progress bar on a terminal; on a pipe or file, one plain line every few steps.
+    ``name`` prefixes every line (a second engine of the process says which it is)."""
+
+    def __init__(
+        self, *, total_steps: int | None, enabled: bool, stream: TextIO | None = None, name: str | None = None
+    ) -> None:
         self.enabled = enabled
         self.console = Console(file=stream or sys.stdout, highlight=False)
         self.total_steps = total_steps
+        self._prefix = f"{name}: " if name else ""
         self._progress: Progress | None = None
         self._task: Any = None
         self._line_every = max(1, (total_steps or 100) // 20)
@@ -98,7 +107,7 @@ class ProgressReporter:
 
     def print(self, text: str) -> None:
         if self.enabled:
-            self.console.print(text)
+            self.console.print(self._prefix + text)
 
     def update(self, record: StepRecord) -> None:
         if not self.enabled:
@@ -107,12 +116,12 @@ class ProgressReporter:
             f"loss {record.loss:.4f}  lr {record.lr:.2e}  {record.tokens_per_s:,.0f} tok/s  "
             f"{record.step_time_s * 1000:.0f} ms/step" + ("  (skipped)" if record.skipped else "")
         )
-        if self.console.is_terminal:
+        if self.console.is_terminal and _LIVE_BAR_OWNER in ([], [self]):
             self._live_update(record.step, summary)
         elif record.step == 1 or record.step % self._line_every == 0 or record.step == self.total_steps:
             # total_steps is the schedule's length; a script may run past it.
             total = f"/{self.total_steps}" if self.total_steps and record.step <= self.total_steps else ""
-            self.console.print(f"step {record.step}{total}  {summary}")
+            self.console.print(f"{self._prefix}step {record.step}{total}  {summary}")
 
     def _live_update(self, step: int, summary: str) -> None:
         if self._progress is None:
@@ -126,6 +135,7 @@ class ProgressReporter:
                 transient=False,
             )
             self._progress.start()
+            _LIVE_BAR_OWNER.append(self)
             self._task = self._progress.add_task("train", total=self.total_steps, summary="")
         if self.total_steps is not None and step > self.total_steps:
             self._progress.update(self._task, total=None)
@@ -135,3 +145,4 @@ class ProgressReporter:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+            _LIVE_BAR_OWNER.remove(self)

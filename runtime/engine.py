@@ -43,9 +43,10 @@ from runtime.memory_probe import PeakMemoryProbe
 from runtime.model_cache import CACHE_OFF_NOTE, cache_configs, caches_off, refuse_cache_with_recompute
 from runtime.plan_check import PlanCheck
 from runtime.plan_check import describe as describe_plan_check
+from runtime.plan_check import judge as judge_plan_check
 from runtime.plan_switch import move_state
 from runtime.planning import LossNotFoundError, batch_shape
-from runtime.probes import ChunkedRun
+from runtime.probes import ChunkedRun, ProfileOrigin
 from runtime.sampler import ShardedSampler
 from runtime.schedule import lr_factor
 from runtime.settings import TrainingSettings
@@ -118,12 +119,15 @@ class Engine:
         rebuild: Rebuild | None = None,
         replan: Callable[[int], Plan] | None = None,
         plan_from_batch: Callable[[Any, ChunkedRun | None], Plan | None] | None = None,
+        profile_origin: ProfileOrigin | None = None,
     ) -> None:
         """``rebuild`` makes the chunk and activation managers of another plan (for
         ``switch_plan``); ``replan(device_budget)`` searches again over the profiles the plan
         came from (None: the plan was not searched, so it is never re-planned);
         ``plan_from_batch(batch, chunked)`` profiles on a batch through the chunk engine and
-        searches (when ``initialize`` could not profile the model whole: see ``plan_on_batch``)."""
+        searches (when ``initialize`` could not profile the model whole: see ``plan_on_batch``);
+        ``profile_origin``: the profile cache entries the plan came from (dropped when the plan
+        check finds them stale)."""
         self.module = module
         self.plan = plan
         self.settings = settings
@@ -158,6 +162,7 @@ class Engine:
         self._rebuild = rebuild
         self._replan = replan
         self._plan_from_batch = plan_from_batch
+        self._profile_origin = profile_origin if profile_origin is not None else ProfileOrigin()
         self.replans = 0
         """Plans switched to because the measured peak exceeded the prediction."""
         self._plan_check = PlanCheck(plan, accumulation=settings.gradient_accumulation_steps)
@@ -430,10 +435,19 @@ class Engine:
             None if record.skipped else self._plan_check.observe(record.step_time_s, self._peak_probe.stop)
         )
         if check is not None:
+            check = self._judge_profile(check)
             self._reporter.print(describe_plan_check(check))
             if self._metrics is not None:
                 self._metrics.write(check)
             self._replan_if_over(check)
+
+    def _judge_profile(self, check: dict[str, Any]) -> dict[str, Any]:
+        """A step time far off the prediction of a plan made from cached profiles: they were
+        measured at another moment; drop them, so the next launch measures again."""
+        check = judge_plan_check(check, from_cache=bool(self._profile_origin.cached))
+        if check["off"] and check["profile"] == "cached":
+            check["dropped_profiles"] = [str(path) for path in self._profile_origin.drop()]
+        return check
 
     # ---------------------------------------------------------------- re-planning
 

@@ -49,7 +49,7 @@ from runtime.planning import (
     model_blocks,
     model_state_bytes,
 )
-from runtime.probes import ChunkedRun
+from runtime.probes import ChunkedRun, ProfileOrigin
 from runtime.settings import TrainingSettings, settings_from_spec
 from runtime.spec import AUTO, Spec
 from runtime.spec_io import (
@@ -206,6 +206,7 @@ def _build_engine(
     agreed = all_reduce_min_(torch.tensor(budgets, dtype=torch.float64), dist_ctx)
     replanner: list[Callable[[int], Plan]] = []
     first_batch: list[Callable[[Any, ChunkedRun | None], Plan | None]] = []
+    origin = ProfileOrigin()
     plan = make_plan(
         model,
         spec,
@@ -220,6 +221,7 @@ def _build_engine(
         dist_ctx=dist_ctx,
         replanner=replanner,
         first_batch=first_batch,
+        origin=origin,
     )
     _check_same_plan_everywhere(plan, dist_ctx)
     _check_supported(plan, spec)
@@ -259,6 +261,7 @@ def _build_engine(
         ),
         replan=(lambda budget: _search_again(replanner, budget)) if (replanner or first_batch) else None,
         plan_from_batch=first_batch[0] if first_batch else None,
+        profile_origin=origin,
     )
     try:
         if example_batch is not None:

@@ -1,7 +1,12 @@
 """Measured beside predicted: after the first updates, the step time the plan's cost model
 predicted is set against the median measured one, and the predicted peak device memory against
 the peak measured over the same updates (``runtime.memory_probe``), printed on rank 0 and written
-to the metrics file, so a wrong model (or a machine busier than when it was profiled) shows."""
+to the metrics file, so a wrong model (or a machine busier than when it was profiled) shows.
+
+A step time off the prediction by more than ``STALE_MARGIN`` is named: when the profiles came
+from the cache, they were measured at a busier (or quieter) moment than now, so the engine drops
+those cache entries and the next launch profiles again; when they were measured in this run, the
+cost model itself is off."""
 
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ from profiler.plan import Plan
 
 CHECK_AFTER_UPDATES = 5
 """Updates measured before the comparison; the first is left out (allocations, caches)."""
+STALE_MARGIN = 0.25
+"""A measured step time off the prediction by more than this fraction is reported as off."""
 
 
 class PlanCheck:
@@ -59,11 +66,20 @@ class PlanCheck:
         return event
 
 
+def judge(event: dict[str, Any], *, from_cache: bool) -> dict[str, Any]:
+    """``event`` with where its profiles came from (``profile``: "cached" or "measured") and
+    whether the prediction is off by more than ``STALE_MARGIN`` (``off``)."""
+    off = abs(event["error"]) > STALE_MARGIN
+    return {**event, "profile": "cached" if from_cache else "measured", "off": off}
+
+
 def describe(event: dict[str, Any]) -> str:
+    """The comparison in words, and on a second line what an off prediction means."""
+    error = event["error"]
     text = (
         f"plan check: measured {event['measured_step_s']:.4f} s/step "
-        f"(median of updates 2-{event['updates']}), "
-        f"predicted {event['predicted_step_s']:.4f} s ({event['error']:+.1%})"
+        f"(median of updates 2-{event['updates']}), predicted {event['predicted_step_s']:.4f} s "
+        f"(prediction {abs(error):.1%} {'above' if error >= 0 else 'below'} the measured)"
     )
     if event.get("measured_peak_device_bytes") is not None:
         error = event.get("peak_error")
@@ -72,4 +88,20 @@ def describe(event: dict[str, Any]) -> str:
             f"predicted {event['predicted_peak_device_bytes'] / 2**20:.1f} MiB"
             + (f" ({error:+.1%})" if error is not None else "")
         )
-    return text
+    verdict = _verdict(event)
+    return text if verdict is None else f"{text}\nplan check: {verdict}"
+
+
+def _verdict(event: dict[str, Any]) -> str | None:
+    """What an off prediction means and what was done about it (None when it is not off)."""
+    if not event.get("off"):
+        return None
+    off = f"the step time is off the prediction by more than {STALE_MARGIN:.0%}"
+    if event.get("profile") != "cached":
+        return f"{off} although the profile was measured in this run: the cost model misjudges this run"
+    done = (
+        "dropped it from the cache, so the next launch profiles again"
+        if event.get("dropped_profiles")
+        else "remove it from profiler.cache_dir, or launch with PROTRAIN_REFRESH_PROFILE=1, to profile again"
+    )
+    return f"{off}: the cached profile looks stale (measured at a busier or quieter moment than now); {done}"

@@ -36,6 +36,7 @@ from runtime.distributed import DistContext, all_reduce_max, all_reduce_sum_
 from runtime.model_cache import cache_configs, caches_off
 from runtime.probes import (
     ChunkedRun,
+    ProfileOrigin,
     agree_model,
     hardware_key,
     hardware_profile,
@@ -61,6 +62,7 @@ def make_plan(
     dist_ctx: DistContext | None = None,
     replanner: list[Callable[[int], Plan]] | None = None,
     first_batch: list[Callable[[Any, ChunkedRun | None], Plan | None]] | None = None,
+    origin: ProfileOrigin | None = None,
 ) -> Plan:
     """Fill the spec's "auto" memory knobs. ``budgets``: (device, host) bytes per rank, already
     resolved from "auto" and agreed across ranks. ``example_batch`` (on the model's device) and
@@ -69,7 +71,8 @@ def make_plan(
     budget (only when the plan came from a search): what a re-plan runs. ``first_batch``, when
     given and the model was not profiled whole (no ``example_batch``, or its profiling step did
     not fit), receives the profile-and-search the engine runs through its chunks on a batch (the
-    plan returned meanwhile is the resident or conservative rule's)."""
+    plan returned meanwhile is the resident or conservative rule's). ``origin``, when given,
+    receives the profile cache entries each profiling read (the plan check drops stale ones)."""
     memory = spec.memory
 
     block_path, blocks = model_blocks(model, memory)
@@ -96,6 +99,7 @@ def make_plan(
             world_size,
             ssd_path=_ssd_path(request, len(blocks), memory),
             chunked=chunked,
+            origin=origin,
         )
         if profiled is None:
             return None
@@ -252,10 +256,12 @@ def _profile(
     *,
     ssd_path: Path | None,
     chunked: ChunkedRun | None = None,
+    origin: ProfileOrigin | None = None,
 ) -> tuple[ModelProfile, HardwareProfile] | None:
     """(model profile, hardware profile), agreed across ranks; None when the profiling step
     does not fit the device (every rank then plans without a profile). The model profile is
-    cached by the model's structure, the batch shape, precision, world size and machine."""
+    cached by the model's structure, the batch shape, precision, world size and machine; the
+    cache entries read are noted in ``origin`` (started over)."""
     model, spec, params, device = subject.model, subject.spec, subject.params, subject.device
     autocast = _AUTOCAST.get(spec.precision)
     configs = cache_configs(model)
@@ -280,8 +286,12 @@ def _profile(
         hardware_key(device, world_size),
     )
     path = cache_dir / f"model-{key}.json"
+    origin = origin if origin is not None else ProfileOrigin()
+    origin.cached.clear()
     profile = read_agreed(path, ModelProfile.from_dict, dist_ctx)
-    if profile is None:
+    if profile is not None:
+        origin.cached.append(path)
+    else:
         profile = _measure(
             subject,
             run_forward,
@@ -297,7 +307,7 @@ def _profile(
         if dist_ctx is not None:
             profile = agree_model(profile, dist_ctx)
             write_cached(path, profile.to_dict())
-    hardware = hardware_profile(device, dist_ctx, world_size=world_size, cache_dir=cache_dir)
+    hardware = hardware_profile(device, dist_ctx, world_size=world_size, cache_dir=cache_dir, origin=origin)
     if ssd_path is not None:
         try:
             hardware = with_disk_rates(hardware, ssd_path, dist_ctx)

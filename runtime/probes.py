@@ -61,15 +61,23 @@ REFRESH_ENV = "PROTRAIN_REFRESH_PROFILE"
 
 
 def hardware_profile(
-    device: DeviceInfo, dist_ctx: DistContext | None, *, world_size: int, cache_dir: Path
+    device: DeviceInfo,
+    dist_ctx: DistContext | None,
+    *,
+    world_size: int,
+    cache_dir: Path,
+    origin: ProfileOrigin | None = None,
 ) -> HardwareProfile:
-    """The cached profile of this machine at this world size, or a fresh measurement (cached).
+    """The cached profile of this machine at this world size (its entry noted in ``origin``),
+    or a fresh measurement (cached).
 
     ``dist_ctx`` None (a dry run: no process group) estimates the collectives from the copy
     rate unless a cached profile exists, and writes nothing."""
     path = cache_dir / f"hardware-{hardware_key(device, world_size)}.json"
     cached = read_agreed(path, HardwareProfile.from_dict, dist_ctx)
     if cached is not None:
+        if origin is not None:
+            origin.cached.append(path)
         return cached
     profile = measure_hardware(device, dist_ctx, world_size=world_size)
     release_free_memory(device)  # the probes' buffers, freed but still resident
@@ -103,6 +111,25 @@ def write_cached(path: Path, body: dict[str, Any]) -> None:
         temporary = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
         temporary.write_text(json.dumps(body, indent=1))
         temporary.replace(path)
+
+
+@dataclasses.dataclass(slots=True)
+class ProfileOrigin:
+    """The profile cache entries the plan in force was made from; empty when every profile was
+    measured in this run. Each profiling starts it over. The engine drops these entries when the
+    measured step time says they are stale (``runtime.plan_check``): the next launch measures."""
+
+    cached: list[Path] = dataclasses.field(default_factory=list)
+
+    def drop(self) -> list[Path]:
+        """Remove the cached entries; those now gone (another rank on the host may have removed
+        one first). An entry that cannot be removed stays, and is left out."""
+        gone = []
+        for path in self.cached:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+                gone.append(path)
+        return gone
 
 
 def measure_hardware(device: DeviceInfo, dist_ctx: DistContext | None, *, world_size: int) -> HardwareProfile:

@@ -7,6 +7,7 @@ are back to where they were."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import signal
 import threading
@@ -158,3 +159,30 @@ def test_closing_one_engine_leaves_ctrl_c_stopping_the_other(tmp_path: Path) -> 
     assert stopped.value.code == 130
     second.close()
     assert signal.getsignal(signal.SIGINT) is sigint
+
+
+def test_a_second_engine_on_a_terminal_prints_named_lines_instead_of_a_second_bar() -> None:
+    from rich.console import Console
+
+    from runtime.console import ProgressReporter, StepRecord
+
+    first = ProgressReporter(total_steps=4, enabled=True)
+    second = ProgressReporter(total_steps=4, enabled=True, name="engine 2")
+    screens = []
+    for reporter in (first, second):
+        screen = io.StringIO()
+        reporter.console = Console(file=screen, force_terminal=True, width=120, highlight=False)
+        screens.append(screen)
+    try:
+        for step in (1, 2):
+            record = StepRecord(
+                step=step, loss=1.0, lr=1e-3, grad_norm=None, step_time_s=0.1, tokens_per_s=10.0, skipped=False, loss_scale=None
+            )
+            first.update(record)
+            second.update(record)
+    finally:
+        first.close()
+        second.close()
+    assert first._progress is None and "engine 2" not in screens[0].getvalue()
+    lines = [line for line in screens[1].getvalue().splitlines() if line.strip()]
+    assert lines and all(line.startswith("engine 2: step ") for line in lines), lines
