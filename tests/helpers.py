@@ -189,6 +189,63 @@ def train_reference(
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fp16ReferenceRun:
+    """Plain PyTorch's fp16 training: the fp32 parameters, each update's loss (unmultiplied),
+    whether it updated (False: skipped for overflow) and the loss scale after it."""
+
+    state: dict[str, torch.Tensor]
+    losses: list[float]
+    updated: list[bool]
+    scales: list[float]
+
+
+def train_reference_fp16(
+    model: nn.Module,
+    data: LMBatches,
+    *,
+    steps: int,
+    lr: float,
+    weight_decay: float,
+    initial_scale: float,
+    growth_interval: int,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    loss_multipliers: Mapping[int, float] | None = None,
+) -> Fp16ReferenceRun:
+    """fp32 parameters, forward under ``torch.autocast(cpu, float16)``, ``torch.amp.GradScaler``
+    and the for-loop fp32 ``torch.optim.AdamW`` (one rank). The scaler's settings are the
+    engine's loss_scaling semantics (runtime/loss_scale.py): halve on overflow (the update is
+    skipped), double after ``growth_interval`` clean updates in a row; the engine's min_scale has
+    no GradScaler counterpart, so keep the scale above it. ``loss_multipliers``: update -> factor
+    on that update's loss before scaling (a loss spike that forces an overflow)."""
+    optimizer = torch.optim.AdamW(
+        reference_param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=False
+    )
+    scaler = torch.amp.GradScaler(
+        "cpu", init_scale=initial_scale, growth_factor=2.0, backoff_factor=0.5, growth_interval=growth_interval
+    )
+    run = Fp16ReferenceRun(state={}, losses=[], updated=[], scales=[])
+    for update in range(steps):
+        window = 0.0
+        for micro in range(data.gradient_accumulation_steps):
+            with torch.autocast(device_type="cpu", dtype=torch.float16):
+                loss = model(**data.batch(update, micro, 0)).loss
+            factor = (loss_multipliers or {}).get(update, 1.0)
+            scaler.scale(loss * factor / data.gradient_accumulation_steps).backward()
+            window += loss.item()
+        before = scaler.get_scale()
+        scaler.step(optimizer)  # skipped when a gradient is inf/nan after unscaling
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        # Only an overflow lowers the scale: the update was skipped exactly then.
+        run.updated.append(scaler.get_scale() >= before)
+        run.scales.append(scaler.get_scale())
+        run.losses.append(window / data.gradient_accumulation_steps)
+    run.state.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return run
+
+
 def train_reference_float64(model: nn.Module, data: LMBatches, **training: Any) -> dict[str, torch.Tensor]:
     """``train_reference`` in float64 (``model.double()``, the same data, seed and update rule):
     the noise floor of ``assert_matches_reference``. The for-loop AdamW: the fused kernel is the
