@@ -228,7 +228,11 @@ def _build_engine(
     settings = settings_from_spec(spec)
     chunks = _build_chunks(model, params, plan, settings, device, dist_ctx, reader)
     activations = _build_activations(model, spec, plan, chunks, device, dist_ctx)
-    reporter = ProgressReporter(total_steps=spec.scheduler.total_steps, enabled=dist_ctx.is_main)
+    reporter = ProgressReporter(
+        total_steps=spec.scheduler.total_steps,
+        enabled=dist_ctx.is_main,
+        name=None if reseed else f"engine {claim.label}",
+    )
     metrics = _open_metrics(resolved, run_dir, dist_ctx)
     reporter.show_plan(plan)
     if metrics is not None:
