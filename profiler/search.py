@@ -31,6 +31,7 @@ from profiler.cost_model import (
     predict,
     with_activations,
 )
+from profiler.feasibility import chunk_knob_conflict
 from profiler.profile import HardwareProfile, ModelProfile
 
 SAME_SPEED = 0.02
@@ -177,9 +178,7 @@ def search(
     for costs in all_costs:
         n = costs.num_chunks
         if n_persist is not None and n_persist > n:
-            raise NoPlanFitsError(
-                f"memory.n_persist={n_persist} exceeds the model's {n} chunks of {_size(costs.chunk_size)}"
-            )
+            continue  # another chunk size may give enough chunks; none does: _nothing_fits says so
         for p in range(n + 1) if n_persist is None else [n_persist]:
             if p == n:
                 buffer_range: Iterable[int] = [0]
@@ -211,6 +210,23 @@ def search(
             if device_full:
                 break  # the smallest plan at this n_persist does not fit: nor will larger ones
     elapsed = time.perf_counter() - started
+    if not fitting and smallest is None:
+        # Not one plan has the hand-set knobs, whatever the budgets: say what would.
+        conflict = chunk_knob_conflict(
+            model.param_sizes,
+            model.module_params,
+            element_size=model.element_size,
+            world_size=hardware.world_size,
+            chunk_sizes=[costs.chunk_size for costs in all_costs],
+            chunk_size_hand_set=chunk_size is not None,
+            n_persist=n_persist,
+            n_buffer=n_buffer,
+        )
+        raise NoPlanFitsError(
+            conflict
+            or "no plan can be formed with the hand-set knobs "
+            + ", ".join(_hand_set(chunk_size, n_persist, n_buffer))
+        )
     if not fitting:
         raise NoPlanFitsError(
             _nothing_fits(
@@ -318,10 +334,8 @@ def _hand_set(chunk_size: int | None, n_persist: int | None, n_buffer: int | Non
 
 
 def _nothing_fits(
-    smallest: Candidate | None, device_budget: int, host_budget: int, margin: float, *, hand_set: list[str]
+    smallest: Candidate, device_budget: int, host_budget: int, margin: float, *, hand_set: list[str]
 ) -> str:
-    if smallest is None:
-        return "no plan can be formed with the hand-set knobs " + ", ".join(hand_set)
     p = smallest.prediction
     needed = int(p.peak_device_bytes * (1 + margin))
     fixed = f" (with hand-set {', '.join(hand_set)})" if hand_set else ""

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from profiler.chunking import candidate_chunk_bytes
+from profiler.feasibility import chunk_knob_conflict, spec_size
 from profiler.plan import (
     BlockMode,
     KnobRequest,
@@ -82,10 +84,13 @@ def make_plan(
     if memory.chunk_size != AUTO and largest.numel * element_size > int(memory.chunk_size):
         raise SpecError(
             f"memory.chunk_size={memory.chunk_size} is too small: parameter {largest.name} takes "
-            f"{largest.numel * element_size:,} bytes in {spec.precision.value}; use at least that, or auto"
+            f"{largest.numel * element_size:,} bytes in {spec.precision.value} and a parameter is never "
+            f"split across chunks; the smallest chunk_size that works is "
+            f"{spec_size(largest.numel * element_size)} (set at least that, or auto)"
         )
     request = knob_request(memory)
     module_params = _module_params(model, params)
+    _refuse_impossible_chunk_knobs(model, request, params, module_params, element_size, world_size)
     searchable = is_searchable(request, num_blocks=len(blocks))
 
     def profile_and_search(batch: Any, chunked: ChunkedRun | None = None) -> Plan | None:
@@ -164,6 +169,38 @@ def make_plan(
         raise SpecError(f"memory: {err}") from None
     except ValueError as err:
         raise SpecError(str(err)) from None
+
+
+def _refuse_impossible_chunk_knobs(
+    model: nn.Module,
+    request: KnobRequest,
+    params: tuple[ParamInfo, ...],
+    module_params: list[list[int]],
+    element_size: int,
+    world_size: int,
+) -> None:
+    """Hand-set chunk knobs that no plan can honour, at any budget, are refused before profiling
+    (which would be wasted), naming the smallest value of each hand-set knob that works."""
+    sizes = [(info.numel, info.trainable) for info in params]
+    if request.chunk_size is not None:
+        chunk_sizes = [request.chunk_size]
+    else:  # the sizes the search tries
+        numels = [numel for numel, _ in sizes]
+        chunk_sizes = candidate_chunk_bytes(sum(numels) * element_size, max(numels) * element_size)
+    conflict = chunk_knob_conflict(
+        sizes,
+        module_params,
+        element_size=element_size,
+        world_size=world_size,
+        chunk_sizes=chunk_sizes,
+        chunk_size_hand_set=request.chunk_size is not None,
+        n_persist=request.n_persist,
+        n_buffer=request.n_buffer,
+        # The same modules, in the same order, as _module_params lists.
+        module_names=[name for name, _ in model.named_modules()],
+    )
+    if conflict is not None:
+        raise SpecError(conflict)
 
 
 def knob_request(memory: MemorySpec) -> KnobRequest:

@@ -146,6 +146,24 @@ def test_nothing_fitting_is_refused_with_the_shortfall(tmp_path: Path) -> None:
     assert "more)" in text and "saved activations" in text and "micro_batch_size" in text
 
 
+def test_knobs_no_plan_can_honour_are_refused_before_profiling_with_what_works(tmp_path: Path) -> None:
+    """The activation knobs are left to the search, so this would profile first: the chunk
+    knobs are judged before, and the refusal names the smallest value of each that works."""
+    config = job(tmp_path, n_persist=0, n_buffer=1)  # 64 KiB chunks
+    with pytest.raises(SpecError) as err:
+        runtime.initialize(tiny_gpt(), config=config, example_batch=example())
+    text = str(err.value)
+    assert text.startswith("memory.n_buffer=1 is too few: module 'blocks.0.mlp.fc' uses 2 non-persistent")
+    assert "the smallest n_buffer that works is 2" in text
+    assert "keeping n_buffer=1, the smallest n_persist that works is 11" in text
+    assert "keeping n_persist=0 and n_buffer=1, the smallest chunk_size that works is 80KiB" in text
+    assert not (tmp_path / "cache").exists(), "nothing was profiled"
+    # The value named works.
+    engine = runtime.initialize(tiny_gpt(), config=job(tmp_path, n_persist=0, n_buffer=2))
+    assert (engine.plan.n_persist, engine.plan.n_buffer) == (0, 2)
+    engine.close()
+
+
 def test_profile_sees_every_block_and_leaves_the_model_untouched(tmp_path: Path) -> None:
     model = tiny_gpt()
     batch = example()
