@@ -3,3 +3,10 @@ entry point reads them before anything heavy is loaded)."""
 
 LAUNCHER_PID_ENV = "PROTRAIN_LAUNCHER_PID"
 """The launcher's pid; a rank whose parent is already someone else exits at once."""
+
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+"""Set by torch's elastic agent: where a rank records why it failed (read back by the launcher)."""
+
+BAD_INPUT_PREFIX = "bad input: "
+"""How a rank that stopped on bad input (exit code 2) begins the message in its error file; the
+launcher prints what follows as its own error."""

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from protrain_launcher.cli import EXIT_INTERRUPTED, EXIT_OK, EXIT_RANK_FAILED, LaunchRequest
-from protrain_launcher.env_names import LAUNCHER_PID_ENV
+from protrain_launcher.cli import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_RANK_FAILED, LaunchRequest
+from protrain_launcher.env_names import BAD_INPUT_PREFIX, LAUNCHER_PID_ENV
 from protrain_launcher.signal_hold import import_torch
 from runtime.spec import AUTO, Spec, auto_fields
 from runtime.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, write_resolved
@@ -157,8 +157,7 @@ def _elastic_run(request: LaunchRequest, spec: Spec, nproc: int, spec_path: Path
     except ChildFailedError as err:
         if interrupt.received:
             return EXIT_INTERRUPTED
-        _report_failures(err)
-        return EXIT_RANK_FAILED
+        return _report_failures(err)
     except SignalException as err:
         signum = int(err.sigval)
         return EXIT_INTERRUPTED if interrupt.received or signum == signal.SIGINT else 128 + signum
@@ -220,21 +219,29 @@ def _quiet_torch_elastic_logs() -> None:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def _report_failures(err: object) -> None:
+def _report_failures(err: object) -> int:
     """Name the rank that failed first as the cause; ranks the agent stopped afterwards (or that
-    lost their peer) are listed as stopped, not as failures."""
+    lost their peer) are listed as stopped, not as failures. Returns protrain-run's exit code:
+    EXIT_BAD_INPUT when the cause stopped on bad input (exit code 2: a SpecError, whose message
+    alone is printed, or the script's own usage error), else EXIT_RANK_FAILED."""
     failures = getattr(err, "failures", {}) or {}
     if not failures:
         print("protrain-run: the job failed", file=sys.stderr)
-        return
+        return EXIT_RANK_FAILED
     first_rank = min(failures, key=lambda rank: _cause_order(rank, failures[rank]))
     first = failures[first_rank]
+    code = EXIT_BAD_INPUT if getattr(first, "exitcode", 1) == EXIT_BAD_INPUT else EXIT_RANK_FAILED
+    bad_input = _message(first)
+    if code == EXIT_BAD_INPUT and bad_input.startswith(BAD_INPUT_PREFIX):
+        print(f"protrain-run: error: {bad_input.removeprefix(BAD_INPUT_PREFIX)}", file=sys.stderr)
+        return code
     print(f"protrain-run: rank {first_rank} failed with {_how(first)}{_detail(first)}", file=sys.stderr)
     others = sorted(rank for rank in failures if rank != first_rank)
     if others:
         print(
             f"protrain-run: stopped rank(s) {', '.join(map(str, others))} after that failure", file=sys.stderr
         )
+    return code
 
 
 def _cause_order(rank: int, failure: Any) -> tuple[int, int, int]:
@@ -261,10 +268,15 @@ def _how(failure: object) -> str:
     return f"signal {failure.signal_name()}" if code < 0 else f"exit code {code}"  # type: ignore[attr-defined]
 
 
-def _detail(failure: object) -> str:
+def _message(failure: object) -> str:
+    """The failure's message from its error file ("" when there is none)."""
     message = getattr(failure, "message", "")
     if isinstance(message, dict):
         message = message.get("message", "")
-    text = str(message).strip()
+    return str(message).strip()
+
+
+def _detail(failure: object) -> str:
+    text = _message(failure)
     last_line = text.splitlines()[-1] if text else ""
     return f": {last_line}" if last_line and "To enable traceback" not in last_line else ""

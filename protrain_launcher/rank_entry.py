@@ -3,20 +3,29 @@
 It ties the rank's life to the launcher (a rank dies when the launcher dies, even by SIGKILL),
 turns SIGINT/SIGTERM into a quiet exit (130/143, no traceback; ``finally`` blocks still run),
 and runs the user's script as ``__main__``. An exception in the script is recorded for the
-elastic agent (its error file) and printed, and the rank exits 1.
+elastic agent (its error file) and printed, and the rank exits 1. Bad input found inside the
+rank (a ``SpecError``: hand-set knobs no plan can honour, say) is the user's to fix, not a crash:
+its message alone goes to the launcher (through the error file, or to stderr when there is no
+agent, as in a dry run), no traceback, and the rank exits 2, as protrain-run does on bad input.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import runpy
 import signal
 import sys
+import time
 from types import FrameType
 
-from protrain_launcher.env_names import LAUNCHER_PID_ENV
+from protrain_launcher.env_names import BAD_INPUT_PREFIX, ERROR_FILE_ENV, LAUNCHER_PID_ENV
 from protrain_launcher.signal_hold import import_torch
+
+EXIT_BAD_INPUT = 2
+"""protrain-run's exit code for bad input (cli.EXIT_BAD_INPUT; not imported: the rank loads
+nothing heavy before its signal handlers are in place)."""
 
 _PR_SET_PDEATHSIG = 1
 
@@ -41,18 +50,39 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise Terminated(128 + signal.SIGTERM)
 
 
-def run_script(script: str, args: list[str]) -> None:
+def run_script(script: str, args: list[str]) -> int:
+    """Run the script; returns the rank's exit code (0, or EXIT_BAD_INPUT after a SpecError)."""
     # torch is imported only now, after the signal handlers are in place, and with the stop
     # signals held during the import (see signal_hold): a SIGTERM then still ends the rank quietly.
     import_torch()
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    def run() -> None:
+    from runtime.spec_io import SpecError
+
+    def run() -> int:
         sys.argv = [script, *args]
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-        runpy.run_path(script, run_name="__main__")
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SpecError as err:
+            report_bad_input(err)
+            return EXIT_BAD_INPUT
+        return 0
 
-    record(run)()
+    return record(run)() or 0
+
+
+def report_bad_input(err: Exception) -> None:
+    """Hand the message to the launcher through the agent's error file (the launcher prints it
+    once, whichever ranks failed), or print it when no agent runs this rank."""
+    error_file = os.environ.get(ERROR_FILE_ENV)
+    if not error_file:
+        print(f"protrain-run: error: {err}", file=sys.stderr, flush=True)
+        return
+    # The format torch's ErrorHandler.record_exception writes, without the traceback.
+    message = {"message": f"{BAD_INPUT_PREFIX}{err}", "extraInfo": {"timestamp": str(int(time.time()))}}
+    with open(error_file, "w", encoding="utf-8") as file:
+        json.dump({"message": message}, file)
 
 
 def main() -> None:
@@ -62,19 +92,20 @@ def main() -> None:
         if len(sys.argv) < 2:
             print("usage: python -m protrain_launcher.rank_entry SCRIPT [ARGS...]", file=sys.stderr)
             sys.exit(2)
-        run_script(sys.argv[1], sys.argv[2:])
+        code = run_script(sys.argv[1], sys.argv[2:])
     except KeyboardInterrupt:
         sys.exit(130)
-    finish_cleanly()
+    finish_cleanly(code)
 
 
-def finish_cleanly() -> None:
-    """End a rank whose script succeeded without the interpreter's teardown. Finalisation
+def finish_cleanly(code: int = 0) -> None:
+    """End a rank whose script succeeded (or stopped on bad input, ``code`` 2) without the
+    interpreter's teardown. Finalisation
     destroys torch's C++ objects in no fixed order while its worker threads may still be
     running; a gloo or thread-pool thread then hitting a torn-down interpreter aborts with
     "terminate called without an active exception" (seen in CI after a run had finished; see
     pytorch/pytorch#179291). The script's atexit handlers run and the process group is destroyed
-    here, while everything is alive, then the process leaves with exit code 0."""
+    here, while everything is alive, then the process leaves with ``code``."""
     import atexit
 
     # The script's atexit handlers first: one may still need the process group (a checkpoint
@@ -85,7 +116,7 @@ def finish_cleanly() -> None:
         distributed.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

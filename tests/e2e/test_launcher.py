@@ -149,6 +149,18 @@ def test_dry_run_one_child_no_group_no_files(job: Job) -> None:
     assert sorted(str(p.relative_to(job.workdir)) for p in job.workdir.rglob("*")) == before
 
 
+def test_knobs_no_plan_can_honour_end_the_job_with_exit_2_and_one_message(job: Job) -> None:
+    """Found inside the ranks (only they see the model): each rank stops on the same SpecError,
+    and protrain-run prints its message once, with no traceback from any rank."""
+    knobs = ["--set", "memory.n_persist=0", "--set", "memory.n_buffer=0", "--set", "memory.chunk_size=64KiB"]
+    result = job.run("--nproc-per-node", "2", str(job.script), "--config", str(job.spec), *knobs, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert result.stderr.count("protrain-run: error: memory.n_buffer=0 is too few") == 1, result.stderr
+    assert "the smallest n_buffer that works is 2" in result.stderr
+    assert "failed with exit code" not in result.stderr
+
+
 @pytest.mark.parametrize(
     ("spec_text", "needle"),
     [

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from protrain_launcher.cli import EXIT_BAD_INPUT, EXIT_RANK_FAILED
+from protrain_launcher.env_names import BAD_INPUT_PREFIX as PREFIX
 from protrain_launcher.launch import _report_failures
 
 
@@ -70,3 +72,28 @@ def test_a_crashed_rank_is_the_cause_not_the_one_the_agent_then_stopped(
     crashed = Failure(-6, second, _error_file(tmp_path, "r1", base_ns + 9), "")  # SIGABRT
     _report_failures(ChildFailed({0: stopped, 1: crashed}))
     assert "rank 1 failed with signal SIGABRT" in capsys.readouterr().err
+
+
+def test_bad_input_found_in_a_rank_is_one_message_and_exit_code_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rank that stopped on a SpecError (exit code 2, its message in the error file) makes
+    protrain-run exit 2 with that message alone, as bad input found before launch does."""
+    second = 1_700_000_000
+    message = "memory.n_buffer=0 is too few: ...\nsecond line"
+    files = [_error_file(tmp_path, f"r{rank}", second * 10**9 + rank) for rank in range(2)]
+    both = {rank: Failure(2, second, files[rank], f"{PREFIX}{message}") for rank in range(2)}
+    assert _report_failures(ChildFailed(both)) == EXIT_BAD_INPUT
+    assert capsys.readouterr().err == f"protrain-run: error: {message}\n"
+
+
+def test_other_failures_keep_exit_code_1_and_a_script_usage_error_is_bad_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    second = 1_700_000_000
+    crash = Failure(1, second, _error_file(tmp_path, "r0", second * 10**9), "RuntimeError: boom")
+    assert _report_failures(ChildFailed({0: crash})) == EXIT_RANK_FAILED
+    # The script's own argparse error: exit code 2 and no error file message of ours.
+    usage = Failure(2, second, _error_file(tmp_path, "r1", second * 10**9), "")
+    assert _report_failures(ChildFailed({0: usage})) == EXIT_BAD_INPUT
+    assert "rank 0 failed with exit code 2" in capsys.readouterr().err
