@@ -159,6 +159,8 @@ class Engine:
         self._window_nonfinite = torch.zeros((), dtype=torch.float64)
         self._window_tokens = 0
         self._closed = False
+        self._torn: str | None = None
+        """Why training cannot go on (a failed backward left early updates half applied)."""
         self._rebuild = rebuild
         self._replan = replan
         self._plan_from_batch = plan_from_batch
@@ -207,6 +209,7 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._refuse_if_torn()
         if self._plan_from_batch is not None and self.module.training and torch.is_grad_enabled():
             self.plan_on_batch(kwargs if kwargs else (args[0] if len(args) == 1 else args), asked=False)
         self._refuse_larger_batch(args, kwargs)
@@ -286,7 +289,9 @@ class Engine:
             )
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
+        """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale). If it
+        raises, the accumulation window's gradients are dropped (see ``_abandon_window``)."""
+        self._refuse_if_torn()
         if loss.dim() != 0:
             raise ValueError(f"backward expects a scalar loss, got shape {tuple(loss.shape)}")
         detached = loss.detach().to(torch.float64).cpu()
@@ -301,19 +306,50 @@ class Engine:
                 lr=self.lr,
                 local_nonfinite=bool(self._window_nonfinite > 0),
             )
-        self.activations.begin_backward()
         try:
-            # Recomputed blocks run here: they see the configs their forward saw.
-            with self._caches_off(True, note=False):
-                scaled.backward()
-        finally:
-            self.activations.end_backward()
-            # Reduce what unused parameters left incomplete, in the fixed order every rank uses.
-            self.chunks.finish_backward()
+            self.activations.begin_backward()
+            try:
+                # Recomputed blocks run here: they see the configs their forward saw.
+                with self._caches_off(True, note=False):
+                    scaled.backward()
+            finally:
+                self.activations.end_backward()
+                # Reduce what unused parameters left incomplete, in the fixed order every rank uses.
+                self.chunks.finish_backward()
+        except BaseException:
+            self._abandon_window()
+            raise
+
+    def _abandon_window(self) -> None:
+        """A backward that failed (a full disk, a failed read, Ctrl-C) added part of a
+        micro-batch to the window's gradients: a caller who catches the error and goes on must not
+        train on them. The whole window is dropped (its earlier micro-batches too: they are the
+        caller's to run again) and the next micro-batch starts a new window. Early CPU-Adam
+        updates are undone when they kept a snapshot; without one (clipping off) they cannot be,
+        and the engine refuses to go on until a checkpoint is loaded."""
+        self.chunks.finish_speculation()
+        if self.chunks.speculation_undoable():
+            self.chunks.discard_speculation()
+        else:
+            self._torn = (
+                f"a backward failed in update {self.global_step + 1} after some chunks had already been "
+                "updated from it (early CPU-Adam updates keep no undo state when gradient clipping is "
+                "off); the parameters are part-updated: load a checkpoint (engine.load_checkpoint) "
+                "to go on"
+            )
+        self.chunks.zero_grad()
+        self.micro_step -= self.micro_step % self.settings.gradient_accumulation_steps
+        self._reset_window()
+        self.log("backward failed: this accumulation window's gradients were dropped")
+
+    def _refuse_if_torn(self) -> None:
+        if self._torn is not None:
+            raise RuntimeError(self._torn)
 
     def step(self) -> bool:
         """Count one micro-batch; at the accumulation boundary, update. Returns whether the
         parameters changed."""
+        self._refuse_if_torn()
         self.micro_step += 1
         if self.micro_step % self.settings.gradient_accumulation_steps != 0:
             return False
@@ -641,6 +677,7 @@ class Engine:
         if self.micro_step % self.settings.gradient_accumulation_steps != 0:
             raise RuntimeError("load_checkpoint in the middle of an accumulation window")
         manifest = self.checkpointer.load(checkpoint, log=self.log)
+        self._torn = None  # every parameter and moment comes from the checkpoint again
         try:
             self.global_step = int(manifest["global_step"])
             self.skipped_steps = int(manifest["skipped_steps"])

@@ -790,6 +790,11 @@ class ChunkManager:
             self._last_adam.wait()
             self._last_adam = None
 
+    def speculation_undoable(self) -> bool:
+        """Whether every early update of this window can still be undone (none was made, or each
+        kept its snapshot)."""
+        return all(c.speculated_active is None or c.speculation_undoable for c in self.trainable_chunks())
+
     def discard_speculation(self) -> None:
         """Undo every speculative update of this window (the step is skipped or clipped)."""
         self.finish_speculation()
