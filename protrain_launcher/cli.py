@@ -8,7 +8,8 @@
 goes to the script untouched (a script's own ``--config`` goes there). Launcher options come
 before the script path; they override the spec's ``launcher`` section, which overrides defaults.
 
-Exit codes: 0 success; 1 a rank failed; 2 bad input (nothing started); 130 interrupted.
+Exit codes: 0 success; 1 a rank failed; 2 bad input (found before any rank started, or by the
+ranks while planning: hand-set knobs no plan can honour); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from protrain_launcher.preflight import check_master_addr, check_output_dir, key_source
 from runtime.spec import Spec
 from runtime.spec_io import Override, SpecError, load_spec, parse_override
 
@@ -148,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         request = parse_command_line(argv)
         spec = resolve_spec(request)
         _check_script(request.script)
+        _check_machine(request, spec)
     except SpecError as err:
         print(f"protrain-run: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -169,6 +172,21 @@ def resolve_spec(request: LaunchRequest) -> Spec:
             "directory (one step-NNNNNNNN directory, or a checkpoint.dir to take its latest)"
         )
     return spec
+
+
+def _check_machine(request: LaunchRequest, spec: Spec) -> None:
+    """What only this machine can tell, before a rank starts: the rendezvous address (a dry run
+    has none), then the run folder's place (made last, so a refusal leaves nothing behind; a dry
+    run writes nothing there, so it only checks that it could)."""
+    sources = {o.key_path: o.source for o in (*request.overrides, *request.launcher_overrides)}
+    if not request.dry_run:
+        source = key_source(request.config, sources, ("launcher", "master_addr"))
+        check_master_addr(spec.launcher, source=source)
+    check_output_dir(
+        Path(spec.output_dir).expanduser(),
+        create=not request.dry_run,
+        source=key_source(request.config, sources, ("output_dir",)),
+    )
 
 
 def _check_script(script: Path) -> None:

@@ -51,8 +51,11 @@ def resolve_nproc(value: int | str) -> int:
 
 
 def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
+    """A port the OS says is free on ``host`` (an IPv4 or IPv6 address or name of this host:
+    protrain_launcher.preflight checked that it is one)."""
+    family, _, _, _, address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((address[0], 0))
         return int(sock.getsockname()[1])
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from protrain_launcher.cli import EXIT_BAD_INPUT, main
+from protrain_launcher.preflight import check_output_dir
 
 SCRIPT_TEXT = "raise SystemExit('the script must not run on bad input')\n"
 
@@ -211,3 +212,93 @@ def test_every_problem_is_listed(tmp_path: Path, script: Path, capsys: pytest.Ca
     assert main([str(script), "--config", str(config)]) == EXIT_BAD_INPUT
     lines = [line for line in capsys.readouterr().err.splitlines() if str(config) in line]
     assert len(lines) == 3
+
+
+# --------------------------------------------------------------------------------------------
+# What only the machine can tell: checked before any rank starts (and a dry run checks the
+# run folder without making it).
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def a_file(tmp_path: Path) -> Path:
+    path = tmp_path / "a_file"
+    path.write_text("not a directory\n")
+    return path
+
+
+@pytest.mark.parametrize("dry_run", [False, True], ids=["launch", "dry-run"])
+@pytest.mark.parametrize(
+    ("output_dir", "needles"),
+    [
+        ("{file}", ["output_dir: {file} is a file"]),
+        ("{file}/sub", ["output_dir: {file}/sub cannot be a directory: {file} is a file"]),
+        ("/proc/nope", ["output_dir: /proc/nope cannot be created", "No such file or directory"]),
+    ],
+    ids=["is-a-file", "under-a-file", "cannot-create"],
+)
+def test_unusable_output_dir_exits_2_before_any_rank(
+    script: Path,
+    a_file: Path,
+    capsys: pytest.CaptureFixture[str],
+    output_dir: str,
+    needles: list[str],
+    dry_run: bool,
+) -> None:
+    value = output_dir.format(file=a_file)
+    argv = [*(["--dry-run"] if dry_run else []), str(script), "--set", f"output_dir={value}"]
+    assert main(argv) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    for needle in [f"--set output_dir={value}: ", *needles, "e.g. --set output_dir=runs"]:
+        assert needle.format(file=a_file) in err, f"{needle!r} not in {err!r}"
+    assert "Traceback" not in err
+
+
+def test_output_dir_from_the_spec_file_names_the_file(
+    tmp_path: Path, script: Path, a_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text(f"output_dir: {a_file}\n")
+    assert main([str(script), "--config", str(config)]) == EXIT_BAD_INPUT
+    assert f"{config}: output_dir: {a_file} is a file" in capsys.readouterr().err
+
+
+def test_a_dry_run_checks_output_dir_without_making_it(tmp_path: Path) -> None:
+    target = tmp_path / "runs" / "nested"
+    check_output_dir(target, create=False, source="test")
+    assert list(tmp_path.iterdir()) == [], "the write check leaves nothing behind"
+    check_output_dir(target, create=True, source="test")
+    assert target.is_dir() and list(target.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (
+            ["--master-addr", "no.such.host.invalid"],  # master_port 0: a free port would be picked
+            ["command line --master-addr no.such.host.invalid: launcher.master_addr:", "does not resolve"],
+        ),
+        (
+            ["--master-addr", "no.such.host.invalid", "--master-port", "29517"],
+            ["launcher.master_addr: 'no.such.host.invalid' does not resolve", "127.0.0.1"],
+        ),
+        (
+            # TEST-NET-1 (RFC 5737): never an address of this host; one node would wait the whole
+            # rendezvous timeout for a store that is not there.
+            ["--master-addr", "192.0.2.1", "--master-port", "29517"],
+            ["launcher.master_addr: '192.0.2.1' is not an address of this host", "use 127.0.0.1"],
+        ),
+    ],
+    ids=["unresolvable-port-0", "unresolvable-fixed-port", "not-this-host"],
+)
+def test_bad_master_addr_exits_2_before_any_rank(
+    tmp_path: Path, script: Path, capsys: pytest.CaptureFixture[str], argv: list[str], needles: list[str]
+) -> None:
+    runs = tmp_path / "runs"
+    # Launcher options win over --set: the fixed-port cases keep their port.
+    sets = ["--set", "launcher.master_port=0", "--set", f"output_dir={runs}"]
+    assert main([*argv, str(script), *sets]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    for needle in needles:
+        assert needle in err, f"{needle!r} not in {err!r}"
+    assert not runs.exists(), "a refused launch leaves no run folder"
