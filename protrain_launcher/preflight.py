@@ -64,10 +64,12 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def check_master_addr(launcher: LauncherSpec, *, source: str) -> None:
-    """``master_addr`` must resolve here (every node connects to it). On one node the rendezvous
-    store is served by this host, so it must also be one of this host's addresses: otherwise the
-    agent would wait the whole rendezvous timeout for a store that never answers. With
-    ``master_port`` 0 this is the bind that picks the free port."""
+    """``master_addr`` must resolve here (every node connects to it). Where this node serves the
+    rendezvous store (static rendezvous, node rank 0: one node, or ``--node-rank 0``), it must
+    also be one of this host's addresses: otherwise the agent would wait the whole rendezvous
+    timeout for a store that never answers. With ``master_port`` 0 this is the bind that picks
+    the free port. (Under c10d rendezvous, node ranks given as nodes join, the node whose address
+    it is serves the store.)"""
     addr = launcher.master_addr
     key = f"{source}: launcher.master_addr: {addr!r}"
     try:
@@ -78,7 +80,8 @@ def check_master_addr(launcher: LauncherSpec, *, source: str) -> None:
             f"{key} does not resolve ({reason}); give the host name or IP address of the node that "
             "runs rank 0, as every node can resolve it (127.0.0.1 on a single node)"
         ) from None
-    if launcher.nnodes > 1:
+    static = launcher.nnodes == 1 or "node_rank" in launcher.model_fields_set
+    if not static or launcher.node_rank != 0:
         return
     family, _, _, _, sockaddr = infos[0]
     try:
@@ -86,8 +89,8 @@ def check_master_addr(launcher: LauncherSpec, *, source: str) -> None:
             sock.bind((sockaddr[0], 0))
     except OSError as err:
         raise SpecError(
-            f"{key} is not an address of this host ({err.strerror}); a one-node job serves its "
-            "rendezvous here: use 127.0.0.1, or this host's name"
+            f"{key} is not an address of this host ({err.strerror}), but node rank 0 serves the "
+            "rendezvous: on one node use 127.0.0.1; on several, this host's name or address"
         ) from None
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from protrain_launcher.cli import EXIT_BAD_INPUT, main
-from protrain_launcher.preflight import check_output_dir
+from protrain_launcher.preflight import check_master_addr, check_output_dir
+from runtime.spec import LauncherSpec
 
 SCRIPT_TEXT = "raise SystemExit('the script must not run on bad input')\n"
 
@@ -288,8 +289,12 @@ def test_a_dry_run_checks_output_dir_without_making_it(tmp_path: Path) -> None:
             ["--master-addr", "192.0.2.1", "--master-port", "29517"],
             ["launcher.master_addr: '192.0.2.1' is not an address of this host", "use 127.0.0.1"],
         ),
+        (
+            ["--nnodes", "2", "--node-rank", "0", "--master-addr", "192.0.2.1", "--master-port", "29517"],
+            ["launcher.master_addr: '192.0.2.1' is not an address of this host", "node rank 0 serves"],
+        ),
     ],
-    ids=["unresolvable-port-0", "unresolvable-fixed-port", "not-this-host"],
+    ids=["unresolvable-port-0", "unresolvable-fixed-port", "not-this-host", "not-this-host-node-0"],
 )
 def test_bad_master_addr_exits_2_before_any_rank(
     tmp_path: Path, script: Path, capsys: pytest.CaptureFixture[str], argv: list[str], needles: list[str]
@@ -302,3 +307,13 @@ def test_bad_master_addr_exits_2_before_any_rank(
     for needle in needles:
         assert needle in err, f"{needle!r} not in {err!r}"
     assert not runs.exists(), "a refused launch leaves no run folder"
+
+
+def test_other_nodes_and_c10d_rendezvous_only_need_master_addr_to_resolve() -> None:
+    """Only node rank 0 under static rendezvous serves the store; the other nodes (and every node
+    under c10d, which picks the server by address) just connect to it."""
+    for launcher in (
+        LauncherSpec(nnodes=2, node_rank=1, master_addr="192.0.2.1", master_port=29517),
+        LauncherSpec(nnodes=2, master_addr="192.0.2.1", master_port=29517),
+    ):
+        check_master_addr(launcher, source="test")
