@@ -122,7 +122,7 @@ def _too_few_buffers(
     chunks = f"chunks of {size}" if chunk_size_hand_set else f"chunks of {size} (the search's best case)"
     return (
         f"memory.n_buffer={n_buffer} is too few: {why}, with n_persist={n_persist} and {chunks}; the "
-        f"smallest n_buffer that works is {need} (set memory.n_buffer >= {need})"
+        f"smallest n_buffer that works is {need}: set memory.n_buffer >= {need}"
     )
 
 

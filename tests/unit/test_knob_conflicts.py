@@ -44,7 +44,7 @@ def test_too_few_buffers_names_the_module_and_the_smallest_of_each_knob_that_wor
         "memory.n_buffer=1 is too few: module 'attn' uses 2 non-persistent chunks at once"
     )
     assert "with n_persist=0 and chunks of 16KiB" in message
-    assert "the smallest n_buffer that works is 2 (set memory.n_buffer >= 2)" in message
+    assert "the smallest n_buffer that works is 2: set memory.n_buffer >= 2;" in message
     # attn spans chunks 0-1 and mlp chunks 2-3: one buffer works once both are persistent.
     assert "keeping n_buffer=1, the smallest n_persist that works is 3;" in message
     assert "keeping n_persist=0 and n_buffer=1, the smallest chunk_size that works is 32KiB" in message
