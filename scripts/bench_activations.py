@@ -189,6 +189,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--ssd-path", default=None, help="directory for activation files (default: a temp dir)"
     )
+    parser.add_argument(
+        "--device-budget",
+        default="2GiB",
+        help="memory.device_budget of each engine (the engines are alive at once, so none may take auto)",
+    )
     parser.add_argument("--steps", type=int, default=1, help="timed steps per engine per repeat")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per engine first")
@@ -227,9 +232,9 @@ def block_modes(label: str, num_blocks: int) -> list[str]:
 
 def build_engine(args: argparse.Namespace, label: str, ssd_root: Path, output_dir: str) -> Engine:
     modes = block_modes(label, args.layers)
-    memory: dict[str, Any] = {"n_buffer": 0, "block_modes": modes}
+    memory: dict[str, Any] = {"device_budget": args.device_budget, "n_buffer": 0, "block_modes": modes}
     if "ssd" in modes:
-        # One directory per engine: a store's run directory is per process and rank.
+        # One directory per engine: each mode's files are apart.
         memory["ssd"] = {"path": str(ssd_root / label.replace(":", "-"))}
     spec = {
         "seed": SEED,

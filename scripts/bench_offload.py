@@ -207,6 +207,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=True,
         help="also run the minimum-buffer plan with CPU Adam deferred to the window's end",
     )
+    parser.add_argument(
+        "--device-budget",
+        default="2GiB",
+        help="memory.device_budget of each engine (the engines are alive at once, so none may take auto)",
+    )
     parser.add_argument("--steps", type=int, default=4, help="timed steps per engine per repeat")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per engine first")
@@ -229,7 +234,7 @@ def job_spec(args: argparse.Namespace, output_dir: str, memory: dict[str, Any]) 
         "micro_batch_size": args.batch,
         "precision": "fp32",
         "optimizer": {"lr": LR, "weight_decay": WEIGHT_DECAY},
-        "memory": memory,
+        "memory": {"device_budget": args.device_budget, **memory},
         "output_dir": output_dir,
     }
 
