@@ -466,7 +466,14 @@ def _open_metrics(resolved: ResolvedSpec, run_dir: Path | None, dist_ctx: DistCo
         return None
     if run_dir is None:
         # Not launched by protrain-run: rank 0 makes its own run folder (no other rank writes).
-        run_dir = _new_run_dir(Path(resolved.spec.output_dir).expanduser())
+        output_dir = Path(resolved.spec.output_dir).expanduser()
+        try:
+            run_dir = _new_run_dir(output_dir)
+        except OSError as err:
+            raise SpecError(
+                f"output_dir: {output_dir} cannot hold run folders ({err.strerror or err}); give a "
+                "directory this user can write (made when missing)"
+            ) from None
         (run_dir / "spec.json").write_text(resolved.to_json(), encoding="utf-8")
     return MetricsFile(run_dir / "metrics.jsonl")
 

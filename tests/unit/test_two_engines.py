@@ -186,3 +186,11 @@ def test_a_second_engine_on_a_terminal_prints_named_lines_instead_of_a_second_ba
     assert first._progress is None and "engine 2" not in screens[0].getvalue()
     lines = [line for line in screens[1].getvalue().splitlines() if line.strip()]
     assert lines and all(line.startswith("engine 2: step ") for line in lines), lines
+
+
+def test_an_output_dir_that_is_a_file_is_refused_by_name_without_the_launcher(tmp_path: Path) -> None:
+    (tmp_path / "taken").write_text("")
+    with pytest.raises(SpecError, match=r"output_dir: .*taken cannot hold run folders"):
+        runtime.initialize(tiny_gpt(0), config=job(tmp_path, output_dir=str(tmp_path / "taken")))
+    # Nothing was left claimed by the refused engine: a second try with a good folder works.
+    runtime.initialize(tiny_gpt(0), config=job(tmp_path, device_budget="auto")).close()
