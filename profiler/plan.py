@@ -5,20 +5,17 @@ It holds the knobs (chunk size, ``n_persist``, ``n_buffer``, ``n_swap``, ``n_che
 The chunk layout itself is a runtime value (saved with checkpoints), not part of the plan.
 
 Plain values only, so a plan can be saved, compared and printed; ``to_dict``/``from_dict``
-round-trip exactly. This module imports nothing of ours and not torch.
+round-trip exactly. This module imports nothing of ours and not torch: the spec reads
+``BlockMode`` from here without loading the search. What builds plans (the resident rule, the
+searched plan) is ``profiler/plan_builder.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
 
-from profiler.activation_cost import activation_options, block_layout
-from profiler.chunking import ChunkTooSmallError, min_buffers, pack, search_chunk_size
-from profiler.profile import HardwareProfile, ModelProfile
-from profiler.search import SearchResult, search
 
 PLAN_VERSION = 1
 
@@ -124,9 +121,9 @@ class Plan:
             ("world_size", str(self.world_size), "launch"),
             ("micro_batch_size", str(self.micro_batch_size), "spec"),
             ("precision", self.precision, "spec"),
-            ("device_budget", _bytes(self.device_budget_bytes), origin("memory.device_budget")),
-            ("host_budget", _bytes(self.host_budget_bytes), origin("memory.host_budget")),
-            ("chunk_size", _bytes(self.chunk_size), origin("memory.chunk_size")),
+            ("device_budget", format_bytes(self.device_budget_bytes), origin("memory.device_budget")),
+            ("host_budget", format_bytes(self.host_budget_bytes), origin("memory.host_budget")),
+            ("chunk_size", format_bytes(self.chunk_size), origin("memory.chunk_size")),
             ("chunks", str(self.num_chunks), "model"),
             ("n_persist", str(self.n_persist), origin("memory.n_persist")),
             ("n_buffer", str(self.n_buffer), origin("memory.n_buffer")),
@@ -158,7 +155,9 @@ def _run_lengths(modes: tuple[BlockMode, ...]) -> list[tuple[str, int]]:
     return runs
 
 
-def _bytes(num_bytes: int) -> str:
+def format_bytes(num_bytes: int) -> str:
+    """Bytes in binary units with two decimals ("1.50 GiB"), as the plan table and the planner's
+    messages print them."""
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if num_bytes >= scale:
             return f"{num_bytes / scale:.2f} {unit}"
@@ -166,207 +165,5 @@ def _bytes(num_bytes: int) -> str:
 
 
 def _opt_bytes(num_bytes: int | None) -> str | None:
-    return None if num_bytes is None else _bytes(num_bytes)
+    return None if num_bytes is None else format_bytes(num_bytes)
 
-
-# --------------------------------------------------------------------------------------------
-# The resident rule: how "auto" knobs are filled until the cost-model search is in place.
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class KnobRequest:
-    """Knob values from the spec: an int set by hand, or None for "auto"."""
-
-    chunk_size: int | None = None
-    n_persist: int | None = None
-    n_buffer: int | None = None
-    n_swap: int | None = None
-    n_checkpoint: int | None = None
-    n_offload: int | None = None
-    block_modes: tuple[BlockMode, ...] | None = None
-
-
-def resident_plan(
-    *,
-    request: KnobRequest,
-    param_sizes: Sequence[tuple[int, bool]],
-    element_size: int,
-    num_blocks: int,
-    world_size: int,
-    micro_batch_size: int,
-    precision: str,
-    device_budget_bytes: int,
-    host_budget_bytes: int,
-    chosen: tuple[str, ...],
-    module_params: Sequence[Sequence[int]] = (),
-) -> Plan:
-    """Fill every "auto" knob so that nothing leaves the device: all chunks persistent, no
-    buffers, every block kept. Hand-set knobs are kept as given; when a hand-set ``n_persist``
-    offloads chunks, an "auto" ``n_buffer`` is the fewest buffers every module needs plus one to
-    prefetch into (at most one per offloaded chunk).
-
-    ``param_sizes``: (numel, trainable) of each unique parameter in execution order;
-    ``element_size``: bytes per element of the chunked (compute-precision) parameters;
-    ``module_params``: per module, the indices into ``param_sizes`` of its own parameters."""
-    chunk_size = request.chunk_size or search_chunk_size(param_sizes, element_size, world_size)
-    try:
-        packing = pack(param_sizes, max(1, chunk_size // element_size), world_size)
-        num_chunks = packing.num_chunks
-    except ChunkTooSmallError as err:
-        raise ValueError(f"memory.chunk_size={_bytes(chunk_size)} is too small: {err}") from None
-    modes = block_modes_for(request, num_blocks)
-    n_persist = num_chunks if request.n_persist is None else request.n_persist
-    if n_persist > num_chunks:
-        raise ValueError(
-            f"memory.n_persist={n_persist} exceeds the model's {num_chunks} chunks of {_bytes(chunk_size)}"
-        )
-    n_buffer = request.n_buffer
-    if n_buffer is None:
-        need = min_buffers(packing, module_params, n_persist)
-        n_buffer = min(need + 1, num_chunks - n_persist) if need else 0
-    return Plan(
-        world_size=world_size,
-        micro_batch_size=micro_batch_size,
-        precision=precision,
-        chunk_size=chunk_size,
-        num_chunks=num_chunks,
-        n_persist=n_persist,
-        n_buffer=n_buffer,
-        **mode_counts(modes),
-        device_budget_bytes=device_budget_bytes,
-        host_budget_bytes=host_budget_bytes,
-        chosen=chosen,
-        rule="resident: auto knobs keep every chunk persistent and every block kept"
-        + ("" if all(m is BlockMode.KEEP for m in modes) else " (block modes as set by hand)"),
-    )
-
-
-def default_block_layout(
-    num_blocks: int, *, n_offload: int, n_swap: int, n_checkpoint: int
-) -> tuple[BlockMode, ...]:
-    """DESIGN section 4's order (``activation_cost.block_layout``) as ``BlockMode`` values."""
-    return tuple(
-        BlockMode(mode)
-        for mode in block_layout(num_blocks, n_offload=n_offload, n_swap=n_swap, n_checkpoint=n_checkpoint)
-    )
-
-
-def mode_counts(modes: tuple[BlockMode, ...]) -> dict[str, Any]:
-    """The Plan fields that follow from the per-block modes."""
-    return {
-        "n_swap": modes.count(BlockMode.SWAP),
-        "n_checkpoint": modes.count(BlockMode.CHECKPOINT),
-        "n_offload": modes.count(BlockMode.SSD),
-        "block_modes": modes,
-    }
-
-
-def block_modes_for(request: KnobRequest, num_blocks: int) -> tuple[BlockMode, ...]:
-    """The explicit ``block_modes``, or the default layout of the hand-set counts (auto: 0)."""
-    if request.block_modes is not None:
-        modes = tuple(request.block_modes)
-        if len(modes) != num_blocks:
-            raise ValueError(
-                f"memory.block_modes lists {len(modes)} modes but the model has {num_blocks} blocks"
-            )
-    else:
-        counts = [request.n_offload or 0, request.n_swap or 0, request.n_checkpoint or 0]
-        if sum(counts) > num_blocks:
-            raise ValueError(
-                f"ssd.n_offload + n_swap + n_checkpoint = {sum(counts)} exceeds the model's "
-                f"{num_blocks} blocks"
-            )
-        modes = default_block_layout(
-            num_blocks, n_offload=counts[0], n_swap=counts[1], n_checkpoint=counts[2]
-        )
-    return tuple(modes)
-
-
-def activations_searchable(request: KnobRequest) -> bool:
-    """Whether any activation count is left to the search (an explicit list fixes them all)."""
-    return request.block_modes is None and None in (request.n_swap, request.n_checkpoint, request.n_offload)
-
-
-def _layout_words(modes: tuple[str, ...] | None) -> str:
-    if not modes or all(mode == BlockMode.KEEP.value for mode in modes):
-        return ""
-    counts = {mode: modes.count(mode) for mode in ("swap", "checkpoint", "ssd") if modes.count(mode)}
-    return ", " + ", ".join(f"{count} {mode}" for mode, count in counts.items())
-
-
-def searched_plan(
-    *,
-    request: KnobRequest,
-    model: ModelProfile,
-    hardware: HardwareProfile,
-    num_blocks: int,
-    micro_batch_size: int,
-    device_budget_bytes: int,
-    host_budget_bytes: int,
-    chosen: tuple[str, ...],
-    undo_snapshots: bool,
-    extra_buffers: int | None = None,
-    ssd_available: bool = False,
-) -> tuple[Plan, SearchResult]:
-    """The fastest plan that fits, by the cost model over the profiles; hand-set knobs stay.
-    Activation counts left auto are searched with the chunk knobs (ssd only when
-    ``ssd_available``: a path is set and its disk was measured). Raises NoPlanFitsError (a
-    ValueError) saying what would fit."""
-    layouts = None
-    if activations_searchable(request) and len(model.blocks) == num_blocks:
-        layouts = activation_options(
-            model,
-            hardware,
-            n_swap=request.n_swap,
-            n_checkpoint=request.n_checkpoint,
-            n_offload=request.n_offload,
-            ssd=ssd_available,
-        )
-    fixed = None if layouts is not None else block_modes_for(request, num_blocks)
-    result = search(
-        model,
-        hardware,
-        device_budget=device_budget_bytes,
-        host_budget=host_budget_bytes,
-        chunk_size=request.chunk_size,
-        n_persist=request.n_persist,
-        n_buffer=request.n_buffer,
-        undo_snapshots=undo_snapshots,
-        extra_buffers=extra_buffers,
-        block_modes=None if fixed is None else [mode.value for mode in fixed],
-        activation_layouts=layouts,
-    )
-    best = result.best
-    if fixed is not None:
-        modes = fixed
-    elif best.block_modes is not None:
-        modes = tuple(BlockMode(mode) for mode in best.block_modes)
-    else:
-        modes = (BlockMode.KEEP,) * num_blocks
-    plan = Plan(
-        world_size=hardware.world_size,
-        micro_batch_size=micro_batch_size,
-        precision=model.precision,
-        chunk_size=best.chunk_size,
-        num_chunks=best.num_chunks,
-        n_persist=best.n_persist,
-        n_buffer=best.n_buffer,
-        **mode_counts(modes),
-        device_budget_bytes=device_budget_bytes,
-        host_budget_bytes=host_budget_bytes,
-        chosen=chosen,
-        rule=f"search: fastest of {result.evaluated} plans that fit; {result.binding}",
-        batch_shape=model.batch_shape,
-        predicted_step_s=best.prediction.step_s,
-        predicted_peak_device_bytes=best.prediction.peak_device_bytes,
-        predicted_peak_host_bytes=best.prediction.host_bytes,
-        predicted_ssd_bytes=best.prediction.ssd_bytes or None,
-        notes=tuple(
-            f"runner-up: chunk_size {_bytes(c.chunk_size)}, n_persist={c.n_persist} of {c.num_chunks}, "
-            f"n_buffer={c.n_buffer}{_layout_words(c.block_modes)}: "
-            f"{c.prediction.step_s:.3f} s, {_bytes(c.prediction.peak_device_bytes)}"
-            for c in result.runners_up
-        ),
-    )
-    return plan, result

@@ -20,10 +20,9 @@ from torch import nn
 
 from profiler.chunking import candidate_chunk_bytes
 from profiler.feasibility import chunk_knob_conflict, spec_size
-from profiler.plan import (
-    BlockMode,
+from profiler.plan import BlockMode, Plan
+from profiler.plan_builder import (
     KnobRequest,
-    Plan,
     activations_searchable,
     block_modes_for,
     resident_plan,

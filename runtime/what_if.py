@@ -21,7 +21,8 @@ from rich.console import Console
 from rich.table import Table
 
 from profiler.analytic import KNOWN_CONFIGS, TransformerShape, analytic_profile, shape_from_config
-from profiler.plan import KnobRequest, Plan, searched_plan
+from profiler.plan import Plan
+from profiler.plan_builder import KnobRequest, searched_plan
 from profiler.profile import HardwareProfile
 from profiler.search import NoPlanFitsError
 from runtime.console import plan_table

@@ -50,6 +50,21 @@ def test_launcher_only_uses_the_spec_from_runtime() -> None:
                 )
 
 
+def test_the_plan_value_imports_nothing_of_ours() -> None:
+    """profiler/plan.py is the leaf every package reads (the spec takes BlockMode from it); what
+    builds plans lives in profiler/plan_builder.py."""
+    assert imported_packages(ROOT / "profiler" / "plan.py") == set()
+
+
+def test_reading_a_spec_loads_neither_the_search_nor_torch() -> None:
+    code = (
+        "import sys, runtime.spec\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('profiler', 'torch'))\n"
+        "assert loaded == ['profiler', 'profiler.plan'], loaded"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
 def test_profiler_does_not_import_torch() -> None:
     code = "import sys, profiler.plan; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -6,13 +6,8 @@ import json
 
 import pytest
 
-from profiler.plan import (
-    BlockMode,
-    KnobRequest,
-    Plan,
-    default_block_layout,
-    resident_plan,
-)
+from profiler.plan import BlockMode, Plan
+from profiler.plan_builder import KnobRequest, default_block_layout, resident_plan
 
 
 def make_plan(**overrides: object) -> Plan:
