@@ -39,12 +39,16 @@ How it is measured (two separate phases, so that neither disturbs the other):
   candidate and takes ``--warmup`` steps, then ``--memory-steps`` more. Figures are growth over the
   baseline, the larger of the two ranks:
   "peak" is ``VmHWM`` over the whole run (model construction: every candidate builds the full model
-  on every rank first; wrapping or chunking; optimizer state; activations), the figure the target
-  uses; "live" is ``VmRSS`` after the warm-up once glibc has returned freed pages
-  (``malloc_trim``), what the candidate holds between steps; "steps" is ``VmHWM`` over the later
-  steps, after resetting the mark (``echo 5 > /proc/self/clear_refs``; "n/a" where not permitted).
-  The resident set is everything the process touched: on CPU the "device" and "host" tiers are the
+  on every rank first; wrapping or chunking; ProTrain's profiling steps; optimizer state;
+  activations), the figure the target uses; "live" is ``VmRSS`` after the warm-up once glibc has
+  returned freed pages (``malloc_trim``), what the candidate holds between steps; "steps" is
+  ``VmHWM`` over the later steps, after resetting the mark (``echo 5 > /proc/self/clear_refs``;
+  "n/a" where not permitted). The resident set is everything the process touched: on CPU the "device" and "host" tiers are the
   same RAM, so offloading moves state without shrinking it. Linux only (``/proc/self/status``).
+- Profiles: ProTrain profiles the model on its first run and caches the profile. Every ProTrain
+  memory run gets an empty ``profiler.cache_dir`` of its own, so its peak includes profiling, as a
+  user's first run does (a cache warmed by the timing phase would hide it); the footnote says how
+  many memory runs profiled. The timing phase has its own empty cache too (never ``~/.cache``).
 - Rank processes come from a fork server that has imported torch and the runtime once (torch's
   ``multiprocessing``, "forkserver" start method): each fresh pair is a fork of a clean process with
   no threads and no process group, instead of two interpreters importing torch again.
@@ -148,6 +152,8 @@ class Job:
     kinds: tuple[Kind, ...]
     args: argparse.Namespace
     output_dir: str
+    profile_cache_dir: str
+    """ProTrain's profiler.cache_dir: empty when the job starts (see the module docstring)."""
     n_buffer: dict[Kind, int] = field(default_factory=dict)
     """Memory phase: ProTrain's n_buffer found by the timing phase (no refused attempts here)."""
 
@@ -259,7 +265,7 @@ def torch_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Call
     return train_step
 
 
-def protrain_spec(args: argparse.Namespace, output_dir: str, n_buffer: int) -> dict[str, Any]:
+def protrain_spec(args: argparse.Namespace, job: Job, n_buffer: int) -> dict[str, Any]:
     """The update the torch peers make: AdamW with torch's defaults but lr, decay on everything."""
     return {
         "seed": SEED,
@@ -272,20 +278,27 @@ def protrain_spec(args: argparse.Namespace, output_dir: str, n_buffer: int) -> d
             "weight_decay": WEIGHT_DECAY,
             "no_decay": [],
         },
-        "memory": {"chunk_size": args.chunk_size, "n_persist": 0, "n_buffer": n_buffer},
-        "output_dir": output_dir,
+        # A set budget, not auto: the timing phase keeps three engines alive in one process, and
+        # only one engine of a process may plan for the whole device.
+        "memory": {
+            "device_budget": args.device_budget,
+            "chunk_size": args.chunk_size,
+            "n_persist": 0,
+            "n_buffer": n_buffer,
+        },
+        "profiler": {"cache_dir": job.profile_cache_dir},
+        "output_dir": job.output_dir,
     }
 
 
-def build_protrain(
-    kind: Kind, args: argparse.Namespace, output_dir: str, example: Batch, *, first_n_buffer: int, exact: bool
-) -> Trainer:
+def build_protrain(kind: Kind, job: Job, example: Batch, *, first_n_buffer: int, exact: bool) -> Trainer:
     """``n_persist=0`` with ``first_n_buffer`` buffers, or (``exact`` False) the fewest from there
     up that ``initialize`` accepts, jumping to the minimum its refusal names. Every rank gets the
     same refusal at the same point, so the collectives stay in step."""
     import runtime
     from runtime.spec_io import SpecError
 
+    args = job.args
     n_buffer = first_n_buffer
     while True:
         try:
@@ -293,7 +306,7 @@ def build_protrain(
             with contextlib.redirect_stdout(io.StringIO()):
                 engine = runtime.initialize(
                     build_gpt(gpt_config(args)),
-                    config=protrain_spec(args, output_dir, n_buffer),
+                    config=protrain_spec(args, job, n_buffer),
                     example_batch=example,
                 )
             break
@@ -334,7 +347,7 @@ def build(kind: Kind, job: Job, batches: Sequence[Batch], min_plan: dict[str, in
         more = min_plan["n_buffer"] + 1
         first = max(more, min_plan["num_chunks"]) if kind is Kind.PROTRAIN_ALL else more
         exact = True
-    return build_protrain(kind, job.args, job.output_dir, batches[0], first_n_buffer=first, exact=exact)
+    return build_protrain(kind, job, batches[0], first_n_buffer=first, exact=exact)
 
 
 def probe(kind: Kind, job: Job, batches: Sequence[Batch], min_plan: dict[str, int] | None) -> Trainer | str:
@@ -446,6 +459,8 @@ def memory_phase(job: Job, rank: int) -> dict[str, Any]:
     (kind,) = job.kinds
     args = job.args
     batches = rank_batches(args, rank, args.warmup + args.memory_steps)
+    cache = Path(job.profile_cache_dir)
+    cache_was_empty = not any(cache.iterdir())
     trim_heap()
     baseline_kib = read_status_kib("VmRSS")
     reset_peak_rss()
@@ -461,6 +476,8 @@ def memory_phase(job: Job, rank: int) -> dict[str, Any]:
     end_hwm_kib = read_status_kib("VmHWM")
     built.close()
     return {
+        # A model profile in a cache that started empty was measured inside this peak.
+        "profiled": cache_was_empty and any(cache.glob("model-*.json")) if kind in PROTRAIN_KINDS else None,
         "peak_mib": (max(setup_hwm_kib, end_hwm_kib) - baseline_kib) / 1024,
         "live_mib": (live_kib - baseline_kib) / 1024,
         # Without the reset, VmHWM still holds the setup's peak: no separate figure for the steps.
@@ -552,6 +569,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     add_model_arguments(parser)
     parser.add_argument("--chunk-size", default="8MiB", help="ProTrain memory.chunk_size (e.g. 8MiB)")
+    parser.add_argument(
+        "--device-budget",
+        default="4GiB",
+        help="ProTrain memory.device_budget per engine (set, not auto: the timing phase keeps its three "
+        "engines alive in one process); the default holds every activation of the default model",
+    )
     parser.add_argument("--steps", type=int, default=3, help="timed steps per candidate per repeat")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per candidate first (>= 1)")
@@ -622,6 +645,12 @@ def print_table(
             f"floor: with no communication at all a step takes {fmt_ratio(floor_s, fsdp_s)} FSDP2's "
             f"({fmt_ratio(floor_s, ddp_s)} DDP's); a target below that cannot be met on this machine"
         )
+    measured = [kind for kind in PROTRAIN_KINDS if kind in memory]
+    profiled = sum(1 for kind in measured if memory[kind]["profiled"])
+    print(
+        f"ProTrain peak MiB includes profiling: each memory run started from an empty profile cache, "
+        f"as a user's first run does (profiled in {profiled} of {len(measured)} runs)"
+    )
     for kind in PROTRAIN_KINDS:
         step_s, mib = median(kind), peak(kind)
         if step_s is None or fsdp_s is None or ddp_mib is None or mib is None:
@@ -652,7 +681,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     kinds = [kind for kind in Kind if kind is not Kind.DEEPSPEED or deepspeed_importable()]
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as output_dir:
-        timing_job = Job(phase=Phase.TIME, kinds=tuple(kinds), args=args, output_dir=output_dir)
+
+        def empty_cache(name: str) -> str:
+            return tempfile.mkdtemp(prefix=f"profile-cache-{name}-", dir=output_dir)
+
+        timing_job = Job(
+            phase=Phase.TIME,
+            kinds=tuple(kinds),
+            args=args,
+            output_dir=output_dir,
+            profile_cache_dir=empty_cache("time"),
+        )
         timed = run_ranks(timing_job, args.timeout_s)[0]
         rows = {Kind(key): value for key, value in timed["rows"].items()}
         plans = {Kind(key): value for key, value in timed["plan"].items()}
@@ -663,7 +702,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             if "reason" in rows[kind]:
                 continue
             n_buffer = {kind: plans[kind]["n_buffer"]} if kind in plans else {}
-            job = Job(phase=Phase.MEMORY, kinds=(kind,), args=args, output_dir=output_dir, n_buffer=n_buffer)
+            # Its own empty profile cache: ProTrain profiles within the measured peak, as a first run.
+            job = Job(
+                phase=Phase.MEMORY,
+                kinds=(kind,),
+                args=args,
+                output_dir=output_dir,
+                profile_cache_dir=empty_cache(kind.value),
+                n_buffer=n_buffer,
+            )
             per_rank = run_ranks(job, args.timeout_s)
             if any("reason" in result for result in per_rank):
                 raise SystemExit(f"bench_peers: {kind.value} ran in the timing phase, not alone: {per_rank}")
@@ -672,6 +719,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 key: None if any(r[key] is None for r in per_rank) else max(r[key] for r in per_rank)
                 for key in ("peak_mib", "live_mib", "steps_mib")
             }
+            memory[kind]["profiled"] = all(r["profiled"] for r in per_rank)
     num_params = sum(p.numel() for p in build_gpt(gpt_config(args)).parameters())
     protrain = plans.get(Kind.PROTRAIN_MIN, {})
     # Whole parameters per chunk leave gaps; the padding is sharded and offloaded like the rest,

@@ -21,4 +21,7 @@ def test_bench_peers_smoke() -> None:
         assert any(line.startswith(row) for line in lines), f"no {row} row:\n{stdout}"
     assert any(line.startswith("ProTrain") and "(min)" in line for line in lines)
     assert any(line.startswith("floor: with no communication") for line in lines), stdout
+    # ProTrain's memory figures include its profiling: each memory run started with an empty cache.
+    assert "each memory run started from an empty profile cache" in stdout
+    assert "(profiled in 3 of 3 runs)" in stdout, stdout
     assert "CPU figures" in stdout
