@@ -68,7 +68,8 @@ def assert_matches_reference(
     (a tensor whose gradient is cancellation noise, e.g. an attention key bias), max|a - fp64| <=
     noise_factor * max|fp32 - fp64|: the engine is no farther from the exact run than PyTorch is.
     A well-conditioned tensor has a float64 floor far below rtol, so a real error fails both."""
-    assert set(actual) == set(fp32) == set(fp64), f"names differ: {(set(actual) ^ set(fp32)) | (set(fp32) ^ set(fp64))}"
+    names = set(fp32)
+    assert set(actual) == names == set(fp64), f"names differ: {(set(actual) ^ names) | (names ^ set(fp64))}"
     for name, ref in fp32.items():
         got = actual[name].to(ref.dtype)
         diff = (got - ref).abs().max().item()
@@ -79,9 +80,9 @@ def assert_matches_reference(
         floor = (ref.to(exact.dtype) - exact).abs().max().item()
         distance = (actual[name].to(exact.dtype) - exact).abs().max().item()
         assert distance <= noise_factor * floor, (
-            f"{name}: max|a-b| = {diff:.3e} > {bound:.3e} (rtol {rtol:g}), and the float64 run does not "
-            f"explain it: max|a-fp64| = {distance:.3e} > {noise_factor:g} x {floor:.3e} (plain fp32 PyTorch's "
-            "distance from float64)"
+            f"{name}: max|a-b| = {diff:.3e} > {bound:.3e} (rtol {rtol:g}), and the float64 run does "
+            f"not explain it: max|a-fp64| = {distance:.3e} > {noise_factor:g} x {floor:.3e} (plain "
+            "fp32 PyTorch's distance from float64)"
         )
 
 
@@ -223,7 +224,11 @@ def train_reference_fp16(
         reference_param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=False
     )
     scaler = torch.amp.GradScaler(
-        "cpu", init_scale=initial_scale, growth_factor=2.0, backoff_factor=0.5, growth_interval=growth_interval
+        "cpu",
+        init_scale=initial_scale,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        growth_interval=growth_interval,
     )
     run = Fp16ReferenceRun(state={}, losses=[], updated=[], scales=[])
     for update in range(steps):
@@ -283,10 +288,15 @@ def gpt_reference(
     float64, once per process for each set of arguments (a module's parametrised tests share
     it). ``warmup_cosine``: (warmup, total, min_ratio) of ``reference_warmup_cosine``."""
     data = lm_batches(
-        micro_batch_size=micro_batch_size, accumulation=accumulation, world_size=world_size, seq_len=config.seq_len
+        micro_batch_size=micro_batch_size,
+        accumulation=accumulation,
+        world_size=world_size,
+        seq_len=config.seq_len,
     )
     schedule = reference_warmup_cosine(*warmup_cosine) if warmup_cosine else None
-    training: dict[str, Any] = dict(steps=steps, lr=lr, weight_decay=weight_decay, clip=clip, schedule=schedule)
+    training: dict[str, Any] = {
+        "steps": steps, "lr": lr, "weight_decay": weight_decay, "clip": clip, "schedule": schedule
+    }
     fp32, losses = train_reference(tiny_gpt(seed, config), data, **training)
     fp64 = train_reference_float64(tiny_gpt(seed, config), data, **training)
     return ReferenceRun(fp32=fp32, fp64=fp64, losses=losses)

@@ -23,7 +23,10 @@ KEY_BIAS = "blocks.1.attn.qkv.bias"
 ORDINARY = "blocks.0.mlp.fc.weight"
 
 
-def perturbed(state: dict[str, torch.Tensor], name: str, index: slice, delta: float) -> dict[str, torch.Tensor]:
+def perturbed(
+    state: dict[str, torch.Tensor], name: str, index: slice, delta: float
+) -> dict[str, torch.Tensor]:
+    """A copy of ``state`` with ``delta`` added to ``state[name][index]`` (the cached run stays)."""
     changed = dict(state)
     changed[name] = state[name].clone()
     changed[name][index] += delta
@@ -66,7 +69,9 @@ def test_a_real_error_in_an_ordinary_tensor_is_refused() -> None:
 
 
 @pytest.mark.parametrize(("multiple", "accepted"), [(5.0, True), (20.0, False)])
-def test_key_bias_noise_passes_only_within_ten_times_the_float64_floor(multiple: float, accepted: bool) -> None:
+def test_key_bias_noise_passes_only_within_ten_times_the_float64_floor(
+    multiple: float, accepted: bool
+) -> None:
     """The key bias moved by 5x (accepted) or 20x (refused) plain fp32 PyTorch's own distance
     from the float64 run: the floor is a bound, not a pass for the whole tensor."""
     run = gpt_reference(steps=STEPS, lr=1e-3, weight_decay=0.1)
