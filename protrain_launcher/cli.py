@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
+from protrain_launcher.launch import launch
 from protrain_launcher.preflight import check_master_addr, check_output_dir, key_source
+from protrain_launcher.request import EXIT_BAD_INPUT, EXIT_OK, LaunchRequest
 from runtime.spec import Spec
-from runtime.spec_io import Override, SpecError, load_spec, parse_override
+from runtime.spec_io import SpecError, load_spec, parse_override
 
-EXIT_OK = 0
-EXIT_RANK_FAILED = 1
-EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130
+SPEC_OPTIONS = ("--config", "--set")
+"""Taken wherever they appear before ``--`` (not by the parser, which stops at the script)."""
 
 # Launcher option -> key path in the spec's launcher section.
 LAUNCHER_OPTIONS: dict[str, str] = {
@@ -43,22 +42,14 @@ class UsageError(SpecError):
     """Bad command line."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LaunchRequest:
-    script: Path
-    script_args: tuple[str, ...]
-    config: Path | None
-    overrides: tuple[Override, ...]
-    launcher_overrides: tuple[Override, ...]
-    dry_run: bool
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(f"command line: {message}")
 
 
-def _build_parser() -> _Parser:
+def build_parser() -> argparse.ArgumentParser:
+    """protrain-run's options before the script path (``--config``/``--set`` aside); a usage
+    error is a UsageError (exit 2 with our message), not argparse's own exit."""
     parser = _Parser(
         prog="protrain-run",
         description="Launch a ProTrain job: validate the spec, then start the ranks with "
@@ -90,7 +81,7 @@ def _extract_config_and_sets(argv: list[str]) -> tuple[list[str], str | None, li
     while index < len(head):
         arg = head[index]
         name, eq, inline = arg.partition("=")
-        if name in ("--config", "--set"):
+        if name in SPEC_OPTIONS:
             if eq:
                 value = inline
             elif index + 1 < len(head):
@@ -112,7 +103,7 @@ def _extract_config_and_sets(argv: list[str]) -> tuple[list[str], str | None, li
 
 def parse_command_line(argv: list[str]) -> LaunchRequest:
     rest, config, sets, tail = _extract_config_and_sets(argv)
-    args = _build_parser().parse_args(rest)
+    args = build_parser().parse_args(rest)
     launcher_overrides = []
     for option, key in LAUNCHER_OPTIONS.items():
         value = getattr(args, key)
@@ -135,11 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run protrain-run with ``argv`` (default: sys.argv[1:]); returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
-        _build_parser().print_help()
+        build_parser().print_help()
         return EXIT_OK
     if "--what-if" in argv:
-        # Planning for absent hardware: no script, no ranks, no torch.
-        from runtime.what_if import main as what_if
+        # Planning for absent hardware: no script, no ranks, no torch. Imported only here: the
+        # planner and its tables cost every other command line ~0.3 s before it is checked.
+        from protrain_launcher.what_if_cli import main as what_if
 
         try:
             return what_if(argv)
@@ -154,9 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as err:
         print(f"protrain-run: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    # torch is imported only once the input is known to be good.
-    from protrain_launcher.launch import launch
-
+    # launch imports torch only now, once the input is known to be good.
     return launch(request, spec)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
-EXIT_INTERRUPTED = 130
+from protrain_launcher.request import EXIT_INTERRUPTED
 
 
 def run() -> None:

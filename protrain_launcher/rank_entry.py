@@ -21,11 +21,8 @@ import time
 from types import FrameType
 
 from protrain_launcher.env_names import BAD_INPUT_PREFIX, ERROR_FILE_ENV, LAUNCHER_PID_ENV
+from protrain_launcher.request import EXIT_BAD_INPUT  # standard library only: nothing heavy yet
 from protrain_launcher.signal_hold import import_torch
-
-EXIT_BAD_INPUT = 2
-"""protrain-run's exit code for bad input (cli.EXIT_BAD_INPUT; not imported: the rank loads
-nothing heavy before its signal handlers are in place)."""
 
 _PR_SET_PDEATHSIG = 1
 

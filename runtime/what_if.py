@@ -8,11 +8,12 @@ model configuration alone (an analytic profile: no weights, no torch).
 the fastest plan or what keeps it from fitting, then the largest that fits and the resource
 that binds the next one. Every block keeps its activations (swap, recompute and SSD offload join
 the search with the activation engine), so the device must hold one micro-batch's activations.
+
+The command line is read by ``protrain_launcher/what_if_cli.py``; this module plans and prints.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,20 @@ GPT_FAMILY: tuple[tuple[str, int, int, int], ...] = (
     ("gpt-130b", 96, 10752, 84),
     ("gpt-175b", 96, 12288, 96),
 )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WhatIfRequest:
+    """One what-if question: a hardware file, and a model config or the whole GPT family."""
+
+    hardware: str
+    """The hardware file, as the user wrote it (errors name it so)."""
+    model_config: str | None
+    """A config.json path or a known config name; None with ``largest``."""
+    largest: bool
+    micro_batch_size: int
+    seq_len: int
+    precision: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,40 +148,26 @@ def family_shape(name: str, layers: int, hidden: int, heads: int, seq_len: int) 
     )
 
 
-def main(argv: list[str]) -> int:
-    """``protrain-run --what-if HARDWARE.yaml (--model-config CONFIG.json | --largest)``."""
-    parser = argparse.ArgumentParser(
-        prog="protrain-run --what-if",
-        description="Plan and predict for absent hardware, from a hardware file and a model config.",
-    )
-    parser.add_argument("--what-if", dest="hardware", required=True, metavar="HARDWARE.yaml")
-    target = parser.add_mutually_exclusive_group(required=True)
-    target.add_argument(
-        "--model-config", metavar="CONFIG.json", help="HF config.json or the repo's GPT config"
-    )
-    target.add_argument("--largest", action="store_true", help="the largest GPT-family model that fits")
-    parser.add_argument("--micro-batch-size", type=int, default=1)
-    parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
-    args = parser.parse_args(argv)
-    if args.micro_batch_size < 1 or args.seq_len < 1:
-        raise SpecError("--micro-batch-size and --seq-len must be >= 1")
-    hardware_file = load_hardware(args.hardware)
+def run_what_if(request: WhatIfRequest) -> int:
+    """Plan and print; returns protrain-run's exit code (1 when nothing fits). Bad input (a
+    hardware file or model config that cannot be read) raises SpecError."""
+    hardware_file = load_hardware(request.hardware)
     machine = machine_from_file(hardware_file)
     console = Console(highlight=False)
     name = hardware_file.name
-    if args.largest:
-        return _largest(console, machine, name, args)
-    config_path = Path(args.model_config)
+    if request.largest:
+        return _largest(console, machine, name, request)
+    assert request.model_config is not None, "the launcher requires --model-config or --largest"
+    config_path = Path(request.model_config)
     try:
-        if not config_path.exists() and args.model_config in KNOWN_CONFIGS:
-            shape = shape_from_config(KNOWN_CONFIGS[args.model_config], name=args.model_config)
+        if not config_path.exists() and request.model_config in KNOWN_CONFIGS:
+            shape = shape_from_config(KNOWN_CONFIGS[request.model_config], name=request.model_config)
         else:
             shape = shape_from_config(_read_model_config(config_path), name=config_path.stem)
     except ValueError as err:
         raise SpecError(f"{config_path}: {err}") from None
     try:
-        plan = _plan_for(shape, machine, args)
+        plan = _plan_for(shape, machine, request)
     except NoPlanFitsError as err:
         console.print(f"[red]{shape.name} ({shape.parameters / 1e9:.2f}B) does not fit {name}:[/red] {err}")
         return 1
@@ -178,26 +179,30 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _plan_for(shape: TransformerShape, machine: Machine, args: argparse.Namespace) -> Plan:
+def _plan_for(shape: TransformerShape, machine: Machine, request: WhatIfRequest) -> Plan:
     return plan_model(
-        shape, machine, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, precision=args.precision
+        shape,
+        machine,
+        micro_batch_size=request.micro_batch_size,
+        seq_len=request.seq_len,
+        precision=request.precision,
     )
 
 
-def _largest(console: Console, machine: Machine, name: str, args: argparse.Namespace) -> int:
+def _largest(console: Console, machine: Machine, name: str, request: WhatIfRequest) -> int:
     table = Table(
-        title=f"What-if: GPT-family models on {name}, batch {args.micro_batch_size} x {args.seq_len}, "
-        f"{args.precision}, every block keeping its activations"
+        title=f"What-if: GPT-family models on {name}, batch {request.micro_batch_size} x "
+        f"{request.seq_len}, {request.precision}, every block keeping its activations"
     )
     for column in ("model", "params", "fits", "step", "tokens/s", "device", "host", "binds"):
         table.add_column(column, no_wrap=True)
     largest: tuple[str, int] | None = None
     first_miss: str | None = None
     for family_name, layers, hidden, heads in GPT_FAMILY:
-        shape = family_shape(family_name, layers, hidden, heads, args.seq_len)
+        shape = family_shape(family_name, layers, hidden, heads, request.seq_len)
         size = f"{shape.parameters / 1e9:.1f}B"
         try:
-            plan = _plan_for(shape, machine, args)
+            plan = _plan_for(shape, machine, request)
         except NoPlanFitsError as err:
             reason = "host memory" if "host budget" in str(err) else "device memory"
             table.add_row(family_name, size, "no", "", "", "", "", reason)
@@ -209,7 +214,7 @@ def _largest(console: Console, machine: Machine, name: str, args: argparse.Names
             size,
             "yes",
             f"{step:.2f} s",
-            f"{args.micro_batch_size * args.seq_len / step:,.0f}" if step else "",
+            f"{request.micro_batch_size * request.seq_len / step:,.0f}" if step else "",
             f"{(plan.predicted_peak_device_bytes or 0) / 2**30:.1f} GiB",
             f"{(plan.predicted_peak_host_bytes or 0) / 2**30:.0f} GiB",
             plan.rule.split("; ", 1)[-1].split(":")[0],

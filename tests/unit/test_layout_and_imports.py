@@ -50,6 +50,52 @@ def test_launcher_only_uses_the_spec_from_runtime() -> None:
                 )
 
 
+def launcher_import_graph() -> dict[str, set[str]]:
+    """protrain_launcher's modules -> the launcher modules each imports, at any depth (an import
+    inside a function counts: it closes a cycle just the same)."""
+    graph: dict[str, set[str]] = {}
+    for path in (ROOT / "protrain_launcher").glob("*.py"):
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            targets |= {name for name in names if name.startswith("protrain_launcher.")}
+        graph[f"protrain_launcher.{path.stem}"] = targets
+    return graph
+
+
+def test_the_launcher_imports_have_no_cycle() -> None:
+    graph = launcher_import_graph()
+    done: set[str] = set()
+
+    def visit(module: str, trail: tuple[str, ...]) -> None:
+        assert module not in trail, f"import cycle: {' -> '.join((*trail, module))}"
+        if module in done:
+            return
+        for target in sorted(graph.get(module, ())):
+            visit(target, (*trail, module))
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, ())
+
+
+def test_exit_codes_are_defined_once() -> None:
+    """In protrain_launcher/request.py, which the entry point and the ranks import too."""
+    defined = {
+        f"{path.name}: {target.id}"
+        for path in (ROOT / "protrain_launcher").glob("*.py")
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Name) and target.id.startswith("EXIT_")
+    }
+    assert defined == {
+        f"request.py: EXIT_{name}" for name in ("OK", "RANK_FAILED", "BAD_INPUT", "INTERRUPTED")
+    }
+
+
 def test_the_plan_value_imports_nothing_of_ours() -> None:
     """profiler/plan.py is the leaf every package reads (the spec takes BlockMode from it); what
     builds plans lives in profiler/plan_builder.py."""
@@ -72,7 +118,7 @@ def test_profiler_does_not_import_torch() -> None:
 
 def test_spec_and_launcher_cli_do_not_import_torch() -> None:
     code = (
-        "import sys, runtime.spec, runtime.spec_io, protrain_launcher.cli, runtime.what_if\n"
+        "import sys, runtime.spec, runtime.spec_io, protrain_launcher.cli, protrain_launcher.what_if_cli\n"
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
