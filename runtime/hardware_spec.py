@@ -11,7 +11,7 @@ import os
 
 from pydantic import ValidationError
 
-from runtime.spec import Fraction, PositiveFloat, PositiveInt, Size, SpecModel, Text
+from runtime.spec_types import Fraction, PositiveFloat, PositiveInt, Size, SpecModel, Text
 from runtime.spec_io import SpecError, format_validation_error, read_spec_file
 
 

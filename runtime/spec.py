@@ -10,193 +10,37 @@ Importing this module must not import torch: the launcher validates bad input in
 
 from __future__ import annotations
 
-import math
-import re
-from decimal import Decimal
 from enum import Enum
-from typing import Annotated, Any, Callable, Literal, Union
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, Field, model_validator
 
 from profiler.plan import BlockMode
+from runtime.spec_types import (
+    AUTO,
+    AutoFilled,
+    AutoNonNegInt,
+    AutoPositiveInt,
+    AutoSize,
+    AutoText,
+    Betas,
+    BlockModes,
+    Bool,
+    Fraction,
+    NonNegFloat,
+    NonNegInt,
+    Port,
+    PositiveFloat,
+    PositiveInt,
+    Resume,
+    SpecModel,
+    Text,
+    TextList,
+    cross_field_error,
+    enum_leaf,
+)
 
-AUTO = "auto"
-Auto = Literal["auto"]
-
-
-# --------------------------------------------------------------------------------------------
-# Leaf types. Each carries an ``Allowed`` phrase used both in error messages and in the README's
-# spec reference, so the two can never disagree.
-# --------------------------------------------------------------------------------------------
-
-
-class Allowed:
-    """Metadata marker: what a field accepts, in words."""
-
-    __slots__ = ("text",)
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __repr__(self) -> str:
-        return f"Allowed({self.text!r})"
-
-
-class AutoFilled:
-    """Metadata marker: ``"auto"`` in this field is a placeholder the planner or launcher fills."""
-
-    __slots__ = ()
-
-
-def _reject(allowed: str) -> PydanticCustomError:
-    return PydanticCustomError("spec_value", "expected {allowed}", {"allowed": allowed})
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _leaf(check: Callable[[Any], Any], allowed: str, *, auto: bool = False) -> tuple[Any, ...]:
-    """Build Annotated metadata for a leaf: ``check`` returns the value or raises ValueError."""
-    text = f'{allowed}, or "auto"' if auto else allowed
-
-    def validate(value: Any) -> Any:
-        if auto and value == AUTO:
-            return AUTO
-        try:
-            return check(value)
-        except (ValueError, TypeError):
-            raise _reject(text) from None
-
-    markers: tuple[Any, ...] = (PlainValidator(validate), PlainSerializer(_to_plain), Allowed(text))
-    return markers + ((AutoFilled(),) if auto else ())
-
-
-def _to_plain(value: Any) -> Any:
-    """Serialise a leaf as plain JSON-able data (enums by value, tuples as lists)."""
-    if isinstance(value, Enum):
-        return value.value
-    if isinstance(value, tuple):
-        return [_to_plain(item) for item in value]
-    return value
-
-
-def _int_check(minimum: int | None = None, maximum: int | None = None) -> Callable[[Any], int]:
-    def check(value: Any) -> int:
-        if not _is_int(value):
-            raise TypeError
-        if minimum is not None and value < minimum:
-            raise ValueError
-        if maximum is not None and value > maximum:
-            raise ValueError
-        return int(value)
-
-    return check
-
-
-def _float_check(
-    minimum: float | None = None, maximum: float | None = None, *, open_min: bool = False
-) -> Callable[[Any], float]:
-    def check(value: Any) -> float:
-        if not _is_number(value) or not math.isfinite(value):
-            raise TypeError
-        if minimum is not None and (value < minimum or (open_min and value == minimum)):
-            raise ValueError
-        if maximum is not None and value > maximum:
-            raise ValueError
-        return float(value)
-
-    return check
-
-
-def _bool_check(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError
-    return value
-
-
-def _str_check(value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise TypeError
-    return value
-
-
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(value: Any) -> int:
-    """Bytes from an int or a string such as ``"22GiB"``, ``"512 MiB"``, ``"4.1GB"`` (decimal
-    arithmetic, so a size written with decimals means exactly that many bytes)."""
-    if _is_int(value):
-        if value < 0:
-            raise ValueError(f"size must be >= 0, got {value}")
-        return int(value)
-    if not isinstance(value, str):
-        raise TypeError(f"size must be an integer or a string like '22GiB', got {value!r}")
-    match = _SIZE_RE.match(value)
-    if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"cannot read {value!r} as a size")
-    number, unit = match.groups()
-    size = Decimal(number) * _SIZE_UNITS[unit.lower()]
-    if size != size.to_integral_value():
-        raise ValueError(f"{value!r} is not a whole number of bytes")
-    return int(size)
-
-
-def _positive_size(value: Any) -> int:
-    size = parse_size(value)
-    if size <= 0:
-        raise ValueError
-    return size
-
-
-_SIZE_TEXT = 'a size in bytes: an integer or a string such as "22GiB", "512MiB", "1.5GB"'
-
-NonNegInt = Annotated[(int, *_leaf(_int_check(0), "an integer >= 0"))]
-PositiveInt = Annotated[(int, *_leaf(_int_check(1), "an integer >= 1"))]
-Port = Annotated[(int, *_leaf(_int_check(0, 65535), "an integer port 0..65535 (0: a free port)"))]
-PositiveFloat = Annotated[(float, *_leaf(_float_check(0.0, open_min=True), "a number > 0"))]
-NonNegFloat = Annotated[(float, *_leaf(_float_check(0.0), "a number >= 0"))]
-Fraction = Annotated[(float, *_leaf(_float_check(0.0, 1.0), "a number in [0, 1]"))]
-Bool = Annotated[(bool, *_leaf(_bool_check, "true or false"))]
-Text = Annotated[(str, *_leaf(_str_check, "a non-empty string"))]
-
-Size = Annotated[(int, *_leaf(_positive_size, _SIZE_TEXT + " (> 0)"))]
-AutoSize = Annotated[(Union[int, Auto], *_leaf(_positive_size, _SIZE_TEXT + " (> 0)", auto=True))]
-AutoNonNegInt = Annotated[(Union[int, Auto], *_leaf(_int_check(0), "an integer >= 0", auto=True))]
-AutoPositiveInt = Annotated[(Union[int, Auto], *_leaf(_int_check(1), "an integer >= 1", auto=True))]
-AutoText = Annotated[(Union[str, Auto], *_leaf(_str_check, "a module path such as model.layers", auto=True))]
-
-
-def _enum_leaf(enum_type: type[Enum]) -> tuple[Any, ...]:
-    names = [member.value for member in enum_type]
-    allowed = "one of " + ", ".join(names)
-
-    def check(value: Any) -> Enum:
-        if isinstance(value, enum_type):
-            return value
-        if not isinstance(value, str) or value not in names:
-            raise ValueError
-        return enum_type(value)
-
-    return _leaf(check, allowed)
+# The leaf types (sizes, "auto", bounded numbers) and their strict parsing: runtime/spec_types.py.
 
 
 class Precision(str, Enum):
@@ -219,57 +63,10 @@ class SchedulerType(str, Enum):
     CONSTANT = "constant"
 
 
-def _betas_check(value: Any) -> tuple[float, float]:
-    if not isinstance(value, (list, tuple)) or len(value) != 2:
-        raise TypeError
-    beta = _float_check(0.0, 1.0)
-    first, second = beta(value[0]), beta(value[1])
-    if first >= 1.0 or second >= 1.0:
-        raise ValueError
-    return (first, second)
-
-
-def _text_list_check(value: Any) -> tuple[str, ...]:
-    if not isinstance(value, (list, tuple)):
-        raise TypeError
-    return tuple(_str_check(item) for item in value)
-
-
-def _block_modes_check(value: Any) -> tuple[BlockMode, ...]:
-    if not isinstance(value, (list, tuple)) or not value:
-        raise TypeError
-    names = {mode.value for mode in BlockMode}
-    if not all(isinstance(item, str) and item in names for item in value):
-        raise ValueError
-    return tuple(BlockMode(item) for item in value)
-
-
-Betas = Annotated[(tuple[float, float], *_leaf(_betas_check, "a list of two numbers in [0, 1)"))]
-TextList = Annotated[(tuple[str, ...], *_leaf(_text_list_check, "a list of non-empty strings"))]
-BlockModes = Annotated[
-    (
-        tuple[BlockMode, ...],
-        *_leaf(_block_modes_check, "a non-empty list of keep, swap, checkpoint, ssd (one per block)"),
-    )
-]
-PrecisionField = Annotated[(Precision, *_enum_leaf(Precision))]
-NonFiniteField = Annotated[(NonFiniteLossPolicy, *_enum_leaf(NonFiniteLossPolicy))]
-OptimizerTypeField = Annotated[(OptimizerType, *_enum_leaf(OptimizerType))]
-SchedulerTypeField = Annotated[(SchedulerType, *_enum_leaf(SchedulerType))]
-Resume = Annotated[(str, *_leaf(_str_check, '"auto", "never", or the path of a checkpoint directory'))]
-
-
-def cross_field_error(key: str, message: str) -> PydanticCustomError:
-    """A check that involves several fields; ``key`` is relative to the model raising it."""
-    return PydanticCustomError("spec_cross_field", "{message}", {"key": key, "message": message})
-
-
-class SpecModel(BaseModel):
-    """Base of every spec section: frozen, unknown keys rejected, docstrings as descriptions."""
-
-    model_config = ConfigDict(
-        extra="forbid", frozen=True, use_attribute_docstrings=True, validate_default=True
-    )
+PrecisionField = Annotated[(Precision, *enum_leaf(Precision))]
+NonFiniteField = Annotated[(NonFiniteLossPolicy, *enum_leaf(NonFiniteLossPolicy))]
+OptimizerTypeField = Annotated[(OptimizerType, *enum_leaf(OptimizerType))]
+SchedulerTypeField = Annotated[(SchedulerType, *enum_leaf(SchedulerType))]
 
 
 # --------------------------------------------------------------------------------------------

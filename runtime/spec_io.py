@@ -18,7 +18,8 @@ from typing import Annotated, Any, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from runtime.spec import Allowed, Spec, auto_fields
+from runtime.spec import Spec, auto_fields
+from runtime.spec_types import Allowed
 
 RESOLVED_SPEC_ENV = "PROTRAIN_SPEC"
 RESOLVED_SPEC_VERSION = 1
