@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import runtime
-from runtime.activations import ssd_store
+from runtime.activations import ssd_io
 from runtime.activations.ssd_store import SsdIoError
 from runtime.models.gpt import GPTConfig
 from tests.helpers import assert_state_equal, lm_batches, tiny_gpt
@@ -85,13 +85,13 @@ def test_writes_still_in_flight_are_served_from_memory(
     expected = fast.state_dict()
     fast.close()
 
-    write_all = ssd_store._pwrite_all
+    write_all = ssd_io._pwrite_all
 
     def slow_write(*args: Any) -> None:
         time.sleep(0.05)
         write_all(*args)
 
-    monkeypatch.setattr(ssd_store, "_pwrite_all", slow_write)
+    monkeypatch.setattr(ssd_io, "_pwrite_all", slow_write)
     engine = two_steps(ssd_job(tmp_path / "b", tmp_path / "ssd-b"))
     stats = engine.activations.stats
     assert stats.forwarded > 0, "records still being written were served without a read"
@@ -161,7 +161,7 @@ def test_backward_through_a_graph_whose_files_were_dropped_says_so(
     def disk_full(*_args: Any) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(ssd_store, "_pwrite_all", disk_full)
+    monkeypatch.setattr(ssd_io, "_pwrite_all", disk_full)
     with pytest.raises(SsdIoError, match="No space left on device"):
         engine(**batch(1))
     assert list(store.run_dir.iterdir()) == []
