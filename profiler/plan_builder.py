@@ -64,7 +64,8 @@ def resident_plan(
     n_persist = num_chunks if request.n_persist is None else request.n_persist
     if n_persist > num_chunks:
         raise ValueError(
-            f"memory.n_persist={n_persist} exceeds the model's {num_chunks} chunks of {format_bytes(chunk_size)}"
+            f"memory.n_persist={n_persist} exceeds the model's {num_chunks} chunks of "
+            f"{format_bytes(chunk_size)}"
         )
     n_buffer = request.n_buffer
     if n_buffer is None:

@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from protrain_launcher.env_names import BAD_INPUT_PREFIX, LAUNCHER_PID_ENV
-from protrain_launcher.request import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_RANK_FAILED, LaunchRequest
+from protrain_launcher.request import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_RANK_FAILED,
+    LaunchRequest,
+)
 from protrain_launcher.signal_hold import import_torch
 from runtime.spec import AUTO, Spec, auto_fields
 from runtime.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, write_resolved
