@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
@@ -20,6 +21,20 @@ START = "<!-- spec-reference:start -->"
 END = "<!-- spec-reference:end -->"
 
 
+@dataclass(frozen=True, slots=True)
+class ReferenceRow:
+    """One key of the spec as the reference shows it (and tests/unit's surface snapshot keeps)."""
+
+    key: str
+    """The dotted key path, e.g. memory.ssd.n_offload."""
+    allowed: str
+    """What the key accepts, in the words of its error messages; "section" for a section."""
+    default: str
+    """The default as JSON, or "(section)"."""
+    meaning: str
+    """The field's docstring on one line."""
+
+
 def _default_text(model: type[BaseModel], name: str) -> str:
     info = model.model_fields[name]
     if info.default_factory is not None:
@@ -29,30 +44,35 @@ def _default_text(model: type[BaseModel], name: str) -> str:
         value = value.value
     if isinstance(value, tuple):
         value = [v.value if isinstance(v, Enum) else v for v in value]
-    return f"`{json.dumps(value)}`"
+    return json.dumps(value)
 
 
-def _rows(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[str]:
-    rows: list[str] = []
+def reference_rows(model: type[BaseModel] = Spec, prefix: tuple[str, ...] = ()) -> list[ReferenceRow]:
+    """Every key of ``model``, depth first in declaration order."""
+    rows: list[ReferenceRow] = []
     for name, info in model.model_fields.items():
         path = (*prefix, name)
         section = section_type(info.annotation)
-        description = " ".join((info.description or "").split()).replace("|", "\\|")
         if section is not None:
-            optional = " (or null)" if "None" in repr(info.annotation) else ""
-            rows.append(
-                f"| `{'.'.join(path)}` | section{optional} | {_default_text(model, name)} | {description} |"
-            )
-            rows.extend(_rows(section, path))
+            allowed = "section" + (" (or null)" if "None" in repr(info.annotation) else "")
         else:
-            allowed = (allowed_text(Spec, path) or "").replace("|", "\\|")
-            rows.append(f"| `{'.'.join(path)}` | {allowed} | {_default_text(model, name)} | {description} |")
+            allowed = allowed_text(Spec, path) or ""
+        meaning = " ".join((info.description or "").split())
+        rows.append(ReferenceRow(".".join(path), allowed, _default_text(model, name), meaning))
+        if section is not None:
+            rows.extend(reference_rows(section, path))
     return rows
+
+
+def _markdown_row(row: ReferenceRow) -> str:
+    default = row.default if row.default == "(section)" else f"`{row.default}`"
+    cells = (f"`{row.key}`", row.allowed.replace("|", "\\|"), default, row.meaning.replace("|", "\\|"))
+    return "| " + " | ".join(cells) + " |"
 
 
 def reference_markdown() -> str:
     header = ["| key | allowed | default | meaning |", "| --- | --- | --- | --- |"]
-    return "\n".join(header + _rows(Spec)) + "\n"
+    return "\n".join(header + [_markdown_row(row) for row in reference_rows()]) + "\n"
 
 
 def readme_with_reference(readme: str) -> str:

@@ -1,0 +1,110 @@
+"""The user-facing surface is frozen: every spec key (what it accepts and its default, as the
+README's spec reference shows them) and every option of protrain-run and protrain-run --what-if.
+A change to either must be deliberate: the snapshot file is updated and reviewed with it.
+
+    PROTRAIN_UPDATE_SURFACE=1 .venv/bin/python -m pytest tests/unit/test_surface_snapshot.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from protrain_launcher.cli import LAUNCHER_OPTIONS, SPEC_OPTIONS, build_parser
+from protrain_launcher.what_if_cli import build_parser as build_what_if_parser
+from runtime.spec_doc import reference_rows
+
+SNAPSHOT = Path(__file__).with_name("surface_snapshot.json")
+UPDATE_ENV = "PROTRAIN_UPDATE_SURFACE"
+
+
+def spec_surface() -> dict[str, dict[str, str]]:
+    return {row.key: {"allowed": row.allowed, "default": row.default} for row in reference_rows()}
+
+
+def _argument(action: argparse.Action) -> dict[str, Any]:
+    takes = "nothing" if action.nargs == 0 else str(action.metavar or action.dest)
+    if action.type is not None:
+        takes += f" ({getattr(action.type, '__name__', repr(action.type))})"
+    if action.nargs not in (None, 0):
+        takes += f" nargs={action.nargs}"
+    described: dict[str, Any] = {"takes": takes, "default": action.default, "required": action.required}
+    if action.choices is not None:
+        described["choices"] = list(action.choices)
+    return described
+
+
+def parser_surface(parser: argparse.ArgumentParser) -> dict[str, dict[str, Any]]:
+    """Each option (by its strings) or positional (by its name) with what it takes, and each
+    required choice between options."""
+    surface: dict[str, dict[str, Any]] = {
+        ", ".join(action.option_strings) or action.dest: _argument(action) for action in parser._actions
+    }
+    for group in parser._mutually_exclusive_groups:
+        names = " | ".join(", ".join(action.option_strings) for action in group._group_actions)
+        surface[f"({names})"] = {"takes": "exactly one" if group.required else "at most one"}
+    return surface
+
+
+def launcher_surface() -> dict[str, dict[str, Any]]:
+    options = parser_surface(build_parser())
+    # --config and --set are taken before the parser runs (anywhere before '--').
+    takes = {"--config": "FILE", "--set": "KEY.PATH=VALUE"}
+    for option in SPEC_OPTIONS:
+        options[option] = {
+            "takes": takes[option],
+            "where": "anywhere before --",
+            "repeatable": option == "--set",
+        }
+    for option, key in LAUNCHER_OPTIONS.items():
+        options[option]["overrides"] = f"launcher.{key}"
+    return options
+
+
+def surface() -> dict[str, Any]:
+    return {
+        "spec": spec_surface(),
+        "protrain-run": launcher_surface(),
+        "protrain-run --what-if": parser_surface(build_what_if_parser()),
+    }
+
+
+def _changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    lines = []
+    for part in sorted(set(old) | set(new)):
+        before, after = old.get(part, {}), new.get(part, {})
+        lines += [f"  {part}: added {key}: {after[key]}" for key in after if key not in before]
+        lines += [f"  {part}: removed {key}" for key in before if key not in after]
+        lines += [
+            f"  {part}: changed {key}: {before[key]} -> {after[key]}"
+            for key in after
+            if key in before and before[key] != after[key]
+        ]
+    return lines
+
+
+def test_spec_keys_and_launcher_options_match_the_snapshot() -> None:
+    current = json.loads(json.dumps(surface()))  # as the file holds it: tuples become lists
+    if os.environ.get(UPDATE_ENV) == "1":
+        SNAPSHOT.write_text(json.dumps(current, indent=2) + "\n")
+    frozen = json.loads(SNAPSHOT.read_text())
+    changes = _changes(frozen, current)
+    assert not changes, (
+        "The spec keys or protrain-run's options changed:\n"
+        + "\n".join(changes)
+        + f"\nIf the change is deliberate, run `{UPDATE_ENV}=1 .venv/bin/python -m pytest "
+        "tests/unit/test_surface_snapshot.py`, commit tests/unit/surface_snapshot.json with it, and "
+        "run `make spec-reference` if a spec key changed."
+    )
+
+
+def test_the_snapshot_holds_every_key_and_option() -> None:
+    """The snapshot is not vacuous: it names the spec's nested keys and both commands' options."""
+    frozen = json.loads(SNAPSHOT.read_text())
+    assert {"memory.ssd.n_offload", "launcher.dist_timeout_s", "optimizer.betas"} <= set(frozen["spec"])
+    assert frozen["spec"]["memory.device_budget"]["default"] == '"auto"'
+    assert {"--config", "--set", "--dry-run", "--nproc-per-node", "script"} <= set(frozen["protrain-run"])
+    assert {"--what-if", "--largest", "--seq-len"} <= set(frozen["protrain-run --what-if"])
