@@ -13,6 +13,8 @@ A record is recognised again by its storage's address while that storage is aliv
 reference to the storage itself tells; a freed address may be reused by a new tensor). It lives
 while any of its saved tensors does: autograd drops a saved tensor after using it, or when the
 graph is freed, and the record's host memory or file goes with the last one.
+
+``ActivationStats`` counts what happened to them, for tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -109,6 +111,28 @@ class StoredStorage:
         base = tensor._base
         if base is not None:  # a change through the base moves the same version counter
             self.watched.append((weakref.ref(base), version))
+
+
+@dataclass(slots=True)
+class ActivationStats:
+    """Counters since the engine started (tests and benchmarks read them)."""
+
+    records: int = 0
+    """Distinct storages sent away (swap or ssd)."""
+    dedup_hits: int = 0
+    """Saved tensors whose storage was already on its way (no second copy or file)."""
+    bytes_swapped_out: int = 0
+    bytes_swapped_in: int = 0
+    bytes_to_ssd: int = 0
+    bytes_from_ssd: int = 0
+    forwarded: int = 0
+    """Records served from memory in backward, their copy or write still in flight."""
+    served_live: int = 0
+    """Saved tensors served in backward from the original, still held elsewhere."""
+    kept_small: int = 0
+    wait_s: float = 0.0
+    """Seconds compute waited for activation transfers (exposed I/O): for bytes to come back
+    in backward, and for room among the writes in flight in forward."""
 
 
 class SavedActivation:
