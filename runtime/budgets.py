@@ -6,6 +6,7 @@ import psutil
 import torch
 
 from runtime.device import DeviceInfo
+from runtime.settings import PlanningSettings
 
 DEVICE_RESERVE_FRACTION = 0.05
 """Kept free on a CUDA device for the CUDA context, NCCL and allocator slack."""
@@ -25,3 +26,14 @@ def auto_device_budget(device: DeviceInfo, ranks_on_host: int) -> int:
 def auto_host_budget(ranks_on_host: int) -> int:
     """(available RAM - reserve) / ranks on this host."""
     return max(0, psutil.virtual_memory().available - HOST_RESERVE_BYTES) // max(1, ranks_on_host)
+
+
+def resolve_budgets(settings: PlanningSettings, device: DeviceInfo, *, ranks_on_host: int) -> tuple[int, int]:
+    """(device, host) budget bytes of this rank: the spec's, or measured where it says auto."""
+    device_budget = settings.device_budget_bytes
+    if device_budget is None:
+        device_budget = auto_device_budget(device, ranks_on_host)
+    host_budget = settings.host_budget_bytes
+    if host_budget is None:
+        host_budget = auto_host_budget(ranks_on_host)
+    return device_budget, host_budget

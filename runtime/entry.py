@@ -19,16 +19,15 @@ from rich.console import Console
 from torch import nn
 
 from profiler.plan import BlockMode, Plan
-from runtime.activations.manager import ActivationManager
-from runtime.activations.ssd_store import ActivationFileStore
+from runtime import live_engines
+from runtime.apply_plan import PlanTarget, apply_plan
+from runtime.batches import call_model, to_device
 from runtime.blocks import refuse_foreign_activation_handling
-from runtime.budgets import auto_device_budget, auto_host_budget
+from runtime.budgets import auto_device_budget, resolve_budgets
 from runtime.checkpoint.checkpointer import Checkpointer, CheckpointSettings
-from runtime.chunks.layout import ParamInfo, first_use_order, layout_from_params, model_params
-from runtime.chunks.manager import ChunkManager
+from runtime.chunks.layout import first_use_order, model_params
 from runtime.console import MetricsFile, ProgressReporter, plan_table
 from runtime.device import DeviceInfo, select_device
-from runtime import live_engines
 from runtime.distributed import (
     DistContext,
     all_reduce_min_,
@@ -37,20 +36,11 @@ from runtime.distributed import (
     init_distributed,
     release,
 )
-from runtime.engine import Engine, Rebuild
-from runtime.param_groups import split_decay
-from runtime.planning import (
-    COMPUTE_DTYPES,
-    call_model,
-    compute_element_size,
-    is_searchable,
-    knob_request,
-    make_plan,
-    model_blocks,
-    model_state_bytes,
-)
-from runtime.probes import ChunkedRun, ProfileOrigin
-from runtime.settings import TrainingSettings, settings_from_spec
+from runtime.engine import Engine
+from runtime.planner import Profilers, build_planner
+from runtime.planning import check_supported, model_blocks
+from runtime.replanner import Replanner
+from runtime.settings import PlanningSettings, planning_settings_from_spec, settings_from_spec
 from runtime.spec import AUTO, Spec
 from runtime.spec_io import (
     RESOLVED_SPEC_ENV,
@@ -98,6 +88,7 @@ def initialize(
     example_batch: Any = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     weights: WeightsSource | None = None,
+    profilers: Profilers | None = None,
 ) -> Engine:
     """Plan and build the Engine that trains ``model`` under the job spec.
 
@@ -105,10 +96,13 @@ def initialize(
     ``example_batch``: a batch of the largest shape the job will use, for planning up front.
     ``loss_fn(output) -> loss`` for profiling; default ``output.loss`` or a scalar output.
     ``weights``: a state dict, a safetensors directory, or ``fn(name, tensor) -> tensor``.
+    ``profilers``: the measuring functions planning calls (tests and benchmarks wrap them to
+    count or time the measurements; see ``runtime.planner.Profilers``).
     Under ``protrain-run --dry-run`` this prints the spec and plan and ends the process (exit 0).
     """
     resolved, run_dir = resolve_job(config)
     spec = resolved.spec
+    planning = planning_settings_from_spec(spec)
     # A model built on the meta device is never materialised whole: its parameters get stand-ins
     # and each is read from the weights straight into its chunk.
     streamed = weights is not None and any(p.is_meta for p in model.parameters())
@@ -118,14 +112,14 @@ def initialize(
     if reader is None:
         _refuse_meta(model)
     try:
-        refuse_foreign_activation_handling(model, model_blocks(model, spec.memory)[1])
+        refuse_foreign_activation_handling(model, model_blocks(model, planning)[1])
     except ValueError as err:
         raise SpecError(str(err)) from None
     device = select_device(env_int("LOCAL_RANK", 0))
     if reader is not None:
         install_placeholders_(model, device.device, reader)
     if resolved.dry_run:
-        _dry_run(model, resolved, example_batch, loss_fn, profile=reader is None)
+        _dry_run(model, resolved, planning, example_batch, loss_fn, profile=reader is None, profilers=profilers)
     # Another engine alive in this process (a teacher beside a student) owns the random streams
     # as they are: reseeding them here would change its dropout masks.
     reseed = not live_engines.others_alive()
@@ -150,6 +144,7 @@ def initialize(
             dist_ctx=dist_ctx,
             claim=claim,
             reseed=reseed,
+            profilers=profilers,
         )
     except BaseException:
         # The engine (once built) released both itself on the way out; before that, nothing did.
@@ -183,51 +178,37 @@ def _build_engine(
     dist_ctx: DistContext,
     claim: live_engines.EngineClaim,
     reseed: bool,
+    profilers: Profilers | None,
 ) -> Engine:
+    """The composition root: the model placed and seeded, its planner, the first plan applied,
+    the outputs, and the Engine over them (which then plans on the example batch, if the model
+    could not be profiled whole, and resumes from a checkpoint)."""
     spec = resolved.spec
-    budgets = (claim.device_budget_bytes, _budgets(spec, device, ranks_on_host=env_int("LOCAL_WORLD_SIZE", 1))[1])
-    if reader is None:
-        if device.is_cuda:
-            _refuse_oversized_move(model, free_bytes=torch.cuda.mem_get_info(device.device)[0])
-        model.to(device.device)
-        broadcast_module_(model, dist_ctx)  # streamed weights are the same file on every rank
-    if reseed:
-        # Rank-offset seed: dropout masks differ across ranks, as under DDP with per-rank seeds.
-        torch.manual_seed(spec.seed + dist_ctx.rank)
-    elif dist_ctx.is_main:
-        print(
-            f"protrain: engine {claim.label} shares this process's random streams with the engine(s) "
-            "already alive (not reseeded)",
-            flush=True,
-        )
-    example_batch = _to_device(example_batch, device.device)
+    training, planning = settings_from_spec(spec), planning_settings_from_spec(spec)
+    ranks_on_host = env_int("LOCAL_WORLD_SIZE", 1)
+    budgets = (claim.device_budget_bytes, resolve_budgets(planning, device, ranks_on_host=ranks_on_host)[1])
+    _place_model(model, reader, device, dist_ctx)
+    _seed(spec.seed, dist_ctx, claim, reseed=reseed)
+    example_batch = to_device(example_batch, device.device)
     params = model_params(model, _execution_order(model, example_batch, device))
-    # Every rank must run the same plan (collective order depends on it): agree on the smallest.
-    agreed = all_reduce_min_(torch.tensor(budgets, dtype=torch.float64), dist_ctx)
-    replanner: list[Callable[[int], Plan]] = []
-    first_batch: list[Callable[[Any, ChunkedRun | None], Plan | None]] = []
-    origin = ProfileOrigin()
-    plan = make_plan(
+    planner = build_planner(
         model,
-        spec,
+        planning,
         params=params,
         world_size=dist_ctx.world_size,
-        budgets=(int(agreed[0].item()), int(agreed[1].item())),
-        # Profiling the model whole needs it whole: one whose weights are streamed into chunks
-        # is profiled through the chunk engine below instead.
-        example_batch=example_batch if reader is None else None,
+        budgets=_agreed_budgets(budgets, dist_ctx),
         loss_fn=loss_fn,
         device=device,
         dist_ctx=dist_ctx,
-        replanner=replanner,
-        first_batch=first_batch,
-        origin=origin,
+        profilers=profilers,
     )
+    # Profiling the model whole needs it whole: one whose weights are streamed into chunks is
+    # profiled through the chunk engine instead (Engine.plan_on_batch, below).
+    plan = planner.initial_plan(example_batch if reader is None else None)
     _check_same_plan_everywhere(plan, dist_ctx)
-    _check_supported(plan, spec)
-    settings = settings_from_spec(spec)
-    chunks = _build_chunks(model, params, plan, settings, device, dist_ctx, reader)
-    activations = _build_activations(model, spec, plan, chunks, device, dist_ctx)
+    check_supported(plan, planning.precision)
+    target = PlanTarget(params=params, training=training, planning=planning, device=device, dist_ctx=dist_ctx)
+    chunks, activations = apply_plan(model, plan, target=target, weights=reader)
     reporter = ProgressReporter(
         total_steps=spec.scheduler.total_steps,
         enabled=dist_ctx.is_main,
@@ -237,35 +218,23 @@ def _build_engine(
     reporter.show_plan(plan)
     if metrics is not None:
         metrics.write({"event": "plan", "plan": plan.to_dict()})
-    checkpointer = Checkpointer(
-        chunks=chunks,
-        module=model,
-        dist_ctx=dist_ctx,
-        settings=_checkpoint_settings(spec),
-        seed=spec.seed,
-    )
     engine = Engine(
         module=model,
         plan=plan,
-        settings=settings,
+        settings=training,
         dist_ctx=dist_ctx,
         device=device,
         reporter=reporter,
         metrics=metrics,
         chunks=chunks,
         activations=activations,
-        checkpointer=checkpointer,
+        checkpointer=Checkpointer(
+            chunks=chunks, module=model, dist_ctx=dist_ctx, settings=_checkpoint_settings(spec), seed=spec.seed
+        ),
         stop=StopRequest(announce=dist_ctx.is_main).install(),
         claim=claim,
         loss_fn=loss_fn,
-        rebuild=Rebuild(
-            # Values come from the old layout (runtime.plan_switch), not from the parameters.
-            chunks=lambda new: _build_chunks(model, params, new, settings, device, dist_ctx, _Zeros(params)),
-            activations=lambda new, chunks: _build_activations(model, spec, new, chunks, device, dist_ctx),
-        ),
-        replan=(lambda budget: _search_again(replanner, budget)) if (replanner or first_batch) else None,
-        plan_from_batch=first_batch[0] if first_batch else None,
-        profile_origin=origin,
+        replanner=Replanner(planner=planner, model=model, target=target, log=reporter.print),
     )
     try:
         if example_batch is not None:
@@ -279,22 +248,33 @@ def _build_engine(
     return engine
 
 
-def _search_again(replanner: list[Callable[[int], Plan]], device_budget: int) -> Plan:
-    """The latest profile's search at another budget (a plan made on the first batch counts)."""
-    if not replanner:
-        raise ValueError("the plan was not searched from a profile")
-    return replanner[-1](device_budget)
+def _place_model(model: nn.Module, reader: WeightReader | None, device: DeviceInfo, dist_ctx: DistContext) -> None:
+    """A model held whole moves to the device, rank 0's values everywhere; streamed weights are
+    the same file on every rank and go straight into their chunks."""
+    if reader is not None:
+        return
+    if device.is_cuda:
+        _refuse_oversized_move(model, free_bytes=torch.cuda.mem_get_info(device.device)[0])
+    model.to(device.device)
+    broadcast_module_(model, dist_ctx)
 
 
-class _Zeros:
-    """A weight source of zeros of each parameter's shape: chunks built for a new plan are
-    filled from the old layout afterwards."""
+def _seed(seed: int, dist_ctx: DistContext, claim: live_engines.EngineClaim, *, reseed: bool) -> None:
+    if reseed:
+        # Rank-offset seed: dropout masks differ across ranks, as under DDP with per-rank seeds.
+        torch.manual_seed(seed + dist_ctx.rank)
+    elif dist_ctx.is_main:
+        print(
+            f"protrain: engine {claim.label} shares this process's random streams with the engine(s) "
+            "already alive (not reseeded)",
+            flush=True,
+        )
 
-    def __init__(self, params: tuple[ParamInfo, ...]) -> None:
-        self._shapes = {info.name: tuple(info.shape) for info in params}
 
-    def get(self, name: str) -> torch.Tensor:
-        return torch.zeros(self._shapes[name])
+def _agreed_budgets(budgets: tuple[int, int], dist_ctx: DistContext) -> tuple[int, int]:
+    """Every rank must run the same plan (collective order depends on it): agree on the smallest."""
+    agreed = all_reduce_min_(torch.tensor(budgets, dtype=torch.float64), dist_ctx)
+    return int(agreed[0].item()), int(agreed[1].item())
 
 
 def _checkpoint_settings(spec: Spec) -> CheckpointSettings:
@@ -310,67 +290,6 @@ def _checkpoint_settings(spec: Spec) -> CheckpointSettings:
     )
 
 
-def _build_activations(
-    model: nn.Module, spec: Spec, plan: Plan, chunks: ChunkManager, device: DeviceInfo, dist_ctx: DistContext
-) -> ActivationManager:
-    """The saved-tensor dispatcher carrying out the plan's block modes (and, with ssd blocks,
-    this rank's activation file store under memory.ssd.path)."""
-    _, blocks = model_blocks(model, spec.memory)
-    store = None
-    if BlockMode.SSD in plan.block_modes:
-        assert spec.memory.ssd.path is not None, "the spec validator requires ssd.path for ssd blocks"
-        try:
-            store = ActivationFileStore(Path(spec.memory.ssd.path).expanduser(), rank=dist_ctx.rank)
-        except OSError as err:
-            raise SpecError(f"memory.ssd.path: {err}") from None
-        if dist_ctx.is_main:
-            print(f"protrain: activation files under {store.run_dir} ({store.io_mode})", flush=True)
-    return ActivationManager(
-        blocks=blocks,
-        modes=plan.block_modes,
-        chunks=chunks,
-        device=device,
-        store=store,
-        model_buffers=model.buffers(),
-        expected_ssd_bytes=plan.predicted_ssd_bytes or 0,
-    )
-
-
-def _check_supported(plan: Plan, spec: Spec) -> None:
-    """Refuse, before any training step, model state that cannot fit the device budget."""
-    needed = model_state_bytes(plan, compute_element_size(spec.precision))
-    if needed > plan.device_budget_bytes:
-        raise SpecError(
-            f"memory.device_budget: the model state of this plan needs {needed / 2**20:.1f} MiB per rank "
-            f"(n_persist={plan.n_persist}, n_buffer={plan.n_buffer} chunks of "
-            f"{plan.chunk_size / 2**20:.2f} MiB) but the budget is "
-            f"{plan.device_budget_bytes / 2**20:.1f} MiB; raise the budget, or lower memory.n_persist"
-        )
-
-
-def _budgets(spec: Spec, device: DeviceInfo, *, ranks_on_host: int) -> tuple[int, int]:
-    """(device, host) budget bytes of this rank: the spec's, or measured where it says auto."""
-    memory = spec.memory
-    device_budget = (
-        auto_device_budget(device, ranks_on_host)
-        if memory.device_budget == AUTO
-        else int(memory.device_budget)
-    )
-    host_budget = auto_host_budget(ranks_on_host) if memory.host_budget == AUTO else int(memory.host_budget)
-    return device_budget, host_budget
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor in it moved to ``device`` (dicts, lists and tuples followed)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {key: _to_device(value, device) for key, value in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(value, device) for value in batch)
-    return batch
-
-
 def _execution_order(model: nn.Module, example_batch: Any, device: DeviceInfo) -> list[str] | None:
     """Parameter names in first-use order from a no-grad forward on ``example_batch`` (module
     order when there is none). The forward's random draws (dropout) are undone: recording the
@@ -379,44 +298,6 @@ def _execution_order(model: nn.Module, example_batch: Any, device: DeviceInfo) -
         return None
     with torch.random.fork_rng(devices=[device.device.index or 0] if device.is_cuda else []):
         return first_use_order(model, lambda: call_model(model, example_batch))
-
-
-def _build_chunks(
-    model: nn.Module,
-    params: tuple[ParamInfo, ...],
-    plan: Plan,
-    settings: TrainingSettings,
-    device: DeviceInfo,
-    dist_ctx: DistContext,
-    reader: WeightReader | _Zeros | None,
-) -> ChunkManager:
-    element_size = compute_element_size(settings.precision)
-    layout = layout_from_params(
-        params, chunk_numel=plan.chunk_size // element_size, world_size=plan.world_size
-    )
-    assert layout.num_chunks == plan.num_chunks, "the plan and the layout pack the same parameters"
-    optimizer = settings.optimizer
-    decay, _ = split_decay(model, optimizer.no_decay)
-    decayed = {entry.name for entry in decay}
-    weight_decay = [optimizer.weight_decay if info.name in decayed else 0.0 for info in params]
-    try:
-        return ChunkManager(
-            model=model,
-            layout=layout,
-            n_persist=plan.n_persist,
-            n_buffer=plan.n_buffer,
-            compute_dtype=COMPUTE_DTYPES[settings.precision],
-            device=device,
-            dist_ctx=dist_ctx,
-            weight_decay=weight_decay,
-            betas=optimizer.betas,
-            eps=optimizer.eps,
-            lr=optimizer.lr,
-            undo_snapshots=settings.gradient_clipping > 0,
-            read_param=None if reader is None else reader.get,
-        )
-    except ValueError as err:
-        raise SpecError(str(err)) from None
 
 
 def _check_same_plan_everywhere(plan: Plan, dist_ctx: DistContext) -> None:
@@ -496,42 +377,45 @@ def _new_run_dir(output_dir: Path) -> Path:
 def _dry_run(
     model: nn.Module,
     resolved: ResolvedSpec,
+    planning: PlanningSettings,
     example_batch: Any,
     loss_fn: Callable[[Any], torch.Tensor] | None,
     *,
     profile: bool,
+    profilers: Profilers | None,
 ) -> None:
     """Print the spec and the plan it resolves to, then end the process: no process group, no
     training step, no files. ``profile``: whether the model may be run whole to profile it."""
     console = Console(highlight=False)
     device = select_device(0)
-    example_batch = _to_device(example_batch, device.device)
+    example_batch = to_device(example_batch, device.device)
     params = model_params(model, _execution_order(model, example_batch, device))
-    plan = make_plan(
+    planner = build_planner(
         model,
-        resolved.spec,
+        planning,
         params=params,
         world_size=resolved.world_size,
-        budgets=_budgets(resolved.spec, device, ranks_on_host=resolved.world_size),
-        example_batch=example_batch if profile else None,
+        budgets=resolve_budgets(planning, device, ranks_on_host=resolved.world_size),
         loss_fn=loss_fn,
         device=device,
+        dist_ctx=None,
+        profilers=profilers,
     )
+    plan = planner.initial_plan(example_batch if profile else None)
     console.print(
         f"[bold]Spec[/bold] from {resolved.source}"
         + (f" with {', '.join(resolved.overrides)}" if resolved.overrides else "")
     )
     console.print_json(json.dumps(resolved.spec.model_dump(mode="json")))
     console.print(plan_table(plan, title=f"Plan for {resolved.world_size} rank(s)"))
-    searchable = is_searchable(knob_request(resolved.spec.memory), num_blocks=len(plan.block_modes))
-    if plan.predicted_step_s is None and searchable:
+    if plan.predicted_step_s is None and planner.searchable:
         console.print(
             "Not profiled here (no example batch, or weights streamed into chunks): the run starts "
             "under this rule, profiles a batch through the chunk engine and switches to the fastest "
             "plan that fits."
         )
     try:
-        _check_supported(plan, resolved.spec)
+        check_supported(plan, planning.precision)
     except SpecError as err:
         console.print(f"[red]This plan cannot run:[/red] {err}")
         raise SystemExit(2) from None

@@ -42,6 +42,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from runtime.distributed import DistContext, broadcast_object
 from runtime.durable import fsync_path
 
 TIED_METADATA_KEY = "protrain.tied"
@@ -347,3 +348,31 @@ def _move_into_place(tmp: Path, target: Path) -> None:
         os.replace(old, target)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def export_from_main_rank(
+    module: nn.Module,
+    state: dict[str, torch.Tensor],
+    target: Path,
+    *,
+    hf: bool,
+    dtype: torch.dtype | None,
+    dist_ctx: DistContext,
+) -> None:
+    """Rank 0 writes ``state`` (a safetensors file, or with ``hf`` a Hugging Face directory);
+    every rank calls it and learns how rank 0 did (none returns before the file exists, none
+    waits forever on a rank 0 that failed), and fails alike."""
+    failure: BaseException | None = None
+    if dist_ctx.is_main:
+        try:
+            if hf:
+                export_hf(module, state, target, dtype=dtype)
+            else:
+                export_safetensors(state, target, model=module, dtype=dtype)
+        except Exception as err:
+            failure = err
+    error = broadcast_object(None if failure is None else f"{type(failure).__name__}: {failure}", dist_ctx)
+    if failure is not None:
+        raise failure
+    if error is not None:
+        raise RuntimeError(f"export to {target} failed on rank 0: {error}")

@@ -20,7 +20,7 @@ through the engine keep the cache. A ``use_cache`` the caller passes explicitly 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from torch import nn
@@ -55,6 +55,28 @@ CACHE_OFF_NOTE = (
     "from their forward and keep activations alive (pass use_cache explicitly to override)"
 )
 """What the engine prints once, on rank 0, the first time it turns a cache off."""
+
+
+class TrainingCaches:
+    """One engine's model caches: off in its training forwards and backwards, the note said once
+    (``log``) when that changes what the caller's forward does."""
+
+    def __init__(self, model: nn.Module, *, log: Callable[[str], None]) -> None:
+        self._configs = cache_configs(model)
+        self._log = log
+        self._noted = False
+
+    @contextlib.contextmanager
+    def off(self, training: bool, *, note: bool) -> Iterator[None]:
+        """Caches off when ``training``; ``note``: say so, once, if one was on."""
+        if not training:
+            yield
+            return
+        with caches_off(self._configs) as turned_off:
+            if turned_off and note and not self._noted:
+                self._noted = True
+                self._log(CACHE_OFF_NOTE)
+            yield
 
 
 def refuse_cache_with_recompute(kwargs: dict[str, Any], *, recomputes: bool) -> None:

@@ -1,4 +1,6 @@
-"""Plain training settings taken from the spec once, in ``initialize``.
+"""Plain settings taken from the spec once, in ``initialize``: the training settings (what the
+Engine and the chunk engine follow) and the planning settings (what the Planner, the budgets and
+``apply_plan`` read).
 
 Components below ``initialize`` take these values, never the pydantic spec.
 """
@@ -6,8 +8,19 @@ Components below ``initialize`` take these values, never the pydantic spec.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from runtime.spec import DEFAULT_MIN_LR_RATIO, NonFiniteLossPolicy, Precision, SchedulerType, Spec
+from profiler.plan_builder import KnobRequest
+from runtime.spec import (
+    AUTO,
+    DEFAULT_MIN_LR_RATIO,
+    MemorySpec,
+    NonFiniteLossPolicy,
+    Precision,
+    SchedulerType,
+    Spec,
+    auto_fields,
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,3 +93,63 @@ def settings_from_spec(spec: Spec) -> TrainingSettings:
         ),
         dist_timeout_s=spec.launcher.dist_timeout_s,
     )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanningSettings:
+    """The spec's memory and profiler sections, and what planning reads of the rest."""
+
+    precision: Precision
+    micro_batch_size: int
+    request: KnobRequest
+    """The memory knobs: a number where set by hand, None where "auto"."""
+    chosen: tuple[str, ...]
+    """The ``memory.*`` keys left "auto" (the plan table says the planner chose them)."""
+    blocks_path: str | None
+    """``memory.blocks``: the module path of the block list; None finds it."""
+    ssd_path: Path | None
+    """``memory.ssd.path``, expanded; None: no SSD tier."""
+    device_budget_bytes: int | None
+    """Per rank; None: "auto" (measured, see ``runtime.budgets``)."""
+    host_budget_bytes: int | None
+    undo_snapshots: bool
+    """Gradient clipping is on, so early CPU-Adam updates keep an undo copy (the search counts it)."""
+    cache_dir: Path
+    """``profiler.cache_dir``, expanded."""
+    warmup_steps: int
+    profile_steps: int
+
+
+def planning_settings_from_spec(spec: Spec) -> PlanningSettings:
+    memory = spec.memory
+    return PlanningSettings(
+        precision=spec.precision,
+        micro_batch_size=spec.micro_batch_size,
+        request=knob_request(memory),
+        chosen=tuple(path for path in auto_fields(spec) if path.startswith("memory.")),
+        blocks_path=None if memory.blocks == AUTO else str(memory.blocks),
+        ssd_path=None if memory.ssd.path is None else Path(memory.ssd.path).expanduser(),
+        device_budget_bytes=_knob(memory.device_budget),
+        host_budget_bytes=_knob(memory.host_budget),
+        undo_snapshots=bool(spec.gradient_clipping),
+        cache_dir=Path(spec.profiler.cache_dir).expanduser(),
+        warmup_steps=spec.profiler.warmup_steps,
+        profile_steps=spec.profiler.profile_steps,
+    )
+
+
+def knob_request(memory: MemorySpec) -> KnobRequest:
+    """The spec's memory knobs: a number where set by hand, None where "auto"."""
+    return KnobRequest(
+        chunk_size=_knob(memory.chunk_size),
+        n_persist=_knob(memory.n_persist),
+        n_buffer=_knob(memory.n_buffer),
+        n_swap=_knob(memory.n_swap),
+        n_checkpoint=_knob(memory.n_checkpoint),
+        n_offload=_knob(memory.ssd.n_offload),
+        block_modes=memory.block_modes,
+    )
+
+
+def _knob(value: int | str) -> int | None:
+    return None if value == AUTO else int(value)

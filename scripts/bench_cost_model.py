@@ -16,8 +16,8 @@ Method, per model:
 1. Profile. ``runtime.initialize`` with an example batch and ``memory.chunk_size`` set (so the
    model splits into at least ``--min-chunks`` chunks), ``n_persist``/``n_buffer`` "auto":
    it profiles the model and the machine and the search chooses the plan. ``profile_model`` and
-   ``hardware_profile`` are wrapped in ``runtime.planning``'s namespace for the duration of that
-   call (no runtime file changes) to keep the profiles they return and time them. That engine is
+   ``hardware_profile`` are passed to it wrapped (``runtime.planner.Profilers``) to keep the
+   profiles they return and time them. That engine is
    closed at once; every plan, the chosen one included, is then built alike (step 2).
 2. Plans. The chosen plan and up to four hand-set ones at the same chunk size: all chunks
    persistent; half persistent with the fewest buffers; nothing persistent with the fewest
@@ -77,7 +77,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,7 +86,6 @@ import torch
 from bench_common import SEED, Batch, build_gpt, derive_chunk_size, make_batches
 
 import runtime
-import runtime.planning as planning
 from profiler.activation_cost import activation_options
 from profiler.analytic import KNOWN_CONFIGS, analytic_profile, shape_from_config
 from profiler.cost_model import Prediction, chunk_costs, predict
@@ -95,6 +94,9 @@ from profiler.search import search
 from runtime.device import malloc_in_use_bytes
 from runtime.engine import Engine
 from runtime.hardware_spec import load_hardware
+from runtime.model_profiling import profile_model
+from runtime.planner import Profilers
+from runtime.probes import hardware_profile
 from runtime.models.gpt import GPTConfig
 from runtime.spec_io import SpecError
 from runtime.what_if import machine_from_file
@@ -204,11 +206,13 @@ def job_spec(
     }
 
 
-def quiet_initialize(config: GPTConfig, spec: dict[str, Any], batch: Batch) -> Engine:
+def quiet_initialize(
+    config: GPTConfig, spec: dict[str, Any], batch: Batch, profilers: Profilers | None = None
+) -> Engine:
     """``runtime.initialize`` on a freshly built model, with the plan table and the progress
     lines sent to a buffer (the engine's console binds stdout when it is built)."""
     with contextlib.redirect_stdout(io.StringIO()):
-        return runtime.initialize(build_gpt(config), config=spec, example_batch=batch)
+        return runtime.initialize(build_gpt(config), config=spec, example_batch=batch, profilers=profilers)
 
 
 def release_heap() -> None:
@@ -238,10 +242,9 @@ class Profiled:
     initialize_s: float
 
 
-@contextlib.contextmanager
-def capture_profiles(record: dict[str, tuple[Any, float]]) -> Iterator[None]:
-    """Wrap ``profile_model`` and ``hardware_profile`` where ``runtime.planning`` calls them,
-    keeping each one's result and seconds under "model" / "hardware"."""
+def capture_profiles(record: dict[str, tuple[Any, float]]) -> Profilers:
+    """``profile_model`` and ``hardware_profile`` wrapped to keep each one's result and seconds
+    under "model" / "hardware"."""
 
     def timed(original: Callable[..., Any], key: str) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -252,13 +255,7 @@ def capture_profiles(record: dict[str, tuple[Any, float]]) -> Iterator[None]:
 
         return wrapper
 
-    originals = planning.profile_model, planning.hardware_profile
-    planning.profile_model = timed(originals[0], "model")  # type: ignore[assignment]
-    planning.hardware_profile = timed(originals[1], "hardware")  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        planning.profile_model, planning.hardware_profile = originals  # type: ignore[assignment]
+    return Profilers(model=timed(profile_model, "model"), hardware=timed(hardware_profile, "hardware"))
 
 
 def profile(
@@ -267,8 +264,7 @@ def profile(
     record: dict[str, tuple[Any, float]] = {}
     spec = job_spec(args, *dirs, {"chunk_size": chunk_size})
     started = time.perf_counter()
-    with capture_profiles(record):
-        engine = quiet_initialize(config, spec, batch)
+    engine = quiet_initialize(config, spec, batch, capture_profiles(record))
     initialize_s = time.perf_counter() - started
     with engine:
         plan = engine.plan

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.engine import NonFiniteLossError
+from runtime.update import NonFiniteLossError
 from tests.distributed.pool import RankPool, RemoteError
 from tests.helpers import (
     assert_state_close,

@@ -15,9 +15,10 @@ from profiler.plan import BlockMode
 from profiler.profile import ModelProfile
 from runtime.blocks import find_blocks
 from runtime.chunks.residency import Residency
-from runtime.engine import Engine, chunked_run
-from runtime.planning import call_model
-from runtime.probes import ChunkedRun
+from runtime.batches import call_model
+from runtime.engine import Engine
+from runtime.model_profiling import ChunkedRun
+from runtime.replanner import chunked_run
 from tests.helpers import assert_state_equal, lm_batches, tiny_gpt, train_reference, train_updates
 from tests.unit.test_planning import fp32_profile, job
 

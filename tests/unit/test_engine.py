@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import runtime
-from runtime.engine import NonFiniteLossError
+from runtime.update import NonFiniteLossError
 from tests.helpers import (
     assert_matches_reference,
     assert_state_equal,

@@ -15,9 +15,10 @@ import torch
 
 import runtime
 import runtime.engine
-import runtime.planning
 from runtime.engine import Engine
+from runtime.model_profiling import profile_model
 from runtime.plan_check import CHECK_AFTER_UPDATES
+from runtime.planner import Profilers
 from tests.helpers import lm_batches, tiny_gpt, train_updates
 
 
@@ -36,8 +37,9 @@ def example() -> dict[str, torch.Tensor]:
     return lm_batches(micro_batch_size=2, accumulation=1, world_size=1).batch(0, 0, 0)
 
 
-def start(tmp_path: Path, run: str) -> Engine:
-    return runtime.initialize(tiny_gpt(), config=job(tmp_path, run), example_batch=example())
+def start(tmp_path: Path, run: str, profilers: Profilers | None = None) -> Engine:
+    config = job(tmp_path, run)
+    return runtime.initialize(tiny_gpt(), config=config, example_batch=example(), profilers=profilers)
 
 
 def train_at(engine: Engine, step_s: float, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,14 +107,12 @@ def test_a_stale_cached_profile_is_named_dropped_and_measured_at_the_next_launch
     assert cache_entries(tmp_path) == [], "the stale entries are gone from the cache"
 
     profiled: list[int] = []
-    real = runtime.planning.profile_model
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         profiled.append(1)
-        return real(*args, **kwargs)
+        return profile_model(*args, **kwargs)
 
-    monkeypatch.setattr(runtime.planning, "profile_model", counted)
-    again = start(tmp_path, "again")
+    again = start(tmp_path, "again", Profilers(model=counted))
     again.close()
     assert profiled, "the next launch measured the model again"
     assert len(cache_entries(tmp_path)) == 2  # measured and cached again

@@ -16,8 +16,9 @@ from profiler.profile import ModelProfile
 from runtime.blocks import find_blocks
 from runtime.chunks.layout import model_params
 from runtime.device import select_device
-from runtime.planning import call_model, default_loss
-from runtime.probes import profile_model
+from runtime.batches import call_model, default_loss
+from runtime.model_profiling import profile_model
+from runtime.planner import Profilers
 from runtime.spec_io import SpecError
 from tests.helpers import assert_state_equal, lm_batches, tiny_gpt, train_reference
 
@@ -260,8 +261,6 @@ def test_a_batch_larger_than_the_profiled_one_is_refused(tmp_path: Path) -> None
 def test_profiles_are_cached_by_model_batch_and_machine(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import runtime.planning as planning
-
     config = job(tmp_path, device_budget="2MiB")
     first = runtime.initialize(tiny_gpt(), config=config, example_batch=example())
     first.close()
@@ -271,18 +270,20 @@ def test_profiles_are_cached_by_model_batch_and_machine(
     def no_profiling(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the cached profile should have been used")
 
-    monkeypatch.setattr(planning, "profile_model", no_profiling)
-    again = runtime.initialize(tiny_gpt(), config=config, example_batch=example())
+    cached_only = Profilers(model=no_profiling)
+    again = runtime.initialize(tiny_gpt(), config=config, example_batch=example(), profilers=cached_only)
     knobs = ("chunk_size", "n_persist", "n_buffer", "predicted_step_s", "predicted_peak_device_bytes")
     assert [getattr(again.plan, k) for k in knobs] == [getattr(first.plan, k) for k in knobs]
     again.close()
     # Another batch shape is another profile; so is a refresh.
     bigger = lm_batches(micro_batch_size=4, accumulation=1, world_size=1).batch(0, 0, 0)
     with pytest.raises(AssertionError, match="cached profile"):
-        runtime.initialize(tiny_gpt(), config={**config, "micro_batch_size": 4}, example_batch=bigger)
+        runtime.initialize(
+            tiny_gpt(), config={**config, "micro_batch_size": 4}, example_batch=bigger, profilers=cached_only
+        )
     monkeypatch.setenv("PROTRAIN_REFRESH_PROFILE", "1")
     with pytest.raises(AssertionError, match="cached profile"):
-        runtime.initialize(tiny_gpt(), config=config, example_batch=example())
+        runtime.initialize(tiny_gpt(), config=config, example_batch=example(), profilers=cached_only)
 
 
 class _Timed(torch.nn.Module):
@@ -315,10 +316,10 @@ def test_profiling_stops_once_steps_agree(
 ) -> None:
     import types
 
-    from runtime import probes
+    from runtime import model_profiling
 
     clock = [0.0]
-    monkeypatch.setattr(probes, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(model_profiling, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     model = _Timed(durations, clock)
     x = torch.ones(4)
     fp32_profile(model, lambda: model(x), batch_shape=(4,), profile_steps=3)

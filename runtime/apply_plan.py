@@ -1,0 +1,140 @@
+"""``apply_plan(model, plan)``: a Plan carried out on a model, as its two managers.
+
+- the chunk manager (``runtime.chunks``): model state in chunks of the plan's size, the first
+  ``n_persist`` on the device, the others passing through ``n_buffer`` device buffers;
+- the activation manager (``runtime.activations``): the plan's mode for each block, with this
+  rank's activation file store when blocks go to disk.
+
+``initialize`` applies the first plan (values from the model's parameters, or streamed from the
+weights); a plan switch (``Engine.switch_plan``) applies the next one over the same parameters,
+the training state then moved over from the old chunks in memory (``runtime.plan_switch``). Policy
+applied to mechanism by one plain function, as torchtitan's ``apply_fsdp`` and ``apply_ac`` do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from profiler.plan import BlockMode, Plan
+from runtime.activations.manager import ActivationManager
+from runtime.activations.ssd_store import ActivationFileStore
+from runtime.chunks.layout import ParamInfo, layout_from_params
+from runtime.chunks.manager import ChunkManager
+from runtime.device import DeviceInfo
+from runtime.distributed import DistContext
+from runtime.param_groups import split_decay
+from runtime.plan_switch import move_state
+from runtime.planning import COMPUTE_DTYPES, compute_element_size, model_blocks
+from runtime.settings import PlanningSettings, TrainingSettings
+from runtime.spec_io import SpecError
+from runtime.weights import WeightReader
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanTarget:
+    """What every plan of one engine is applied to: the model's parameters in first-use order,
+    the settings, the device and the engine's process group."""
+
+    params: tuple[ParamInfo, ...]
+    training: TrainingSettings
+    planning: PlanningSettings
+    device: DeviceInfo
+    dist_ctx: DistContext
+
+
+def apply_plan(
+    model: nn.Module,
+    plan: Plan,
+    *,
+    target: PlanTarget,
+    weights: WeightReader | None = None,
+    state_from: ChunkManager | None = None,
+) -> tuple[ChunkManager, ActivationManager]:
+    """The chunk and activation managers that carry out ``plan`` on ``model``. Parameter values
+    come from the model's parameters, from ``weights`` (a model built on the meta device), or
+    from ``state_from``: another plan's chunks over the same parameters, whose parameters,
+    moments and step counts move into the new layout (every rank calls it then; the caller
+    closes the old managers, the old activation manager before this call: the new one may
+    reuse its file directory)."""
+    if state_from is not None:
+        read_param: Callable[[str], torch.Tensor] | None = _zeros(target.params)
+    else:
+        read_param = None if weights is None else weights.get
+    chunks = _build_chunks(model, plan, target, read_param)
+    if state_from is not None:
+        move_state(state_from, chunks, target.dist_ctx)
+    return chunks, _build_activations(model, plan, chunks, target)
+
+
+def _zeros(params: tuple[ParamInfo, ...]) -> Callable[[str], torch.Tensor]:
+    """Zeros of each parameter's shape: the chunks of a plan switch are built empty, their
+    values then moved in from the old layout (the parameters themselves are chunk views)."""
+    shapes = {info.name: tuple(info.shape) for info in params}
+    return lambda name: torch.zeros(shapes[name])
+
+
+def _build_chunks(
+    model: nn.Module,
+    plan: Plan,
+    target: PlanTarget,
+    read_param: Callable[[str], torch.Tensor] | None,
+) -> ChunkManager:
+    settings = target.training
+    element_size = compute_element_size(settings.precision)
+    layout = layout_from_params(
+        target.params, chunk_numel=plan.chunk_size // element_size, world_size=plan.world_size
+    )
+    assert layout.num_chunks == plan.num_chunks, "the plan and the layout pack the same parameters"
+    optimizer = settings.optimizer
+    decay, _ = split_decay(model, optimizer.no_decay)
+    decayed = {entry.name for entry in decay}
+    weight_decay = [optimizer.weight_decay if info.name in decayed else 0.0 for info in target.params]
+    try:
+        return ChunkManager(
+            model=model,
+            layout=layout,
+            n_persist=plan.n_persist,
+            n_buffer=plan.n_buffer,
+            compute_dtype=COMPUTE_DTYPES[settings.precision],
+            device=target.device,
+            dist_ctx=target.dist_ctx,
+            weight_decay=weight_decay,
+            betas=optimizer.betas,
+            eps=optimizer.eps,
+            lr=optimizer.lr,
+            undo_snapshots=settings.gradient_clipping > 0,
+            read_param=read_param,
+        )
+    except ValueError as err:
+        raise SpecError(str(err)) from None
+
+
+def _build_activations(
+    model: nn.Module, plan: Plan, chunks: ChunkManager, target: PlanTarget
+) -> ActivationManager:
+    """The saved-tensor dispatcher carrying out the plan's block modes (and, with ssd blocks,
+    this rank's activation file store under memory.ssd.path)."""
+    _, blocks = model_blocks(model, target.planning)
+    store = None
+    if BlockMode.SSD in plan.block_modes:
+        ssd_path = target.planning.ssd_path
+        assert ssd_path is not None, "the spec validator requires ssd.path for ssd blocks"
+        try:
+            store = ActivationFileStore(ssd_path, rank=target.dist_ctx.rank)
+        except OSError as err:
+            raise SpecError(f"memory.ssd.path: {err}") from None
+        if target.dist_ctx.is_main:
+            print(f"protrain: activation files under {store.run_dir} ({store.io_mode})", flush=True)
+    return ActivationManager(
+        blocks=blocks,
+        modes=plan.block_modes,
+        chunks=chunks,
+        device=target.device,
+        store=store,
+        model_buffers=model.buffers(),
+        expected_ssd_bytes=plan.predicted_ssd_bytes or 0,
+    )

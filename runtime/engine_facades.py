@@ -1,0 +1,196 @@
+"""The Engine's facades, around its call protocol: DeepSpeed-style accessors, the model's state
+dict, data loaders whose position checkpoints save, checkpoints, and export.
+
+``EngineFacades`` is the base class of ``runtime.engine.Engine`` and holds nothing of its own: it
+reads the attributes the Engine sets (declared below), so that ``engine.py`` stays the call
+protocol (forward, backward, step) and the plan in force.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from runtime.checkpoint.checkpointer import Checkpointer
+from runtime.checkpoint.store import Checkpoint, CheckpointError
+from runtime.chunks.manager import ChunkManager
+from runtime.console import ProgressReporter
+from runtime.device import DeviceInfo
+from runtime.distributed import DistContext
+from runtime.loaders import DataPosition
+from runtime.loss_scale import DynamicLossScaler
+from runtime.sampler import ShardedSampler
+from runtime.settings import TrainingSettings
+
+_E = TypeVar("_E", bound="EngineFacades")
+
+
+class EngineFacades:
+    """Accessors, state dict, data, checkpoints and export of an Engine."""
+
+    module: nn.Module
+    settings: TrainingSettings
+    dist_ctx: DistContext
+    device_info: DeviceInfo
+    chunks: ChunkManager
+    checkpointer: Checkpointer
+    data_position: DataPosition
+    loss_scaler: DynamicLossScaler | None
+    global_step: int
+    skipped_steps: int
+    samples_consumed: int
+    micro_step: int
+    resumed_from: Path | None
+    _torn: str | None
+
+    _reporter: ProgressReporter
+
+    def log(self, text: str) -> None:
+        """Print on rank 0 only."""
+        self._reporter.print(text)
+
+    # ---------------------------------------------------------------- accessors
+
+    @property
+    def device(self) -> torch.device:
+        return self.device_info.device
+
+    @property
+    def rank(self) -> int:
+        return self.dist_ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dist_ctx.world_size
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.settings.micro_batch_size
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.settings.gradient_accumulation_steps
+
+    # ---------------------------------------------------------------- using the model
+
+    def train(self: _E, mode: bool = True) -> _E:
+        self.module.train(mode)
+        return self
+
+    def eval(self: _E) -> _E:
+        self.module.eval()
+        return self
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full-precision parameters (gathered from every rank's shard) and buffers, by the
+        model's own names (a tied parameter under each of its names); detached copies."""
+        params = self.chunks.full_parameters()
+        result: dict[str, torch.Tensor] = {}
+        for name, tensor in self.module.state_dict().items():
+            result[name] = params[name] if name in params else tensor.detach().clone()
+        return result
+
+    def export(
+        self, path: str | os.PathLike[str], *, hf: bool = False, dtype: torch.dtype | None = None
+    ) -> Path:
+        """Write the trained weights for use without ProTrain (every rank calls it; rank 0
+        writes): one consolidated safetensors file at ``path`` (tied weights stored once, see
+        ``runtime.export``), or with ``hf=True`` a Hugging Face directory for a transformers
+        model. ``dtype`` casts floating tensors (e.g. ``torch.bfloat16``); default fp32."""
+        from runtime.export import export_from_main_rank
+
+        state = self.state_dict()  # a collective: every rank takes part in the gathers
+        target = Path(path)
+        export_from_main_rank(self.module, state, target, hf=hf, dtype=dtype, dist_ctx=self.dist_ctx)
+        self.log(f"exported {'Hugging Face directory' if hf else 'safetensors'} {target}")
+        return target
+
+    # ---------------------------------------------------------------- data
+
+    def data_sampler(self, num_samples: int, *, shuffle: bool = True) -> ShardedSampler:
+        """A sampler over a dataset of ``num_samples`` for this rank (batch size
+        ``micro_batch_size``) whose position is saved with every checkpoint and restored on
+        resume, so a resumed run sees exactly the batches the uninterrupted run would have. Give
+        the DataLoader a ``generator`` of its own, or use ``data_loader``."""
+        return self.data_position.make_sampler(num_samples, shuffle=shuffle)
+
+    def data_loader(self, dataset: Dataset[Any], **loader_args: Any) -> DataLoader[Any]:
+        """A ``DataLoader`` over ``dataset`` with this rank's resumable ``data_sampler`` and
+        ``micro_batch_size``; other arguments (``num_workers``, ``collate_fn``...) pass through.
+        It draws its worker seeds from a generator of its own: a plain DataLoader draws them from
+        the global random stream each time it starts an epoch, so a resumed run, which starts
+        one at a different step, would see different dropout masks than the uninterrupted run."""
+        return self.data_position.make_loader(dataset, **loader_args)
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, directory: str | os.PathLike[str] | None = None) -> Path:
+        """Save the training state as ``<directory>/step-<global_step>`` (default: the spec's
+        ``checkpoint.dir``); every rank calls it, between updates. Returns the checkpoint's path
+        (with ``async_save``, where it will be once written)."""
+        root = Path(directory) if directory is not None else self.checkpointer.settings.dir
+        if root is None:
+            raise ValueError("save_checkpoint needs a directory: pass one or set checkpoint.dir")
+        if self.micro_step % self.settings.gradient_accumulation_steps != 0:
+            raise RuntimeError(
+                "save_checkpoint in the middle of an accumulation window: call it after engine.step() "
+                "has updated the parameters"
+            )
+        path = self.checkpointer.save(Path(root), step=self.global_step, trainer_state=self._trainer_state())
+        background = " (being written in the background)" if self.checkpointer.settings.async_save else ""
+        self.log(f"checkpoint {path}{background}")
+        return path
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {
+            "skipped_steps": self.skipped_steps,
+            "samples_consumed": self.samples_consumed,
+            "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
+            "data": self.data_position.state_dict(),
+            "seed": self.settings.seed,
+            "precision": self.settings.precision.value,
+        }
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> Path:
+        """Continue from a checkpoint: ``path`` is one checkpoint directory or a checkpoint root
+        (its latest complete checkpoint is taken). Parameters, Adam state, step counts, loss
+        scale, random streams and data position are restored; the world size may differ."""
+        return self._load(self.checkpointer.locate(Path(path)))
+
+    def resume(self) -> Path | None:
+        """What ``initialize`` does with ``checkpoint.resume``: auto loads the latest complete
+        checkpoint in ``checkpoint.dir`` if there is one, a path loads that, never nothing."""
+        settings = self.checkpointer.settings
+        if settings.resume == "never":
+            return None
+        if settings.resume != "auto":
+            return self.load_checkpoint(settings.resume)
+        if settings.dir is None:
+            return None
+        found = self.checkpointer.latest(settings.dir)
+        return None if found is None else self._load(found)
+
+    def _load(self, checkpoint: Checkpoint) -> Path:
+        if self.micro_step % self.settings.gradient_accumulation_steps != 0:
+            raise RuntimeError("load_checkpoint in the middle of an accumulation window")
+        manifest = self.checkpointer.load(checkpoint, log=self.log)
+        self._torn = None  # every parameter and moment comes from the checkpoint again
+        try:
+            self.global_step = int(manifest["global_step"])
+            self.skipped_steps = int(manifest["skipped_steps"])
+            self.samples_consumed = int(manifest["samples_consumed"])
+            scaler = manifest["loss_scaler"]
+            data = manifest["data"]
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{checkpoint.path}: manifest lacks {err}") from err
+        if self.loss_scaler is not None and scaler is not None:
+            self.loss_scaler.load_state_dict(scaler)
+        self.data_position.load_state_dict(data)
+        self.resumed_from = checkpoint.path
+        self.log(f"resumed from {checkpoint.path} (update {self.global_step})")
+        return checkpoint.path

@@ -1,0 +1,292 @@
+"""The model-profiling run: forward, loss and backward on a batch with the profiler's
+instruments attached (per block forward time and saved bytes, backward time, the transient
+peak), returned as the profiler's plain ``ModelProfile``.
+
+The model is profiled either before it is chunked, its parameters where the caller put them
+(the model fits the device), or through the chunk engine (``ChunkedRun``: chunks gathered as
+training gathers them, the time compute waits for them taken off the clock), which is how a
+model whose state does not fit the device is profiled. Backward time per block is the measured
+backward total shared in proportion to forward time (per block backward hooks would wrap every
+block's outputs). Every rank must plan alike, so ``agree_model`` takes the longest times and
+the most bytes of any rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from profiler.instruments import OUTSIDE, BlockTimer, PeakSampler, SavedBytes
+from profiler.profile import BlockProfile, ModelProfile
+from runtime.chunks.layout import ParamInfo
+from runtime.device import DeviceInfo, device_allocated_bytes, synchronize
+from runtime.distributed import DistContext, all_reduce_min_
+
+STEADY_STEPS = 0.05
+"""Profiling steps stop once one's wall time is within this fraction of the one before."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkedRun:
+    """The chunk engine's side of a profiling step run through it (see
+    ``ChunkManager.profiling``): gradients are dropped there, not by the profiler."""
+
+    pack: Callable[[torch.Tensor], Any]
+    """A saved tensor's stand-in: a recipe for a view of a chunk buffer slot, else the tensor."""
+    unpack: Callable[[Any], torch.Tensor]
+    model_state: Callable[[], set[int]]
+    """Storage addresses of chunk memory: saved there, a tensor is model state, not activation."""
+    stall_s: Callable[[], float]
+    """Seconds compute has waited for chunks so far: off the profiler's clock."""
+    end_forward: Callable[[], None]
+    """The forward (and loss) is over: chunks it pinned may be evicted in backward."""
+    end_step: Callable[[], None]
+    """The step is over: wait for the side stream (the main thread issues collectives next)."""
+
+
+def profile_model(
+    model: nn.Module,
+    run_forward: Callable[[], Any],
+    *,
+    loss_fn: Callable[[Any], torch.Tensor],
+    params: tuple[ParamInfo, ...],
+    blocks: list[nn.Module],
+    block_path: str,
+    module_params: list[list[int]],
+    batch_shape: tuple[int, ...],
+    precision: str,
+    element_size: int,
+    device: DeviceInfo,
+    warmup_steps: int,
+    profile_steps: int,
+    chunked: ChunkedRun | None = None,
+    agree_max: Callable[[float], float] = lambda seconds: seconds,
+) -> ModelProfile:
+    """Forward, loss and backward on the example batch, ``warmup_steps`` uninstrumented then
+    up to ``profile_steps`` instrumented (the fastest kept). Measuring stops early once a step's
+    wall time is within ``STEADY_STEPS`` of the step before it: the figures have settled, and
+    each further step only adds to what profiling costs (a step of training, every one).
+    Gradients are cleared afterwards and the random number generators restored, so training
+    sees the model exactly as before (module buffers, e.g. running statistics, included).
+    ``chunked``: the steps run through the chunk engine (which drops their gradients).
+    ``agree_max(seconds)``: the largest of every rank's figure, so that all ranks stop after
+    the same step (their steps issue collectives under the chunk engine)."""
+    devices = [device.device.index or 0] if device.is_cuda else []
+    runs: list[dict[str, Any]] = []
+    buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+    with torch.random.fork_rng(devices=devices):
+        previous_s: float | None = None
+        for _ in range(warmup_steps):
+            started = time.perf_counter()
+            _one_step(model, run_forward, loss_fn, blocks, device, instruments=False, chunked=chunked)
+            previous_s = agree_max(time.perf_counter() - started)
+        for _ in range(max(1, profile_steps)):
+            started = time.perf_counter()
+            runs.append(
+                _one_step(model, run_forward, loss_fn, blocks, device, instruments=True, chunked=chunked)
+            )
+            wall_s = agree_max(time.perf_counter() - started)
+            if previous_s is not None and abs(wall_s - previous_s) <= STEADY_STEPS * wall_s:
+                break
+            previous_s = wall_s
+    with torch.no_grad():
+        for buffer, saved in buffers:
+            buffer.copy_(saved)
+    if chunked is None:
+        for param in model.parameters():
+            param.grad = None
+    fastest = min(runs, key=lambda run: run["forward_s"] + run["backward_s"])
+    timer: BlockTimer = fastest["timer"]
+    saved: SavedBytes = fastest["saved"]
+    forward_total = max(timer.total_s, 1e-12)
+    backward_per_forward = fastest["backward_s"] / forward_total
+    param_block = _param_blocks(params, block_path, len(blocks))
+    return ModelProfile(
+        batch_shape=batch_shape,
+        precision=precision,
+        element_size=element_size,
+        param_sizes=tuple((p.numel, p.trainable) for p in params),
+        param_block=param_block,
+        module_params=tuple(tuple(m) for m in module_params if m),
+        blocks=tuple(
+            BlockProfile(
+                forward_s=timer.forward_s[i],
+                backward_s=timer.forward_s[i] * backward_per_forward,
+                activation_bytes=saved.per_block[i],
+                input_bytes=fastest["input_bytes"][i],
+            )
+            for i in range(len(blocks))
+        ),
+        other_forward_s=timer.outside_s,
+        other_backward_s=timer.outside_s * backward_per_forward,
+        other_activation_bytes=saved.outside,
+        transient_bytes=max(0, *(run["transient"] for run in runs)),
+    )
+
+
+def agree_model(profile: ModelProfile, dist_ctx: DistContext) -> ModelProfile:
+    """The longest times and the most bytes of any rank, per block."""
+    if dist_ctx.world_size == 1:
+        return profile
+    numbers = [
+        profile.other_forward_s,
+        profile.other_backward_s,
+        profile.other_activation_bytes,
+        profile.transient_bytes,
+    ]
+    for block in profile.blocks:
+        numbers += [block.forward_s, block.backward_s, block.activation_bytes, block.input_bytes]
+    values = -torch.tensor(numbers, dtype=torch.float64)
+    all_reduce_min_(values, dist_ctx)  # min of negatives: the maximum
+    most = (-values).tolist()
+    body = profile.to_dict()
+    body.update(
+        other_forward_s=most[0],
+        other_backward_s=most[1],
+        other_activation_bytes=int(most[2]),
+        transient_bytes=int(most[3]),
+        blocks=[
+            {"forward_s": f, "backward_s": b, "activation_bytes": int(a), "input_bytes": int(x)}
+            for f, b, a, x in zip(most[4::4], most[5::4], most[6::4], most[7::4], strict=True)
+        ],
+    )
+    return ModelProfile.from_dict(body)
+
+
+def _one_step(
+    model: nn.Module,
+    run_forward: Callable[[], Any],
+    loss_fn: Callable[[Any], torch.Tensor],
+    blocks: list[nn.Module],
+    device: DeviceInfo,
+    *,
+    instruments: bool,
+    chunked: ChunkedRun | None,
+) -> dict[str, Any]:
+    """One forward, loss and backward; measured when ``instruments``. Under the chunk engine
+    its saved-tensor recipes are kept (a view of a buffer slot must be re-gathered in backward)
+    and its gradients are not the profiler's to clear (they may view the fp32 shards)."""
+    if chunked is None:
+        for param in model.parameters():
+            param.grad = None
+    pack_inner = chunked.pack if chunked is not None else _same
+    unpack = chunked.unpack if chunked is not None else _same
+    if not instruments:
+        hooks = (
+            torch.autograd.graph.saved_tensors_hooks(pack_inner, unpack)
+            if chunked is not None
+            else contextlib.nullcontext()
+        )
+        with hooks:
+            loss = loss_fn(run_forward())
+        if chunked is not None:
+            chunked.end_forward()
+        loss.backward()
+        synchronize(device)
+        if chunked is not None:
+            chunked.end_step()
+        return {}
+    stall_s = chunked.stall_s if chunked is not None else lambda: 0.0
+
+    def clock() -> float:
+        synchronize(device)
+        return time.perf_counter() - stall_s()
+
+    timer = BlockTimer(clock, len(blocks))
+    saved = SavedBytes(len(blocks), where=lambda: timer.current)
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    if chunked is not None:
+        param_storages |= chunked.model_state()
+    grad_bytes = [0]
+    peak = PeakSampler(lambda: device_allocated_bytes(device))
+
+    def pack(tensor: torch.Tensor) -> Any:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in param_storages and storage.nbytes() > 0:
+            saved.record((storage.data_ptr(), tensor.device), storage.nbytes())
+        return pack_inner(tensor)
+
+    def sample_forward(*_: Any) -> None:
+        peak.sample(saved.total)
+
+    def sample_backward(param: torch.Tensor) -> None:
+        # Plain PyTorch keeps every gradient to the end; the chunk engine takes each one into
+        # memory it already holds (counted in the base reading).
+        if param.grad is not None and chunked is None:
+            grad_bytes[0] += param.grad.numel() * param.grad.element_size()
+        peak.sample(saved.total + grad_bytes[0])
+
+    input_bytes = [0] * len(blocks)
+
+    def enter_block(index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        timer.enter(index)
+        # What a checkpointed block keeps: the tensors it is called with (one storage once).
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in (*args, *kwargs.values())
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in param_storages
+        }
+        input_bytes[index] = max(input_bytes[index], sum(storages.values()))
+
+    handles = []
+    for index, block in enumerate(blocks):
+        handles.append(
+            block.register_forward_pre_hook(
+                lambda _, args, kwargs, i=index: enter_block(i, args, kwargs), with_kwargs=True
+            )
+        )
+        handles.append(block.register_forward_hook(lambda *_, i=index: timer.exit(i)))
+    for module in model.modules():
+        handles.append(module.register_forward_hook(sample_forward))
+    for param in model.parameters():
+        if param.requires_grad:
+            handles.append(param.register_post_accumulate_grad_hook(sample_backward))
+    try:
+        timer.start()
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            loss = loss_fn(run_forward())
+        timer.stop()
+        if chunked is not None:
+            chunked.end_forward()
+        started = clock()
+        loss.backward()
+        backward_s = clock() - started
+        if chunked is not None:
+            chunked.end_step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {
+        "timer": timer,
+        "saved": saved,
+        "forward_s": timer.total_s,
+        "backward_s": backward_s,
+        "transient": peak.peak_beyond,
+        "input_bytes": input_bytes,
+    }
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _param_blocks(params: tuple[ParamInfo, ...], block_path: str, num_blocks: int) -> tuple[int, ...]:
+    prefixes = [f"{block_path}.{i}." if block_path else f"{i}." for i in range(num_blocks)]
+    owners = []
+    for info in params:
+        owner = OUTSIDE
+        for name in (info.name, *info.aliases):
+            for index, prefix in enumerate(prefixes):
+                if name.startswith(prefix):
+                    owner = index
+                    break
+            if owner != OUTSIDE:
+                break
+        owners.append(owner)
+    return tuple(owners)

@@ -1,0 +1,341 @@
+"""The Planner: from the spec's memory knobs to a Plan, filled where they say "auto".
+
+``initialize`` builds one per engine (``build_planner``) from plain planning settings, after the
+hand-set knobs no plan can honour are refused. Three questions, three methods:
+
+- ``initial_plan(example_batch)``: with an example batch and a model held whole, the model and
+  the machine are profiled, the measurements agreed across ranks, and the profiler's search
+  picks the fastest plan that fits (predictions included). Otherwise the resident rule keeps
+  every chunk on the device, or, when the model state alone exceeds the device budget, offloads
+  every chunk (conservative); ``wants_batch`` then says a batch should be profiled.
+- ``plan_on(batch, chunked)``: profile on a batch through the chunk engine running under the
+  plan in force (the example batch, or the first training batch), and search.
+- ``search_at(device_budget)``: search the latest profiles again at another budget (what a
+  re-plan runs; see ``runtime.replanner``).
+
+The Planner keeps the profiles it searched (``profiles``) and the cache entries they were read
+from (``origin``). The measuring functions are ``Profilers``: tests and benchmarks pass wrapped
+ones (to count or time the measurements) instead of patching a module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from profiler.plan import BlockMode, Plan
+from profiler.plan_builder import (
+    KnobRequest,
+    activations_searchable,
+    block_modes_for,
+    resident_plan,
+    searched_plan,
+)
+from profiler.profile import HardwareProfile, ModelProfile, cache_key
+from profiler.search import NoPlanFitsError
+from runtime.batches import batch_shape, call_model, default_loss
+from runtime.chunks.layout import ParamInfo
+from runtime.device import DeviceInfo, release_free_memory
+from runtime.distributed import DistContext, all_reduce_max, all_reduce_sum_
+from runtime.model_cache import cache_configs, caches_off
+from runtime.model_profiling import ChunkedRun, agree_model, profile_model
+from runtime.planning import (
+    AUTOCAST_DTYPES,
+    compute_element_size,
+    is_searchable,
+    model_blocks,
+    model_state_bytes,
+    module_params,
+    refuse_impossible_knobs,
+)
+from runtime.probes import hardware_key, hardware_profile, with_disk_rates
+from runtime.profile_cache import ProfileOrigin, read_agreed, write_cached
+from runtime.settings import PlanningSettings
+from runtime.spec_io import SpecError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Profilers:
+    """The measuring functions the Planner calls (``runtime.model_profiling.profile_model`` and
+    ``runtime.probes.hardware_profile``, same signatures)."""
+
+    model: Callable[..., ModelProfile] = profile_model
+    hardware: Callable[..., HardwareProfile] = hardware_profile
+
+
+@dataclass(frozen=True, slots=True)
+class Profiles:
+    """What a search reads: the model's profile and the machine's, agreed across ranks."""
+
+    model: ModelProfile
+    hardware: HardwareProfile
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanningSubject:
+    """What is planned for: the model, its parameters in first-use order and the parameters each
+    module owns, its blocks, the loss, where it runs and with how many ranks."""
+
+    model: nn.Module
+    params: tuple[ParamInfo, ...]
+    owned: list[list[int]]
+    block_path: str
+    blocks: list[nn.Module]
+    loss_fn: Callable[[Any], torch.Tensor] | None
+    device: DeviceInfo
+    world_size: int
+
+
+def build_planner(
+    model: nn.Module,
+    settings: PlanningSettings,
+    *,
+    params: tuple[ParamInfo, ...],
+    world_size: int,
+    budgets: tuple[int, int],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    device: DeviceInfo,
+    dist_ctx: DistContext | None,
+    profilers: Profilers | None = None,
+) -> Planner:
+    """The Planner of one engine; hand-set chunk knobs no plan can honour raise ``SpecError``
+    here, before any profiling. ``budgets``: (device, host) bytes per rank, already resolved from
+    "auto" and agreed across ranks. ``dist_ctx`` None means a dry run (one process, no group)."""
+    block_path, blocks = model_blocks(model, settings)
+    owned = module_params(model, params)
+    refuse_impossible_knobs(model, settings, params, owned, world_size=world_size)
+    subject = PlanningSubject(
+        model=model,
+        params=params,
+        owned=owned,
+        block_path=block_path,
+        blocks=blocks,
+        loss_fn=loss_fn,
+        device=device,
+        world_size=world_size,
+    )
+    return Planner(
+        subject=subject,
+        settings=settings,
+        budgets=budgets,
+        dist_ctx=dist_ctx,
+        profilers=profilers or Profilers(),
+    )
+
+
+@dataclass(slots=True, kw_only=True)
+class Planner:
+    """Makes the plans of one engine; see the module docstring."""
+
+    subject: PlanningSubject
+    settings: PlanningSettings
+    budgets: tuple[int, int]
+    dist_ctx: DistContext | None
+    profilers: Profilers = field(default_factory=Profilers)
+    profiles: Profiles | None = None
+    """The profiles the latest search read; None until one was searched."""
+    origin: ProfileOrigin = field(default_factory=ProfileOrigin)
+    """The cache entries ``profiles`` were read from (the plan check drops stale ones)."""
+    batch_tried: bool = False
+
+    @property
+    def searchable(self) -> bool:
+        """Whether any knob is left to the search (and so a profile is wanted)."""
+        return is_searchable(self.settings.request, num_blocks=len(self.subject.blocks))
+
+    @property
+    def wants_batch(self) -> bool:
+        """The plan in force is a rule's although knobs are left to the search: a batch should be
+        profiled through the chunk engine (``plan_on``), once. Never in a dry run."""
+        pending = self.searchable and self.profiles is None and not self.batch_tried
+        return pending and self.dist_ctx is not None
+
+    def initial_plan(self, example_batch: Any = None) -> Plan:
+        """The searched plan when ``example_batch`` (on the model's device; None: the model may
+        not be run whole) can be profiled, else the resident or conservative rule's."""
+        try:
+            if self.searchable and example_batch is not None:
+                searched = self._profile_and_search(example_batch, None)
+                if searched is not None:
+                    return searched
+            return self._rule_plan()
+        except NoPlanFitsError as err:
+            raise SpecError(f"memory: {err}") from None
+        except ValueError as err:
+            raise SpecError(str(err)) from None
+
+    def plan_on(self, batch: Any, chunked: ChunkedRun) -> Plan | None:
+        """Profile on ``batch`` through the chunk engine and search; None when the profiling step
+        does not fit the device. A loss the profiler cannot find raises ``LossNotFoundError``."""
+        self.batch_tried = True
+        try:
+            return self._profile_and_search(batch, chunked)
+        except NoPlanFitsError as err:
+            raise SpecError(f"memory: {err}") from None
+
+    def search_at(self, device_budget: int) -> Plan:
+        """The latest profiles searched at ``device_budget``; ``ValueError`` when nothing fits
+        or nothing was profiled."""
+        if self.profiles is None:
+            raise ValueError("the plan was not searched from a profile")
+        settings = self.settings
+        plan, _ = searched_plan(
+            request=settings.request,
+            model=self.profiles.model,
+            hardware=self.profiles.hardware,
+            num_blocks=len(self.subject.blocks),
+            micro_batch_size=settings.micro_batch_size,
+            device_budget_bytes=device_budget,
+            host_budget_bytes=self.budgets[1],
+            chosen=settings.chosen,
+            undo_snapshots=settings.undo_snapshots,
+            ssd_available=self.profiles.hardware.ssd_write_bytes_per_s > 0 and settings.ssd_path is not None,
+        )
+        return plan
+
+    # ---------------------------------------------------------------- rules
+
+    def _rule_plan(self) -> Plan:
+        """Every chunk resident; every chunk offloaded (conservative) when the model state alone
+        exceeds the device budget and ``n_persist`` was left to the planner."""
+        request = self.settings.request
+        element_size = compute_element_size(self.settings.precision)
+        plan = self._resident(request)
+        if request.n_persist is None and model_state_bytes(plan, element_size) > self.budgets[0]:
+            plan = self._resident(dataclasses.replace(request, n_persist=0))
+            rule = "conservative: the model state does not fit the device budget, so every chunk is offloaded"
+            plan = Plan.from_dict({**plan.to_dict(), "rule": rule})
+        return plan
+
+    def _resident(self, request: KnobRequest) -> Plan:
+        subject, settings = self.subject, self.settings
+        return resident_plan(
+            request=request,
+            param_sizes=[(p.numel, p.trainable) for p in subject.params],
+            element_size=compute_element_size(settings.precision),
+            num_blocks=len(subject.blocks),
+            world_size=subject.world_size,
+            micro_batch_size=settings.micro_batch_size,
+            precision=settings.precision.value,
+            device_budget_bytes=self.budgets[0],
+            host_budget_bytes=self.budgets[1],
+            chosen=settings.chosen,
+            module_params=subject.owned,
+        )
+
+    # ---------------------------------------------------------------- profiling
+
+    def _profile_and_search(self, batch: Any, chunked: ChunkedRun | None) -> Plan | None:
+        profiles = self._profile(batch, chunked)
+        if profiles is None:
+            return None
+        self.profiles = profiles
+        return self.search_at(self.budgets[0])
+
+    def _profile(self, batch: Any, chunked: ChunkedRun | None) -> Profiles | None:
+        """The profiles, agreed across ranks; None when the profiling step does not fit the
+        device (every rank then plans without a profile). The model profile is cached by the
+        model's structure, the batch shape, precision, world size and machine; the cache entries
+        read are noted in ``origin`` (started over)."""
+        subject, settings, dist_ctx = self.subject, self.settings, self.dist_ctx
+        shape = batch_shape(batch)
+        path = settings.cache_dir / f"model-{self._cache_key(shape)}.json"
+        self.origin.cached.clear()
+        profile = read_agreed(path, ModelProfile.from_dict, dist_ctx)
+        if profile is not None:
+            self.origin.cached.append(path)
+        else:
+            profile = self._measure(batch, shape, chunked)
+            failed = torch.tensor([1.0 if profile is None else 0.0], dtype=torch.float64)
+            if dist_ctx is not None:
+                all_reduce_sum_(failed, dist_ctx)
+            if failed.item() > 0 or profile is None:
+                return None
+            if dist_ctx is not None:
+                profile = agree_model(profile, dist_ctx)
+                write_cached(path, profile.to_dict())
+        hardware = self.profilers.hardware(
+            subject.device,
+            dist_ctx,
+            world_size=subject.world_size,
+            cache_dir=settings.cache_dir,
+            origin=self.origin,
+        )
+        ssd_path = self._ssd_path()
+        if ssd_path is not None:
+            try:
+                hardware = with_disk_rates(hardware, ssd_path, dist_ctx)
+            except OSError as err:  # unwritable, full, or not a directory: say which, not a traceback
+                raise SpecError(f"memory.ssd.path: cannot measure the disk under {ssd_path}: {err}") from None
+        return Profiles(profile, hardware)
+
+    def _cache_key(self, shape: tuple[int, ...]) -> str:
+        subject = self.subject
+        return cache_key(
+            [(p.name, p.shape, p.trainable) for p in subject.params],
+            [type(module).__name__ for module in subject.model.modules()],
+            subject.block_path,
+            shape,
+            self.settings.precision.value,
+            subject.world_size,
+            hardware_key(subject.device, subject.world_size),
+        )
+
+    def _ssd_path(self) -> Path | None:
+        """The activation directory when the plan puts blocks on disk or may (``ssd.n_offload``
+        left to the search): its disk's rates are then measured."""
+        request, ssd_path = self.settings.request, self.settings.ssd_path
+        if ssd_path is None:
+            return None
+        may_search = activations_searchable(request) and request.n_offload is None
+        if not may_search and BlockMode.SSD not in block_modes_for(request, len(self.subject.blocks)):
+            return None
+        return ssd_path
+
+    def _measure(self, batch: Any, shape: tuple[int, ...], chunked: ChunkedRun | None) -> ModelProfile | None:
+        """The profiling steps; None when they do not fit the device. Every rank's largest step
+        time is agreed (the ranks stop profiling after the same step)."""
+        subject, settings, dist_ctx = self.subject, self.settings, self.dist_ctx
+        model, device = subject.model, subject.device
+        autocast = AUTOCAST_DTYPES.get(settings.precision)
+        configs = cache_configs(model)
+
+        def run_forward() -> Any:
+            # Profiled as trained: without the model's key/value cache (see runtime.model_cache).
+            with caches_off(configs):
+                if autocast is None:
+                    return call_model(model, batch)
+                with torch.autocast(device_type=device.autocast_type, dtype=autocast):
+                    return call_model(model, batch)
+
+        try:
+            return self.profilers.model(
+                model,
+                run_forward,
+                loss_fn=subject.loss_fn or default_loss,
+                params=subject.params,
+                blocks=subject.blocks,
+                block_path=subject.block_path,
+                module_params=subject.owned,
+                batch_shape=shape,
+                precision=settings.precision.value,
+                element_size=compute_element_size(settings.precision),
+                device=device,
+                warmup_steps=settings.warmup_steps,
+                profile_steps=settings.profile_steps,
+                chunked=chunked,
+                agree_max=lambda seconds: seconds if dist_ctx is None else all_reduce_max(seconds, dist_ctx),
+            )
+        except torch.OutOfMemoryError:
+            if chunked is None:  # the chunk engine clears its own (see ChunkManager.profiling)
+                for param in model.parameters():
+                    param.grad = None
+            return None
+        finally:
+            release_free_memory(device)

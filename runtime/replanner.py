@@ -1,0 +1,168 @@
+"""The Replanner: what the Engine asks, on a batch and after each window, whether to carry on
+under another plan, and how another plan is applied.
+
+It owns the engine's ``Planner`` (and so the profiles the plan came from), the margin and the
+limit of re-plans, and what a plan is applied to (``apply_plan``). Two occasions to change plans:
+
+- **On a batch** (``plan_on``): the plan in force is a rule's because nothing could be profiled
+  up front (no example batch, weights streamed into chunks, or the profiling step did not fit).
+  The batch is profiled through the chunk engine under that plan (a model state larger than the
+  device is profiled too), every block kept, gradients dropped, random streams restored: no
+  training happens. Once.
+- **After a window** (``after_window``): the plan check measured a device peak more than
+  ``REPLAN_MARGIN`` above the prediction (on any rank): the profile saw less than the run needs,
+  so the latest profiles are searched again with the budget shrunk by that ratio, at most
+  ``MAX_REPLANS`` times, before the difference runs out of memory.
+
+The Engine switches to the plan returned (``Engine.switch_plan``, which calls ``apply``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from profiler.plan import Plan
+from runtime.activations.manager import ActivationManager
+from runtime.apply_plan import PlanTarget, apply_plan
+from runtime.batches import LossNotFoundError
+from runtime.chunks.manager import ChunkManager, SavedAlias
+from runtime.distributed import DistContext, all_reduce_max
+from runtime.model_profiling import ChunkedRun
+from runtime.plan_check import judge as judge_plan_check
+from runtime.planner import Planner
+from runtime.spec_io import SpecError
+
+REPLAN_MARGIN = 0.10
+"""A measured peak this much above the prediction makes the engine re-plan."""
+MAX_REPLANS = 2
+
+
+class Replanner:
+    """Decides plan changes for one engine; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        planner: Planner,
+        model: nn.Module,
+        target: PlanTarget,
+        log: Callable[[str], None],
+        margin: float = REPLAN_MARGIN,
+        limit: int = MAX_REPLANS,
+    ) -> None:
+        self.planner = planner
+        self.model = model
+        self.target = target
+        self.log = log
+        self.margin = margin
+        self.limit = limit
+        self.replans = 0
+        """Plans switched to because the measured peak exceeded the prediction."""
+
+    @property
+    def wants_batch(self) -> bool:
+        """A batch should be profiled through the chunk engine (see ``plan_on``)."""
+        return self.planner.wants_batch
+
+    def apply(self, plan: Plan, *, state_from: ChunkManager) -> tuple[ChunkManager, ActivationManager]:
+        """``plan``'s managers, the training state moved over from ``state_from``."""
+        return apply_plan(self.model, plan, target=self.target, state_from=state_from)
+
+    def plan_on(
+        self, batch: Any, *, chunks: ChunkManager, activations: ActivationManager, asked: bool
+    ) -> Plan | None:
+        """The plan searched from profiling on ``batch`` through ``chunks``, once; None when
+        nothing was wanted, the profiling step did not fit the device, or (``asked`` False: the
+        first training batch, which nobody asked to profile with) its output has no loss."""
+        if not self.planner.wants_batch:
+            return None
+        # Profiling steps are training steps: the module in training mode (each submodule's own
+        # mode put back afterwards: a frozen part may be in eval mode on purpose), grad enabled.
+        modes = [(module, module.training) for module in self.model.modules()]
+        if not self.model.training:
+            self.model.train()
+        try:
+            with torch.enable_grad(), chunks.profiling(), activations.suspended():
+                plan = self.planner.plan_on(batch, chunked_run(chunks))
+        except LossNotFoundError as err:
+            if asked:
+                raise SpecError(str(err)) from None
+            self.log(f"plan: {err}; keeping the plan")
+            return None
+        finally:
+            for module, training in modes:
+                module.training = training
+        if plan is None:
+            self.log("plan: profiling on a batch did not fit the device; keeping the plan")
+            return None
+        return dataclasses.replace(plan, rule=f"planned on a batch through the chunk engine: {plan.rule}")
+
+    def judge(self, check: dict[str, Any]) -> dict[str, Any]:
+        """A step time far off the prediction of a plan made from cached profiles: they were
+        measured at another moment; drop them, so the next launch measures again."""
+        origin = self.planner.origin
+        check = judge_plan_check(check, from_cache=bool(origin.cached))
+        if check["off"] and check["profile"] == "cached":
+            check["dropped_profiles"] = [str(path) for path in origin.drop()]
+        return check
+
+    def after_window(self, plan: Plan, check: dict[str, Any], dist_ctx: DistContext) -> Plan | None:
+        """The plan to switch to when the measured peak in ``check`` (agreed across ranks: every
+        rank calls this) exceeds ``plan``'s prediction by more than the margin; None otherwise,
+        past the limit, or when no plan fits the shrunk budget (said, and the plan kept)."""
+        predicted = plan.predicted_peak_device_bytes
+        if predicted is None or "measured_peak_device_bytes" not in check:
+            return None
+        measured = all_reduce_max(float(check["measured_peak_device_bytes"]), dist_ctx)
+        if measured <= predicted * (1 + self.margin) or self.replans >= self.limit:
+            return None
+        ratio = measured / predicted
+        budget = int(plan.device_budget_bytes / ratio)
+        reason = (
+            f"measured peak {measured / 2**20:.1f} MiB is {ratio - 1:.0%} above the predicted "
+            f"{predicted / 2**20:.1f} MiB"
+        )
+        try:
+            found = self.planner.search_at(budget)
+        except ValueError as err:  # nothing fits the shrunk budget: say so, carry on
+            searched_at = f"{budget / 2**20:.1f} MiB"
+            self.log(f"re-plan: {reason}, but the search at {searched_at} failed ({err}); keeping the plan")
+            return None
+        self.log(f"re-plan: {reason}; searching again at {budget / 2**20:.1f} MiB")
+        self.replans += 1
+        return dataclasses.replace(
+            found,
+            device_budget_bytes=plan.device_budget_bytes,
+            rule=f"re-planned ({reason}; searched at {budget / 2**20:.1f} MiB): {found.rule}",
+        )
+
+
+def same_layout(plan: Plan, other: Plan) -> bool:
+    """Whether two plans have the same knobs (then the managers in place carry out either)."""
+    knobs = ("chunk_size", "n_persist", "n_buffer", "block_modes")
+    return all(getattr(plan, knob) == getattr(other, knob) for knob in knobs)
+
+
+def chunked_run(chunks: ChunkManager) -> ChunkedRun:
+    """The chunk engine's side of profiling steps run through it, inside ``chunks.profiling()``."""
+
+    def pack(tensor: torch.Tensor) -> Any:
+        alias = chunks.pack_alias(tensor)
+        return tensor if alias is None else alias
+
+    def unpack(packed: Any) -> torch.Tensor:
+        return chunks.unpack_alias(packed) if isinstance(packed, SavedAlias) else packed
+
+    return ChunkedRun(
+        pack=pack,
+        unpack=unpack,
+        model_state=chunks.model_state_storages,
+        stall_s=lambda: chunks.stall_s,
+        end_forward=chunks.end_forward,
+        end_step=chunks.drain,
+    )

@@ -1,0 +1,107 @@
+"""The end of an accumulation window: the update every rank decides alike.
+
+One collective sums every rank's per-parameter gradient flags, the window's totals and the stop
+flag (a stop signal that reached any rank stops every rank after this update). A non-finite loss
+on any rank skips the update, or raises under ``on_nonfinite_loss: raise``. The global gradient
+norm costs a pass over every gradient: it is taken when clipping or the fp16 overflow check
+needs it (then also reported), as DeepSpeed does; fp16 gradients are unscaled first and an
+overflow skips the update. Clipping scales the shards by ``torch.nn.utils.clip_grad_norm_``'s
+coefficient. AdamW then runs on the shards of the parameters that got a gradient on some rank
+(``torch.optim.AdamW`` skips the others).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from runtime.chunks.manager import ChunkManager
+from runtime.distributed import DistContext, all_reduce_sum_
+from runtime.loss_scale import DynamicLossScaler
+from runtime.settings import TrainingSettings
+from runtime.spec import NonFiniteLossPolicy
+from runtime.window import Window
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A non-finite loss under ``on_nonfinite_loss: raise``; raised on every rank alike."""
+
+
+@dataclass(frozen=True, slots=True)
+class WindowTotals:
+    """A window summed over ranks."""
+
+    active: torch.Tensor
+    """Per parameter: whether it got a gradient on some rank."""
+    loss_sum: float
+    nonfinite: int
+    """Non-finite losses, all ranks."""
+    tokens: int
+    samples: int
+    stop: bool
+    """A stop signal reached some rank."""
+
+
+def sum_window(window: Window, chunks: ChunkManager, dist_ctx: DistContext, *, stop: bool) -> WindowTotals:
+    """Every rank's share of the window, summed in one collective."""
+    extras = window.totals(stop=stop)
+    header = all_reduce_sum_(torch.cat([chunks.params_with_grad(), extras]), dist_ctx)
+    loss_sum, nonfinite, tokens, samples, stopped = header[-len(extras) :].tolist()
+    return WindowTotals(
+        active=header[: -len(extras)] > 0,
+        loss_sum=loss_sum,
+        nonfinite=int(nonfinite),
+        tokens=int(tokens),
+        samples=int(samples),
+        stop=stopped > 0,
+    )
+
+
+def update_shards(
+    totals: WindowTotals,
+    *,
+    chunks: ChunkManager,
+    settings: TrainingSettings,
+    loss_scaler: DynamicLossScaler | None,
+    lr: float,
+    update_number: int,
+    losses_in_window: int,
+) -> tuple[bool, float | None]:
+    """Update the shards unless the window is skipped; gradients are zeroed either way.
+    Returns (updated, the global gradient norm when it was taken)."""
+    skipped = totals.nonfinite > 0
+    if skipped:
+        chunks.discard_speculation()
+    if skipped and settings.on_nonfinite_loss is NonFiniteLossPolicy.RAISE:
+        chunks.zero_grad()
+        raise NonFiniteLossError(
+            f"non-finite loss in {totals.nonfinite} of {losses_in_window} micro-batches of update "
+            f"{update_number}; set on_nonfinite_loss: skip to skip such updates"
+        )
+    grad_norm: float | None = None
+    if not skipped and (settings.gradient_clipping > 0 or loss_scaler is not None):
+        grad_norm = _unscale_and_clip(chunks, loss_scaler, settings.gradient_clipping)
+        if loss_scaler is not None:
+            overflow = not math.isfinite(grad_norm)
+            loss_scaler.update(overflow=overflow)
+            skipped = overflow
+    if not skipped:
+        chunks.step(lr=lr, active=totals.active)
+    chunks.zero_grad()
+    return not skipped, grad_norm
+
+
+def _unscale_and_clip(chunks: ChunkManager, loss_scaler: DynamicLossScaler | None, clip: float) -> float:
+    """The global gradient norm (after unscaling), clipping the shards when ``clip`` > 0."""
+    if loss_scaler is not None:
+        chunks.scale_grads_(1.0 / loss_scaler.scale)
+    norm = chunks.grad_norm()
+    if clip > 0 and math.isfinite(norm):
+        coefficient = clip / (norm + 1e-6)
+        if coefficient < 1.0:
+            # Updates made before the norm was known used unclipped gradients.
+            chunks.discard_speculation()
+            chunks.scale_grads_(coefficient)
+    return norm
