@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from runtime.data import TokenWindows, stdlib_text_corpus
+from runtime.models.gpt import GPTConfig
 from tests.helpers import TINY_GPT, tiny_gpt
 
 SEQ_LEN = 32
@@ -47,17 +48,19 @@ def train_until(
     seed: int = 0,
     dropout: bool = True,
     resave_to: str | None = None,
+    model_config: GPTConfig | None = None,
     rank: int = 0,
 ) -> dict[str, Any]:
     """Build the model, ``initialize`` (resuming per the spec), train through the engine's data
     sampler until ``until`` updates are done; the losses of the updates run here, the final
     consolidated state and where the run resumed from. ``resave_to``: save a checkpoint there
-    right after initialize (what was loaded, as this layout writes it). ``rank`` is ignored: the
-    rank pool passes it."""
+    right after initialize (what was loaded, as this layout writes it). ``model_config``: instead
+    of the tiny GPT (with dropout unless ``dropout`` is False). ``rank`` is ignored: the rank pool
+    passes it."""
     import runtime
 
     torch.manual_seed(seed)
-    model = tiny_gpt(seed, DROPOUT_GPT if dropout else TINY_GPT)
+    model = tiny_gpt(seed, model_config or (DROPOUT_GPT if dropout else TINY_GPT))
     engine = runtime.initialize(model, config=config)
     losses: list[float] = []
     with engine:

@@ -4,6 +4,7 @@ bit-identical parameters and Adam state, training on within DESIGN's tolerance."
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,14 @@ import torch
 from runtime.export import load_safetensors_export
 from tests.checkpointing import Windows, checkpoint_job, checkpoint_tensors, train_until
 from tests.distributed.pool import RankPool
-from tests.helpers import assert_state_close, assert_state_equal, tiny_gpt
+from tests.helpers import TINY_GPT, assert_state_close, assert_state_equal, tiny_gpt
+
+# The key bias off for the resharded runs only: training on after a move between world sizes is
+# compared engine to engine (1 rank vs 2: other summation orders), and the key bias's updates are
+# Adam-amplified rounding noise that no two orders agree on. Unlike a comparison with plain
+# PyTorch (tests.helpers.assert_matches_reference) there is no float64 run of this sampler-driven
+# training to judge that noise by; the move itself is checked bit-exactly (assert_same_checkpoint).
+RESHARD_GPT = dataclasses.replace(TINY_GPT, qkv_bias=False)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -56,11 +64,16 @@ def _one_rank(root: str, **overrides: Any) -> dict[str, Any]:
 def test_reshard_two_ranks_to_one(rank_pool: RankPool, tmp_path: Path) -> None:
     two = str(tmp_path / "two")
     rank_pool.run(
-        train_until, config=checkpoint_job(two, checkpoint={"interval_steps": 3}), until=3, dropout=False
+        train_until,
+        config=checkpoint_job(two, checkpoint={"interval_steps": 3}),
+        until=3,
+        model_config=RESHARD_GPT,
     )
-    full = rank_pool.run(train_until, config=checkpoint_job(str(tmp_path / "full")), until=6, dropout=False)
+    full = rank_pool.run(
+        train_until, config=checkpoint_job(str(tmp_path / "full")), until=6, model_config=RESHARD_GPT
+    )
     resaved = str(tmp_path / "resaved")
-    one = train_until(_one_rank(two), until=6, dropout=False, resave_to=resaved)
+    one = train_until(_one_rank(two), until=6, model_config=RESHARD_GPT, resave_to=resaved)
     assert one["started_at"] == 3 and one["world_size"] == 1
     assert_same_checkpoint(f"{resaved}/step-00000003", f"{two}/ckpt/step-00000003")
     assert_state_close(one["state"], full[0]["state"])
@@ -68,10 +81,12 @@ def test_reshard_two_ranks_to_one(rank_pool: RankPool, tmp_path: Path) -> None:
 
 def test_reshard_one_rank_to_two(rank_pool: RankPool, tmp_path: Path) -> None:
     one = str(tmp_path / "one")
-    train_until(_one_rank(one, checkpoint={"interval_steps": 3}), until=3, dropout=False)
-    full = train_until(_one_rank(str(tmp_path / "full")), until=6, dropout=False)
+    train_until(_one_rank(one, checkpoint={"interval_steps": 3}), until=3, model_config=RESHARD_GPT)
+    full = train_until(_one_rank(str(tmp_path / "full")), until=6, model_config=RESHARD_GPT)
     resaved = str(tmp_path / "resaved")
-    two = rank_pool.run(train_until, config=checkpoint_job(one), until=6, dropout=False, resave_to=resaved)
+    two = rank_pool.run(
+        train_until, config=checkpoint_job(one), until=6, model_config=RESHARD_GPT, resave_to=resaved
+    )
     assert [r["started_at"] for r in two] == [3, 3]
     assert_same_checkpoint(f"{resaved}/step-00000003", f"{one}/ckpt/step-00000003")
     assert_state_equal(two[1]["state"], two[0]["state"])

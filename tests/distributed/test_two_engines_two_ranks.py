@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from tests.distributed.pool import RankPool
-from tests.helpers import assert_state_close, assert_state_equal, lm_batches, tiny_gpt, train_reference, train_updates
+from tests.helpers import (
+    assert_matches_reference,
+    assert_state_equal,
+    gpt_reference,
+    lm_batches,
+    tiny_gpt,
+    train_updates,
+)
 
 LR = 1e-3
 
@@ -80,10 +87,9 @@ def two_engines(*, rank: int, output_dir: str) -> dict[str, Any]:
 
 def test_two_engines_on_two_ranks_train_interleaved_like_plain_pytorch(rank_pool: RankPool, tmp_path: Path) -> None:
     results = rank_pool.run(two_engines, output_dir=str(tmp_path))
-    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=2)
-    expected_teacher, _ = train_reference(tiny_gpt(0), data, steps=3, lr=LR, weight_decay=0.1)
-    expected_student, _ = train_reference(tiny_gpt(1), data, steps=5, lr=LR, weight_decay=0.1)
-    for name, expected in (("teacher", expected_teacher), ("student", expected_student)):
+    teacher = gpt_reference(seed=0, world_size=2, steps=3, lr=LR, weight_decay=0.1)
+    student = gpt_reference(seed=1, world_size=2, steps=5, lr=LR, weight_decay=0.1)
+    for name, expected in (("teacher", teacher), ("student", student)):
         assert_state_equal(results[1][name], results[0][name])
-        assert_state_close(results[0][name], expected)
+        assert_matches_reference(results[0][name], expected.fp32, expected.fp64)
     assert not any(result["threads_left"] for result in results)
