@@ -41,9 +41,16 @@ def test_auto_knobs_are_searched_and_the_prediction_is_in_range(job: Job) -> Non
     plan, check = run_demo(job)
     assert plan["rule"].startswith("search: fastest of")
     assert {"memory.chunk_size", "memory.n_persist", "memory.n_buffer"} <= set(plan["chosen"])
-    # A loose accuracy check (the tight figures live in scripts/bench_cost_model.py): within 3x.
+    # Step time: the 2 ranks share 2 cores with whatever else runs, so this guards only gross
+    # cost-model errors (a phase left out or counted twice is 2x); the tight figures live in
+    # scripts/bench_cost_model.py. Measured predicted/measured over 11 runs on the loaded 2-core
+    # machine (the distributed tests running beside them): 0.69 to 1.53.
     ratio = check["predicted_step_s"] / check["measured_step_s"]
-    assert 1 / 3 < ratio < 3, check
+    assert 0.5 < ratio < 2.0, check
+    # Peak device memory is counted in bytes, not timed: no noise. Measured +9.1% (over-predicted)
+    # in all 11 runs, so 15% leaves 6 points for allocator differences between machines while a
+    # memory model that drops or double-counts a sizeable term (buffers, activations) fails.
+    assert abs(check["peak_error"]) <= 0.15, check
 
 
 def test_hand_set_knobs_are_kept_through_the_launcher(job: Job) -> None:
