@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from runtime.chunks.manager import Chunk, ChunkManager
+from runtime.chunks.manager import ChunkManager
+from runtime.chunks.store import Chunk
 from runtime.distributed import DistContext, all_gather_flat, all_reduce_sum_
 
 
@@ -28,10 +29,7 @@ def _full(shard: torch.Tensor, old: ChunkManager, dist_ctx: DistContext) -> torc
 
 
 def _state_of(chunk: Chunk) -> list[torch.Tensor]:
-    assert chunk.master is not None
-    if chunk.optimizer is None:
-        return [chunk.master]
-    return [chunk.master, chunk.optimizer.exp_avg, chunk.optimizer.exp_avg_sq]
+    return chunk.state_tensors()
 
 
 @torch.no_grad()
@@ -59,7 +57,6 @@ def move_state(old: ChunkManager, new: ChunkManager, dist_ctx: DistContext) -> N
                     destination[shard_offset : shard_offset + numel].copy_(piece)
     steps = torch.zeros(len(old.layout.params), dtype=torch.float64)
     for chunk in old.trainable_chunks():
-        assert chunk.optimizer is not None
         for position, segment in enumerate(chunk.segments):
             steps[segment.param] = max(float(steps[segment.param]), float(chunk.optimizer.steps[position]))
     # Every rank holding a piece of a parameter has the same count: the sum over ranks divided
@@ -72,7 +69,6 @@ def move_state(old: ChunkManager, new: ChunkManager, dist_ctx: DistContext) -> N
     count = len(old.layout.params)
     agreed = totals[:count] / totals[count:].clamp(min=1.0)
     for chunk in new.trainable_chunks():
-        assert chunk.optimizer is not None
         for position, segment in enumerate(chunk.segments):
             chunk.optimizer.steps[position] = float(agreed[segment.param])
     new.refresh_full_copies(frozen_too=True)

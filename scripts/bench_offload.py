@@ -19,8 +19,8 @@ with ``--extra-buffers`` more buffers shows what prefetch hides (0 leaves it out
 ``--steps`` steps of each, the engines interleaved and their order alternating.
 
 Per step, besides the wall time of forward + backward + update, the main thread's time is split
-by wrapping methods of the engine's ``ChunkManager`` (instance attributes set here; no runtime
-file changes). Each instant is counted once, in the innermost wrapped call:
+by wrapping methods of the engine's ``ChunkManager`` and of its parts (instance attributes set
+here; no runtime file changes). Each instant is counted once, in the innermost wrapped call:
 
 - transfer wait: in ``ensure_resident`` (waiting for a prefetched chunk, or gathering one on the
   spot) and ``drain`` (waiting for gradient reductions still queued on the side stream): the
@@ -86,6 +86,9 @@ TIMED_METHODS = {
 }
 # Timed when the engine has them: waits for (or undoing of) the speculative CPU Adam.
 OPTIONAL_METHODS = {"finish_speculation": OPTIMIZER, "discard_speculation": OPTIMIZER}
+# Methods the manager's parts also call among themselves are wrapped on the part that owns them
+# (an instance attribute there is what those calls find).
+OWNING_PART = {"ensure_resident": "residency", "drain": "collectives"}
 
 
 class ExclusiveTimer:
@@ -98,7 +101,7 @@ class ExclusiveTimer:
         self._stack: list[tuple[str, float]] = []
         self._main = threading.get_ident()
 
-    def wrap(self, owner: ChunkManager, method: str, category: str) -> None:
+    def wrap(self, owner: object, method: str, category: str) -> None:
         original = getattr(owner, method)
 
         @functools.wraps(original)
@@ -112,8 +115,8 @@ class ExclusiveTimer:
             finally:
                 self._exit()
 
-        # An instance attribute shadows the method, and the manager calls its own methods through
-        # ``self``, so internal calls are timed too.
+        # An instance attribute shadows the method, and the manager and its parts call their own
+        # methods through ``self``, so internal calls are timed too.
         setattr(owner, method, timed)
 
     def _enter(self, category: str) -> None:
@@ -155,7 +158,8 @@ class Config:
     def instrument(self) -> None:
         chunks = self.engine.chunks
         for method, category in TIMED_METHODS.items():
-            self.timer.wrap(chunks, method, category)
+            owner = getattr(chunks, OWNING_PART[method]) if method in OWNING_PART else chunks
+            self.timer.wrap(owner, method, category)
         for method, category in OPTIONAL_METHODS.items():
             if hasattr(chunks, method):
                 self.timer.wrap(chunks, method, category)

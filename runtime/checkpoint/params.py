@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from runtime.chunks.layout import ChunkLayout
-from runtime.chunks.manager import Chunk, ChunkManager, shard_segments
+from runtime.chunks.manager import ChunkManager
+from runtime.chunks.store import Chunk, shard_segments
 
 MODEL = "model."
 EXP_AVG = "optim.exp_avg."
@@ -153,11 +154,7 @@ class ParameterSpace:
     def _sources(self) -> Iterator[tuple[Chunk, list[torch.Tensor]]]:
         """Per chunk: its master shard, then (trainable) the two moments."""
         for chunk in self.chunks.chunks:
-            assert chunk.master is not None
-            if chunk.optimizer is None:
-                yield chunk, [chunk.master]
-            else:
-                yield chunk, [chunk.master, chunk.optimizer.exp_avg, chunk.optimizer.exp_avg_sq]
+            yield chunk, chunk.state_tensors()
 
     @staticmethod
     def _stage_for_save(tensor: torch.Tensor, *, copy: bool) -> torch.Tensor:

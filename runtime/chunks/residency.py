@@ -1,4 +1,6 @@
-"""A chunk's residency: one state and a table of allowed moves; an illegal move raises.
+"""Where each chunk's compute copy is: the residency states, and the fetch scheduling behind them.
+
+A chunk's residency is one state and a table of allowed moves; an illegal move raises.
 
     PERSISTENT            always on the device (the first n_persist chunks)
     HOST ──fetch──▶ FETCHING ──arrived──▶ RESIDENT ──evict──▶ HOST
@@ -7,11 +9,42 @@
 A FETCHING chunk owns a slot that the side stream is gathering into; nothing may read it or
 evict it until the copy has arrived. A RESIDENT chunk's parameters point into its slot; a HOST
 chunk's parameters point at a zero-byte NaN placeholder.
+
+``ChunkResidency`` schedules the moves (DeepSpeed's ``partitioned_param_coordinator`` is the
+model: fetch scheduling apart from storage and from the reducer). Non-persistent chunks borrow
+one of ``n_buffer`` preallocated device slots while they are needed: a forward pre-hook on each
+module that owns parameters waits for its chunks (pinned while the module runs) and prefetches
+the next ``n_buffer - 1`` chunks in forward order into free slots or slots of chunks forward is
+done with; backward walks the chunks in reverse and prefetches the earlier ones into slots of
+chunks whose gradients are all in. A chunk still in a slot when forward ends is reused by
+backward. Gathers are queued on the collective queue (side_stream.py), so every rank issues them
+in one order.
+
+Saved tensors that alias chunk memory: autograd saves views of parameters (a linear layer saves
+``weight.t()``); once a slot is reused for another chunk such a view would read the wrong data,
+so a view of a slot is saved as (chunk, offset, shape, stride) and re-gathered on use.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import nn
+
+from runtime.device import DeviceEvent, synchronize
+from runtime.distributed import all_gather_flat
+
+if TYPE_CHECKING:  # store.py imports the states from here; the chunks come in as values
+    from runtime.chunks.layout import ChunkLayout
+    from runtime.chunks.side_stream import CollectiveQueue
+    from runtime.chunks.store import Chunk, ChunkStore, OffloadedChunk
 
 
 class Residency(str, Enum):
@@ -38,3 +71,310 @@ def check_move(chunk_index: int, current: Residency, target: Residency) -> Resid
     if target not in ALLOWED_MOVES[current]:
         raise IllegalTransition(f"chunk {chunk_index}: {current.value} -> {target.value} is not allowed")
     return target
+
+
+@dataclass(frozen=True, slots=True)
+class SavedAlias:
+    """A saved tensor that views chunk memory, kept as a recipe instead of a reference."""
+
+    chunk: int
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def check_buffers(
+    model: nn.Module, params: Sequence[nn.Parameter], layout: ChunkLayout, *, n_persist: int, n_buffer: int
+) -> None:
+    """ValueError naming the fix when one module needs more non-persistent chunks at once than
+    there are buffer slots (its forward could never have all its parameters on the device)."""
+    if all(info.index < n_persist for info in layout.chunks):
+        return
+    chunk_of = {id(p): layout.slots[i].chunk for i, p in enumerate(params)}
+    need = 1
+    owner = ""
+    for name, module in model.named_modules():
+        chunks = {chunk_of[id(p)] for p in module.parameters(recurse=False)}
+        count = sum(1 for c in chunks if c >= n_persist)
+        if count > need:
+            need, owner = count, name
+    if n_buffer < need:
+        where = f"module {owner!r} uses {need} non-persistent chunks at once" if owner else "one is needed"
+        raise ValueError(
+            f"memory.n_buffer={n_buffer} is too few: {where}; set memory.n_buffer >= {need} "
+            f"or raise memory.n_persist"
+        )
+
+
+def _offloaded(chunk: Chunk) -> OffloadedChunk:
+    if chunk.persistent:
+        raise IllegalTransition(f"chunk {chunk.index} is persistent: it never leaves the device")
+    return cast("OffloadedChunk", chunk)
+
+
+class ChunkResidency:
+    """The device buffer slots, which chunk holds which, and when chunks move (see the module
+    docstring). ``backward_done(chunk)``: whether backward will read the chunk again."""
+
+    def __init__(
+        self,
+        *,
+        store: ChunkStore,
+        n_buffer: int,
+        queue: CollectiveQueue,
+        backward_done: Callable[[int], bool],
+    ) -> None:
+        self.store = store
+        self.chunks = store.chunks
+        self.n_buffer = n_buffer
+        self.queue = queue
+        self.backward_done = backward_done
+        self.slots = [
+            torch.empty(store.layout.chunk_numel, dtype=store.compute_dtype, device=store.device.device)
+            for _ in range(n_buffer)
+        ]
+        self._slot_owner: list[int | None] = [None] * n_buffer
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._slot_storage = {slot.untyped_storage().data_ptr(): i for i, slot in enumerate(self.slots)}
+        self._pinned: set[int] = set()
+        self._recomputing = False
+        self._privatized: set[int] = set()
+        self._fetches: dict[int, DeviceEvent] = {}
+        self.prefetch_depth = 0 if n_buffer <= 1 else n_buffer - 1
+        self.num_gathers = 0
+        """Gathers of non-persistent chunks into slots (a chunk reused from its slot is not one)."""
+        self._profiling = False
+        self.stall_s = 0.0
+        """Seconds compute waited for chunks during the last ``profiling`` window."""
+        self._handles: list[Any] = []
+
+    # ------------------------------------------------------------------ moves
+
+    def ensure_resident(self, chunk_index: int) -> torch.Tensor:
+        """The chunk's full compute copy: waits for its prefetch, or gathers it now into a slot
+        (evicting the least recently used chunk that is neither pinned nor in flight)."""
+        chunk = self.chunks[chunk_index]
+        if chunk.residency is Residency.HOST:
+            slot = self._free_slot(evict=True)
+            assert slot is not None
+            self._start_fetch(chunk, slot)
+        if chunk.residency is Residency.FETCHING:
+            self.queue.make_compute_wait(self._fetches.pop(chunk_index))
+            chunk.move(Residency.RESIDENT)
+            self.store.point_params(chunk)
+        if not chunk.persistent:
+            self._lru.move_to_end(chunk_index)
+        full = chunk.full
+        assert full is not None
+        return full
+
+    def prefetch(self, chunk_indices: Sequence[int], *, evictable: Callable[[int], bool]) -> None:
+        """Start gathering these chunks on the side stream, in order, while slots allow: a free
+        slot, or one whose chunk ``evictable`` allows (never a pinned or in-flight chunk)."""
+        for chunk_index in chunk_indices:
+            chunk = self.chunks[chunk_index]
+            if chunk.residency is not Residency.HOST:
+                continue
+            slot = self._free_slot(evict=False)
+            if slot is None:
+                victim = next(
+                    (
+                        c
+                        for c in self._lru
+                        if c not in self._pinned
+                        and c != chunk_index
+                        and evictable(c)
+                        and self.chunks[c].residency is Residency.RESIDENT
+                    ),
+                    None,
+                )
+                if victim is None:
+                    return
+                self.evict(victim)
+                slot = self._free_slot(evict=False)
+            assert slot is not None
+            self._start_fetch(chunk, slot)
+
+    def _start_fetch(self, chunk: Chunk, slot: int) -> None:
+        full = self.slots[slot]
+        _offloaded(chunk).hold(slot, full)
+        self._slot_owner[slot] = chunk.index
+        self._lru[chunk.index] = None
+        master = chunk.master
+        self._fetches[chunk.index] = self.queue.submit(lambda: self.gather_shard(master, full))
+        self.num_gathers += 1
+
+    def _free_slot(self, *, evict: bool) -> int | None:
+        for slot, owner in enumerate(self._slot_owner):
+            if owner is None:
+                return slot
+        if not evict:
+            return None
+        for victim in self._lru:
+            if victim not in self._pinned and self.chunks[victim].residency is Residency.RESIDENT:
+                self.evict(victim)
+                return self._free_slot(evict=False)
+        for victim in self._lru:
+            # Only prefetches hold the other slots: the chunk needed now goes first, so let one
+            # land and give its slot up (it is fetched again when its turn comes).
+            if victim not in self._pinned and self.chunks[victim].residency is Residency.FETCHING:
+                self.ensure_resident(victim)
+                self.evict(victim)
+                return self._free_slot(evict=False)
+        raise RuntimeError(f"all {self.n_buffer} chunk buffers are pinned; n_buffer is too small")
+
+    def evict(self, chunk_index: int) -> None:
+        chunk = _offloaded(self.chunks[chunk_index])
+        self._slot_owner[chunk.release()] = None
+        self._lru.pop(chunk_index, None)
+        self.store.point_params(chunk)
+
+    def gather_shard(self, master: torch.Tensor, out: torch.Tensor) -> None:
+        """Upload this rank's shard in the compute dtype and all-gather the full chunk into
+        ``out``. Runs on the side stream (the one thread that issues collectives) or, for
+        persistent chunks, after the stream has drained."""
+        store = self.store
+        shard = master.to(device=store.device.device, dtype=store.compute_dtype, non_blocking=True)
+        if store.dist_ctx.world_size == 1:
+            out.copy_(shard)
+        else:
+            all_gather_flat(out, shard, store.dist_ctx.group)
+
+    @torch.no_grad()
+    def refresh(self, *, frozen_too: bool) -> None:
+        """After an update (the queue drained): re-gather persistent chunks; drop every buffered
+        copy of the others (including prefetches that arrived with pre-update data)."""
+        for chunk in self.chunks:
+            if chunk.persistent and (chunk.info.trainable or frozen_too):
+                full = chunk.full
+                assert full is not None
+                if chunk.master is not full:
+                    self.gather_shard(chunk.master, full)
+            elif chunk.residency is Residency.FETCHING:
+                self.ensure_resident(chunk.index)
+                self.evict(chunk.index)
+            elif chunk.residency is Residency.RESIDENT:
+                self.evict(chunk.index)
+
+    def resident_chunks(self) -> list[int]:
+        return [c.index for c in self.chunks if c.residency is Residency.RESIDENT]
+
+    def unpin(self) -> None:
+        self._pinned = set()
+
+    # ------------------------------------------------------------------ forward and recompute
+
+    def install_hooks(self, model: nn.Module) -> None:
+        # With every chunk persistent nothing moves: no gathers to trigger in forward.
+        offloaded = any(not chunk.persistent for chunk in self.chunks)
+        for module in model.modules() if offloaded else ():
+            owned = sorted({self.store.chunk_of(p) for p in module.parameters(recurse=False)})
+            if owned:
+                self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(owned)))
+
+    def _make_pre_forward(self, owned: list[int]) -> Any:
+        def pre_forward(module: nn.Module, _inputs: Any) -> None:
+            self._pinned = set(owned)
+            self._wait_for(owned)
+            if self._recomputing:
+                # The block's forward runs again inside backward: no prefetch in either
+                # direction would be right for long, so fetch on demand only.
+                self._privatize(module)
+                return
+            # Forward walks the chunks in index order: fetch the next ones now, reusing slots of
+            # chunks forward is done with.
+            low = min(owned)
+            upcoming = [c for c in range(max(owned) + 1, len(self.chunks)) if not self.chunks[c].persistent]
+            self.prefetch(upcoming[: self.prefetch_depth], evictable=lambda c: c < low)
+
+        return pre_forward
+
+    @contextlib.contextmanager
+    def recomputing(self) -> Iterator[None]:
+        """A checkpointed block's forward runs again inside backward. Its saved tensors are kept
+        by ``torch.utils.checkpoint`` itself, out of reach of ``pack_alias``: the parameters it
+        reads from buffer slots are pointed at private copies meanwhile, so a slot reused before
+        that block's backward ends cannot change what it saved."""
+        self._recomputing = True
+        try:
+            yield
+        finally:
+            self._recomputing = False
+            self._pinned = set()
+            for chunk_index in self._privatized:
+                self.store.point_params(self.chunks[chunk_index])
+            self._privatized.clear()
+
+    def _privatize(self, module: nn.Module) -> None:
+        for param in module.parameters(recurse=False):
+            chunk_index = self.store.chunk_of(param)
+            if not self.chunks[chunk_index].persistent:
+                param.data = param.data.clone()
+                self._privatized.add(chunk_index)
+
+    # ------------------------------------------------------------------ saved views of slots
+
+    def pack_alias(self, tensor: torch.Tensor) -> SavedAlias | None:
+        """A recipe for a saved tensor that views a chunk buffer slot (its memory may hold
+        another chunk by the time backward reads it), or None for any other tensor."""
+        if not self.slots:
+            return None
+        slot = self._slot_storage.get(tensor.untyped_storage().data_ptr())
+        if slot is None:
+            return None
+        owner = self._slot_owner[slot]
+        assert owner is not None, "a saved tensor views an empty chunk buffer"
+        return SavedAlias(owner, tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()))
+
+    def unpack_alias(self, packed: SavedAlias) -> torch.Tensor:
+        full = self._wait_for([packed.chunk])
+        self._prefetch_backward(packed.chunk)
+        return full.as_strided(packed.size, packed.stride, packed.offset)
+
+    def _prefetch_backward(self, chunk_index: int) -> None:
+        """Backward walks the chunks in reverse: fetch the ones before ``chunk_index``, into
+        slots of chunks whose gradients are all in (backward will not read them again)."""
+        if self.prefetch_depth:
+            earlier = [c for c in range(chunk_index - 1, -1, -1) if not self.chunks[c].persistent]
+            self.prefetch(earlier[: self.prefetch_depth], evictable=self.backward_done)
+
+    def slot_storages(self) -> set[int]:
+        return set(self._slot_storage)
+
+    # ------------------------------------------------------------------ profiling
+
+    def begin_profiling(self) -> None:
+        """Every gather on demand (no prefetch) and synchronous, its seconds in ``stall_s``."""
+        self._profiling = True
+        self.stall_s = 0.0
+        self._saved_prefetch_depth, self.prefetch_depth = self.prefetch_depth, 0
+
+    def end_profiling(self) -> None:
+        self._profiling = False
+        self.prefetch_depth = self._saved_prefetch_depth
+        self._pinned = set()
+
+    def _wait_for(self, chunk_indices: Sequence[int]) -> torch.Tensor:
+        """Make these chunks resident (compute waits here); the last one's full copy. While
+        profiling, the wait is synchronous and counted in ``stall_s``."""
+        full: torch.Tensor | None = None
+        started = 0.0
+        device = self.store.device
+        if self._profiling:
+            synchronize(device)
+            started = time.perf_counter()
+        try:
+            for chunk_index in chunk_indices:
+                full = self.ensure_resident(chunk_index)
+            if self._profiling:
+                synchronize(device)
+        finally:
+            if self._profiling:
+                self.stall_s += time.perf_counter() - started
+        assert full is not None, "no chunk to wait for"
+        return full
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -82,24 +82,24 @@ def train_counting_gradient_buffers(*, rank: int, output_dir: str) -> dict[str, 
     engine = runtime.initialize(tiny_gpt(0), config=config(num_chunks))
     chunks = engine.chunks
     most_alive = 0
-    reduce_into = chunks._reduce_into
+    reduce_to = chunks.reducer._reduce_to
 
-    def slow_reduce_into(buffer: torch.Tensor, grad_shard: torch.Tensor) -> None:
+    def slow_reduce_to(buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
         time.sleep(0.05)  # a slow link: reductions fall behind backward
-        reduce_into(buffer, grad_shard)
+        return reduce_to(buffer, device)
 
-    chunks._reduce_into = slow_reduce_into
+    chunks.reducer._reduce_to = slow_reduce_to
 
     # Every buffer backward takes, held weakly: what is counted is the buffers still alive.
     taken: dict[int, weakref.ref[torch.Tensor]] = {}
-    take = chunks._grad_pool.take
+    take = chunks.reducer.grad_pool.take
 
     def take_and_watch() -> torch.Tensor:
         buffer = take()
         taken[id(buffer)] = weakref.ref(buffer)
         return buffer
 
-    chunks._grad_pool.take = take_and_watch
+    chunks.reducer.grad_pool.take = take_and_watch
 
     def count(_param: torch.nn.Parameter) -> None:
         nonlocal most_alive

@@ -1,0 +1,220 @@
+"""Gradient reduction: the device side of backward (hooks, buffers, reduce-scatter, copy to host).
+
+Gradients: a hook after each parameter's gradient accumulation copies the gradient into the
+chunk's gradient buffer (one rank in fp32: autograd accumulates straight into the fp32 shard,
+see store.py), taken from a small pool that hands a buffer back once its reduction has run
+(grad_buffers.py); when every trainable parameter of a chunk has reported, the chunk is ready.
+Ready chunks are reduce-scattered strictly in reverse chunk order, the same on every rank
+(chunks left incomplete by unused parameters are flushed, in that order, when backward ends),
+on the collective queue (side_stream.py) while backward goes on.
+
+The device/host seam: this side ends with this rank's reduced part of a chunk's gradient, in
+fp32 on the device of the chunk's gradient shard (the copy to host is the last device work).
+What happens to it then is the host side's (optimizer.py), behind the two calls of
+``ReducedGradientSink``: ``add_reduced`` (the add into the shard, on the collective queue today)
+and ``reduction_queued`` (told on the main thread, with the event that says when the reduced
+gradient is in and which parameters had a gradient, so the host side may update the chunk early).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from runtime.chunks.grad_buffers import GradientBufferPool
+from runtime.chunks.side_stream import CollectiveQueue
+from runtime.chunks.store import Chunk, ChunkStore
+from runtime.device import DeviceEvent
+from runtime.distributed import reduce_scatter_flat_
+
+
+class ReducedGradientSink(Protocol):
+    """Where reduced gradients go: the host side's whole interface to this one."""
+
+    def add_reduced(self, chunk: Chunk, grad: torch.Tensor) -> None:
+        """``grad`` (fp32, on the gradient shard's device) is this rank's reduced part of the
+        chunk's gradient for one micro-batch: accumulate it. Called in queue order, off the
+        main thread."""
+
+    def reduction_queued(self, chunk: Chunk, reduced: DeviceEvent, fired: torch.Tensor) -> None:
+        """The chunk's reduction is queued (main thread): its gradient shard is complete once
+        ``reduced`` has fired; ``fired[param]`` says which parameters had a gradient in this
+        accumulation window so far."""
+
+
+class GradientReducer:
+    """Gradient hooks, buffers and the ordered reduce-scatters (see the module docstring)."""
+
+    def __init__(self, *, store: ChunkStore, queue: CollectiveQueue, sink: ReducedGradientSink) -> None:
+        self.store = store
+        self.chunks = store.chunks
+        self.queue = queue
+        self.sink = sink
+        self.grad_pool = GradientBufferPool(
+            numel=store.layout.chunk_numel, dtype=store.compute_dtype, device=store.device, stream=queue.stream
+        )
+        self._grad_buffers: dict[int, torch.Tensor] = {}
+        """The gradient buffer each chunk is filling (taken from ``grad_pool``)."""
+        num_params = len(store.params)
+        self._remaining = [0] * len(self.chunks)
+        self._fired = torch.zeros(num_params, dtype=torch.bool)
+        self._fired_in_window = torch.zeros(num_params, dtype=torch.bool)
+        self._reduce_order = [c.index for c in reversed(self.chunks) if c.info.trainable]
+        self._next_reduction = 0
+        self._profiling = False
+        self._handles: list[Any] = []
+
+    def install_hooks(self) -> None:
+        for index, param in enumerate(self.store.params):
+            if param.requires_grad:
+                self._handles.append(param.register_post_accumulate_grad_hook(self._make_grad_hook(index)))
+
+    def _make_grad_hook(self, index: int) -> Any:
+        def on_grad(param: nn.Parameter) -> None:
+            self._accept_grad(index, param)
+
+        return on_grad
+
+    # ------------------------------------------------------------------ one backward
+
+    def reset(self) -> None:
+        """A new backward: no parameter has reported, no reduction is issued."""
+        self._fired.zero_()
+        self._next_reduction = 0
+        for chunk in self.chunks:
+            self._remaining[chunk.index] = sum(
+                1 for i in chunk.info.params if self.store.params[i].requires_grad
+            )
+
+    def new_window(self) -> None:
+        """A new accumulation window: no parameter has had a gradient in it."""
+        self._fired_in_window.zero_()
+
+    def params_with_grad(self) -> torch.Tensor:
+        """Per parameter, whether any micro-batch of this window produced a gradient here."""
+        return self._fired_in_window.to(torch.float64)
+
+    def backward_done(self, chunk_index: int) -> bool:
+        """Every gradient of the chunk is in: backward will not read its parameters again."""
+        return self.chunks[chunk_index].info.trainable and self._remaining[chunk_index] == 0
+
+    @torch.no_grad()
+    def _accept_grad(self, index: int, param: nn.Parameter) -> None:
+        assert param.grad is not None
+        chunk_index = self.store.chunk_of_param[index]
+        chunk = self.chunks[chunk_index]
+        direct = self.store.direct_grads(chunk)
+        if self._profiling:
+            # A profiling step's gradient is dropped (a direct one is zeroed afterwards).
+            if not direct:
+                param.grad = None
+            return
+        if direct:
+            # Autograd accumulated in place into the shard slice that is this parameter's
+            # .grad; anything else means the view was replaced (e.g. set to None by hand).
+            if not self._grad_is_shard_view(index, param):
+                raise RuntimeError(
+                    f"{self.store.layout.params[index].name}.grad no longer views its gradient shard; "
+                    "do not set or replace .grad of a model the engine trains (use engine.step)"
+                )
+        else:
+            buffer = self._grad_buffers.get(chunk_index)
+            if buffer is None:
+                buffer = self._grad_buffers[chunk_index] = self.grad_pool.take()
+            offset = self.store.layout.slots[index].offset
+            buffer[offset : offset + param.numel()].add_(param.grad.reshape(-1))
+            param.grad = None
+        if not self._fired[index]:
+            self._fired[index] = True
+            self._fired_in_window[index] = True
+            self._remaining[chunk_index] -= 1
+            if self._remaining[chunk_index] == 0:
+                self._issue_ready_reductions()
+
+    def _grad_is_shard_view(self, index: int, param: nn.Parameter) -> bool:
+        grad_shard = self.chunks[self.store.chunk_of_param[index]].grad_shard
+        assert param.grad is not None
+        offset = self.store.layout.slots[index].offset * grad_shard.element_size()
+        return (
+            param.grad.untyped_storage().data_ptr() == grad_shard.untyped_storage().data_ptr()
+            and param.grad.storage_offset() * param.grad.element_size()
+            == grad_shard.storage_offset() * grad_shard.element_size() + offset
+        )
+
+    # ------------------------------------------------------------------ reductions
+
+    def _issue_ready_reductions(self) -> None:
+        while self._next_reduction < len(self._reduce_order):
+            chunk_index = self._reduce_order[self._next_reduction]
+            if self._remaining[chunk_index] > 0:
+                return
+            self._reduce(chunk_index)
+            self._next_reduction += 1
+
+    def flush(self) -> None:
+        """Queue the reductions of chunks that unused parameters left incomplete, in the fixed
+        order (the caller then drains the queue)."""
+        while self._next_reduction < len(self._reduce_order):
+            self._reduce(self._reduce_order[self._next_reduction])
+            self._next_reduction += 1
+
+    def release_buffers(self) -> None:
+        """Backward is over (or failed) and the queue has drained: drop the gradient buffers."""
+        self._grad_buffers.clear()
+        self.grad_pool.release()
+
+    def _reduce(self, chunk_index: int) -> None:
+        """Queue the chunk's reduce-scatter (and the fp32 accumulation into its shard) on the
+        side stream; backward goes on meanwhile."""
+        chunk = self.chunks[chunk_index]
+        device = chunk.grad_shard.device
+        buffer = self._grad_buffers.pop(chunk_index, None)
+        if self.store.direct_grads(chunk):
+            reduced = DeviceEvent.completed()  # the gradients are in the shard already
+        elif buffer is None and self.store.dist_ctx.world_size == 1:
+            reduced = DeviceEvent.completed()  # no gradient, nothing to add
+        else:
+            if buffer is None:  # no gradient here; other ranks may have some, so take part anyway
+                buffer = self.grad_pool.take()
+            sink = self.sink
+            reduced = self.queue.submit(lambda: sink.add_reduced(chunk, self._reduce_to(buffer, device)))
+            self.grad_pool.reducing(buffer, reduced)
+        self.sink.reduction_queued(chunk, reduced, self._fired_in_window)
+
+    @torch.no_grad()
+    def _reduce_to(self, buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """On the side stream: this rank's part of the buffer summed over ranks and divided by
+        their number, in fp32 on ``device`` (the gradient shard's)."""
+        if buffer.is_cuda:
+            # Allocated on the compute stream, used here on the side stream: keep the caching
+            # allocator from handing it out again before this work is done.
+            buffer.record_stream(torch.cuda.current_stream(buffer.device))
+        world = self.store.dist_ctx.world_size
+        if world == 1:
+            return buffer.to(device, torch.float32)
+        reduced = reduce_scatter_flat_(buffer, self.store.dist_ctx.group).div_(world)
+        return reduced.to(device, torch.float32)
+
+    # ------------------------------------------------------------------ profiling
+
+    def begin_profiling(self) -> None:
+        """Gradients are dropped until ``end_profiling``: nothing is reduced."""
+        self._profiling = True
+
+    def end_profiling(self) -> None:
+        """After the queue drained: drop the buffers and every gradient the profiling steps
+        left, point direct gradients at their shards again (the caller zeroes the shards)."""
+        self._profiling = False
+        self.release_buffers()
+        for chunk in self.chunks:
+            if not self.store.direct_grads(chunk):
+                for index in chunk.info.params:
+                    self.store.params[index].grad = None
+            self.store.point_grads(chunk)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
