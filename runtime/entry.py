@@ -103,14 +103,7 @@ def initialize(
     resolved, run_dir = resolve_job(config)
     spec = resolved.spec
     planning = planning_settings_from_spec(spec)
-    # A model built on the meta device is never materialised whole: its parameters get stand-ins
-    # and each is read from the weights straight into its chunk.
-    streamed = weights is not None and any(p.is_meta for p in model.parameters())
-    reader = WeightReader(weights, model) if streamed and weights is not None else None
-    if weights is not None and reader is None:
-        load_weights_(model, weights)
-    if reader is None:
-        _refuse_meta(model)
+    reader = _weight_reader(model, weights)
     try:
         refuse_foreign_activation_handling(model, model_blocks(model, planning)[1])
     except ValueError as err:
@@ -119,7 +112,8 @@ def initialize(
     if reader is not None:
         install_placeholders_(model, device.device, reader)
     if resolved.dry_run:
-        _dry_run(model, resolved, planning, example_batch, loss_fn, profile=reader is None, profilers=profilers)
+        profile = reader is None
+        _dry_run(model, resolved, planning, example_batch, loss_fn, profile=profile, profilers=profilers)
     # Another engine alive in this process (a teacher beside a student) owns the random streams
     # as they are: reseeding them here would change its dropout masks.
     reseed = not live_engines.others_alive()
@@ -153,6 +147,19 @@ def initialize(
             if dist_ctx is not None:
                 release(dist_ctx)
         raise
+
+
+def _weight_reader(model: nn.Module, weights: WeightsSource | None) -> WeightReader | None:
+    """The reader of a model built on the meta device: it is never materialised whole, its
+    parameters get stand-ins and each is read from the weights straight into its chunk. Weights
+    for a materialised model are loaded into it now."""
+    streamed = weights is not None and any(p.is_meta for p in model.parameters())
+    reader = WeightReader(weights, model) if streamed and weights is not None else None
+    if weights is not None and reader is None:
+        load_weights_(model, weights)
+    if reader is None:
+        _refuse_meta(model)
+    return reader
 
 
 def _claim(spec: Spec, device: DeviceInfo, *, ranks_on_host: int) -> live_engines.EngineClaim:
@@ -229,7 +236,11 @@ def _build_engine(
         chunks=chunks,
         activations=activations,
         checkpointer=Checkpointer(
-            chunks=chunks, module=model, dist_ctx=dist_ctx, settings=_checkpoint_settings(spec), seed=spec.seed
+            chunks=chunks,
+            module=model,
+            dist_ctx=dist_ctx,
+            settings=_checkpoint_settings(spec),
+            seed=spec.seed,
         ),
         stop=StopRequest(announce=dist_ctx.is_main).install(),
         claim=claim,
@@ -248,7 +259,9 @@ def _build_engine(
     return engine
 
 
-def _place_model(model: nn.Module, reader: WeightReader | None, device: DeviceInfo, dist_ctx: DistContext) -> None:
+def _place_model(
+    model: nn.Module, reader: WeightReader | None, device: DeviceInfo, dist_ctx: DistContext
+) -> None:
     """A model held whole moves to the device, rank 0's values everywhere; streamed weights are
     the same file on every rank and go straight into their chunks."""
     if reader is not None:

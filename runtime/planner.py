@@ -143,6 +143,7 @@ class Planner:
     origin: ProfileOrigin = field(default_factory=ProfileOrigin)
     """The cache entries ``profiles`` were read from (the plan check drops stale ones)."""
     batch_tried: bool = False
+    """``plan_on`` ran (a batch is profiled through the chunk engine once)."""
 
     @property
     def searchable(self) -> bool:
