@@ -36,7 +36,7 @@ test-e2e: $(STAMP)
 	$(BIN)/python -m pytest -m e2e tests
 
 spec-reference: $(STAMP)
-	$(BIN)/python -m runtime.spec_doc --write
+	$(BIN)/python -m runtime.config.spec_doc --write
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

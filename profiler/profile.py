@@ -1,6 +1,6 @@
 """What the planner knows about the machine and the model: plain, saved values.
 
-``HardwareProfile`` holds measured rates and capacities of one rank's machine (runtime/probes.py
+``HardwareProfile`` holds measured rates and capacities of one rank's machine (runtime/planning/hardware_probes.py
 measures them); ``ModelProfile`` holds what one profiling step of the model showed (per block
 time and activation bytes, the transient peak, the parameters in execution order). Both are
 keyed by names and numbers, never live objects, and round-trip exactly through JSON so they can

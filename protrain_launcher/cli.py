@@ -21,8 +21,8 @@ from pathlib import Path
 from protrain_launcher.launch import launch
 from protrain_launcher.preflight import check_master_addr, check_output_dir, key_source
 from protrain_launcher.request import EXIT_BAD_INPUT, EXIT_OK, LaunchRequest
-from runtime.spec import Spec
-from runtime.spec_io import SpecError, load_spec, parse_override
+from runtime.config.spec import Spec
+from runtime.config.spec_io import SpecError, load_spec, parse_override
 
 SPEC_OPTIONS = ("--config", "--set")
 """Taken wherever they appear before ``--`` (not by the parser, which stops at the script)."""

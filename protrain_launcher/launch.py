@@ -29,8 +29,8 @@ from protrain_launcher.request import (
     LaunchRequest,
 )
 from protrain_launcher.signal_hold import import_torch
-from runtime.spec import AUTO, Spec, auto_fields
-from runtime.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, write_resolved
+from runtime.config.spec import AUTO, Spec, auto_fields
+from runtime.config.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, write_resolved
 
 RANK_ENTRY = ("-u", "-m", "protrain_launcher.rank_entry")
 RENDEZVOUS_TIMEOUT_S = 900

@@ -10,8 +10,8 @@ import socket
 import tempfile
 from pathlib import Path
 
-from runtime.spec import LauncherSpec
-from runtime.spec_io import SpecError
+from runtime.config.spec import LauncherSpec
+from runtime.config.spec_io import SpecError
 
 EXAMPLE_OUTPUT_DIR = "runs"
 

@@ -54,7 +54,7 @@ def run_script(script: str, args: list[str]) -> int:
     import_torch()
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from runtime.spec_io import SpecError
+    from runtime.config.spec_io import SpecError
 
     def run() -> int:
         sys.argv = [script, *args]

@@ -4,15 +4,15 @@ hardware from a hardware file and a model config; no script, no ranks, no torch)
     protrain-run --what-if configs/hardware/a100-80gb.yaml --model-config config.json
     protrain-run --what-if configs/hardware/a100-80gb.yaml --largest
 
-This module reads the arguments; the planning and its tables are ``runtime/what_if.py``.
+This module reads the arguments; the planning and its tables are ``runtime/planning/what_if.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from runtime.spec_io import SpecError
-from runtime.what_if import WhatIfRequest, run_what_if
+from runtime.config.spec_io import SpecError
+from runtime.planning.what_if import WhatIfRequest, run_what_if
 
 
 def build_parser() -> argparse.ArgumentParser:

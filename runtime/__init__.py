@@ -1,6 +1,6 @@
 """ProTrain's runtime: the job spec, ``initialize`` and the ``Engine``.
 
-``import runtime.spec`` must stay free of torch (the launcher validates input without it), so the
+``import runtime.config.spec`` must stay free of torch (the launcher validates input without it), so the
 training API is loaded on first use.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from runtime.engine import Engine
+    from runtime.training.engine import Engine
     from runtime.entry import current_spec, initialize
 
 __all__ = ["Engine", "current_spec", "initialize"]
@@ -21,7 +21,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module("runtime.entry"), name)
     if name == "Engine":
-        from runtime.engine import Engine
+        from runtime.training.engine import Engine
 
         return Engine
     raise AttributeError(f"module 'runtime' has no attribute {name!r}")

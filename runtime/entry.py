@@ -19,11 +19,11 @@ from rich.console import Console
 from torch import nn
 
 from profiler.plan import BlockMode, Plan
-from runtime import live_engines
-from runtime.apply_plan import PlanTarget, apply_plan
+from runtime.training import live_engines
+from runtime.planning.apply_plan import PlanTarget, apply_plan
 from runtime.batches import call_model, to_device
 from runtime.blocks import refuse_foreign_activation_handling
-from runtime.budgets import auto_device_budget, resolve_budgets
+from runtime.planning.budgets import auto_device_budget, resolve_budgets
 from runtime.checkpoint.checkpointer import Checkpointer, CheckpointSettings
 from runtime.chunks.layout import first_use_order, model_params
 from runtime.console import MetricsFile, ProgressReporter, plan_table
@@ -36,13 +36,13 @@ from runtime.distributed import (
     init_distributed,
     release,
 )
-from runtime.engine import Engine
-from runtime.planner import Profilers, build_planner
-from runtime.planning import check_supported, model_blocks
-from runtime.replanner import Replanner
-from runtime.settings import PlanningSettings, planning_settings_from_spec, settings_from_spec
-from runtime.spec import AUTO, Spec
-from runtime.spec_io import (
+from runtime.training.engine import Engine
+from runtime.planning.planner import Profilers, build_planner
+from runtime.planning.model_facts import check_supported, model_blocks
+from runtime.planning.replanner import Replanner
+from runtime.config.settings import PlanningSettings, planning_settings_from_spec, settings_from_spec
+from runtime.config.spec import AUTO, Spec
+from runtime.config.spec_io import (
     RESOLVED_SPEC_ENV,
     ResolvedSpec,
     SpecError,
@@ -50,7 +50,7 @@ from runtime.spec_io import (
     read_resolved,
     validate_spec,
 )
-from runtime.stop import StopRequest
+from runtime.training.stop import StopRequest
 from runtime.weights import WeightReader, WeightsSource, install_placeholders_, load_weights_
 
 
@@ -97,7 +97,7 @@ def initialize(
     ``loss_fn(output) -> loss`` for profiling; default ``output.loss`` or a scalar output.
     ``weights``: a state dict, a safetensors directory, or ``fn(name, tensor) -> tensor``.
     ``profilers``: the measuring functions planning calls (tests and benchmarks wrap them to
-    count or time the measurements; see ``runtime.planner.Profilers``).
+    count or time the measurements; see ``runtime.planning.planner.Profilers``).
     Under ``protrain-run --dry-run`` this prints the spec and plan and ends the process (exit 0).
     """
     resolved, run_dir = resolve_job(config)

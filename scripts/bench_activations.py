@@ -54,7 +54,7 @@ from bench_common import SEED, Batch, add_model_arguments, build_gpt, gpt_config
 import runtime
 from runtime.activations.ssd_store import measure_disk_rates
 from runtime.device import malloc_in_use_bytes
-from runtime.engine import Engine
+from runtime.training.engine import Engine
 
 MODES = ("keep", "swap", "checkpoint", "ssd")
 LR = 3e-4

@@ -16,7 +16,7 @@ Method, per model:
 1. Profile. ``runtime.initialize`` with an example batch and ``memory.chunk_size`` set (so the
    model splits into at least ``--min-chunks`` chunks), ``n_persist``/``n_buffer`` "auto":
    it profiles the model and the machine and the search chooses the plan. ``profile_model`` and
-   ``hardware_profile`` are passed to it wrapped (``runtime.planner.Profilers``) to keep the
+   ``hardware_profile`` are passed to it wrapped (``runtime.planning.planner.Profilers``) to keep the
    profiles they return and time them. That engine is
    closed at once; every plan, the chosen one included, is then built alike (step 2).
 2. Plans. The chosen plan and up to four hand-set ones at the same chunk size: all chunks
@@ -92,14 +92,14 @@ from profiler.cost_model import Prediction, chunk_costs, predict
 from profiler.profile import HardwareProfile, ModelProfile
 from profiler.search import search
 from runtime.device import malloc_in_use_bytes
-from runtime.engine import Engine
-from runtime.hardware_spec import load_hardware
-from runtime.model_profiling import profile_model
-from runtime.planner import Profilers
-from runtime.probes import hardware_profile
+from runtime.training.engine import Engine
+from runtime.config.hardware_spec import load_hardware
+from runtime.planning.model_profiling import profile_model
+from runtime.planning.planner import Profilers
+from runtime.planning.hardware_probes import hardware_profile
 from runtime.models.gpt import GPTConfig
-from runtime.spec_io import SpecError
-from runtime.what_if import machine_from_file
+from runtime.config.spec_io import SpecError
+from runtime.planning.what_if import machine_from_file
 
 LR = 3e-4
 WEIGHT_DECAY = 0.1

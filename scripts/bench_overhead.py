@@ -32,7 +32,7 @@ import torch
 from bench_common import SEED, Batch, add_model_arguments, build_gpt, gpt_config, make_batches
 
 import runtime
-from runtime.engine import Engine
+from runtime.training.engine import Engine
 from runtime.models.gpt import GPT
 from runtime.param_groups import split_decay
 

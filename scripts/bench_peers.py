@@ -104,7 +104,7 @@ FORKSERVER_PRELOAD = [
     "torch.nn.parallel",
     "runtime",
     "runtime.data",
-    "runtime.spec_io",
+    "runtime.config.spec_io",
     "runtime.entry",
     "bench_common",
 ]
@@ -296,7 +296,7 @@ def build_protrain(kind: Kind, job: Job, example: Batch, *, first_n_buffer: int,
     up that ``initialize`` accepts, jumping to the minimum its refusal names. Every rank gets the
     same refusal at the same point, so the collectives stay in step."""
     import runtime
-    from runtime.spec_io import SpecError
+    from runtime.config.spec_io import SpecError
 
     args = job.args
     n_buffer = first_n_buffer

@@ -40,7 +40,7 @@ from torch import nn
 import runtime
 from runtime.data import TokenWindows, stdlib_text_corpus
 from runtime.models.gpt import GPT, PRESETS
-from runtime.spec import AUTO, Spec
+from runtime.config.spec import AUTO, Spec
 from runtime.weights import ModelInit, WeightsSource
 
 LLAMA_PRESETS: dict[str, dict[str, int]] = {

@@ -216,7 +216,7 @@ def train_reference_fp16(
 ) -> Fp16ReferenceRun:
     """fp32 parameters, forward under ``torch.autocast(cpu, float16)``, ``torch.amp.GradScaler``
     and the for-loop fp32 ``torch.optim.AdamW`` (one rank). The scaler's settings are the
-    engine's loss_scaling semantics (runtime/loss_scale.py): halve on overflow (the update is
+    engine's loss_scaling semantics (runtime/training/loss_scale.py): halve on overflow (the update is
     skipped), double after ``growth_interval`` clean updates in a row; the engine's min_scale has
     no GradScaler counterpart, so keep the scale above it. ``loss_multipliers``: update -> factor
     on that update's loss before scaling (a loss spike that forces an overflow)."""

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.update import NonFiniteLossError
+from runtime.training.update import NonFiniteLossError
 from tests.distributed.pool import RankPool, RemoteError
 from tests.helpers import (
     assert_matches_reference,

@@ -17,7 +17,7 @@ def agree_different_measurements(*, rank: int) -> dict[str, Any]:
 
     from profiler.profile import HardwareProfile
     from runtime.distributed import DistContext
-    from runtime.probes import agree_hardware
+    from runtime.planning.hardware_probes import agree_hardware
 
     mine = HardwareProfile(
         device_kind="cpu",

@@ -15,7 +15,7 @@ from torch import nn
 import runtime
 from runtime.activations.records import SavedTensorModifiedError
 from runtime.models.gpt import GPTConfig
-from runtime.spec_io import SpecError
+from runtime.config.spec_io import SpecError
 from tests.helpers import assert_state_close, assert_state_equal, lm_batches, tiny_gpt, train_reference
 
 STEPS = 4

@@ -12,7 +12,7 @@ import torch
 
 import runtime
 from runtime.chunks.residency import IllegalTransition, Residency, check_move
-from runtime.spec_io import SpecError
+from runtime.config.spec_io import SpecError
 from tests.helpers import (
     assert_matches_reference,
     assert_state_close,

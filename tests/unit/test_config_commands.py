@@ -20,10 +20,10 @@ import torch
 from profiler.analytic import KNOWN_CONFIGS, shape_from_config
 from protrain_launcher.cli import main as protrain_run
 from protrain_launcher.cli import parse_command_line, resolve_spec
-from runtime.hardware_spec import load_hardware
-from runtime.spec import AUTO
-from runtime.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, load_spec, write_resolved
-from runtime.what_if import HOST_RESERVE_BYTES, machine_from_file, plan_model
+from runtime.config.hardware_spec import load_hardware
+from runtime.config.spec import AUTO
+from runtime.config.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, load_spec, write_resolved
+from runtime.planning.what_if import HOST_RESERVE_BYTES, machine_from_file, plan_model
 from tests.config_commands import assert_trained_through_chunks, header_commands, tiny_command
 from tests.helpers import assert_state_equal
 

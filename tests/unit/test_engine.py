@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import runtime
-from runtime.update import NonFiniteLossError
+from runtime.training.update import NonFiniteLossError
 from tests.helpers import (
     assert_matches_reference,
     assert_state_equal,
@@ -202,7 +202,7 @@ def test_eval_forward_does_not_change_training(tmp_path: Path) -> None:
 
 def test_memory_knobs_set_by_hand_are_obeyed_or_refused_clearly(tmp_path: Path) -> None:
     import runtime
-    from runtime.spec_io import SpecError
+    from runtime.config.spec_io import SpecError
 
     engine = runtime.initialize(tiny_gpt(), config=job(tmp_path, memory={"n_swap": 1}))
     assert [mode.value for mode in engine.plan.block_modes] == ["swap", "keep"]

@@ -45,7 +45,7 @@ def test_launcher_only_uses_the_spec_from_runtime() -> None:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("runtime"):
-                assert node.module in ("runtime.spec", "runtime.spec_io", "runtime.what_if"), (
+                assert node.module in ("runtime.config.spec", "runtime.config.spec_io", "runtime.planning.what_if"), (
                     f"{path.name} imports {node.module}"
                 )
 
@@ -104,7 +104,7 @@ def test_the_plan_value_imports_nothing_of_ours() -> None:
 
 def test_reading_a_spec_loads_neither_the_search_nor_torch() -> None:
     code = (
-        "import sys, runtime.spec\n"
+        "import sys, runtime.config.spec\n"
         "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('profiler', 'torch'))\n"
         "assert loaded == ['profiler', 'profiler.plan'], loaded"
     )
@@ -118,7 +118,61 @@ def test_profiler_does_not_import_torch() -> None:
 
 def test_spec_and_launcher_cli_do_not_import_torch() -> None:
     code = (
-        "import sys, runtime.spec, runtime.spec_io, protrain_launcher.cli, protrain_launcher.what_if_cli\n"
+        "import sys, runtime.config.spec, runtime.config.spec_io, protrain_launcher.cli, protrain_launcher.what_if_cli\n"
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# Inside runtime/, by folder (a top-level module such as runtime/entry.py is its own "folder"):
+# what each may not import. The spec stays free of the engine; the chunk and activation engines
+# know nothing of planning or training; planning never reaches up into the engine that runs the
+# plan; nothing but the package itself imports the composition root.
+RUNTIME_FORBIDDEN = {
+    "config": {"planning", "training", "chunks", "activations", "checkpoint", "entry"},
+    "chunks": {"config", "planning", "training", "activations", "checkpoint", "entry"},
+    "activations": {"config", "planning", "training", "checkpoint", "entry"},
+    "checkpoint": {"config", "planning", "training", "activations", "entry"},
+    "planning": {"training", "entry"},
+    "training": {"entry"},
+}
+
+
+def runtime_folder(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "runtime" and len(parts) > 1 else None
+
+
+@pytest.mark.parametrize("folder", sorted(RUNTIME_FORBIDDEN))
+def test_runtime_folders_import_one_way(folder: str) -> None:
+    offenders = []
+    for path in (ROOT / "runtime" / folder).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                modules = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            for module in modules:
+                if runtime_folder(module) in RUNTIME_FORBIDDEN[folder]:
+                    offenders.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert not offenders, "\n".join(offenders)
+
+
+MAX_MODULE_LINES = 450
+LONG_MODULES_ALLOWED: dict[str, str] = {}
+"""Modules allowed past MAX_MODULE_LINES, each with its reason: only a file that is one
+declarative table (none today)."""
+
+
+def test_modules_stay_short_enough_to_read() -> None:
+    """One concept per module, readable at once (STYLE.md): runtime/ and profiler/ files stay
+    under about 450 lines, the Engine under 400."""
+    long = {
+        str(path.relative_to(ROOT)): lines
+        for package in ("runtime", "profiler")
+        for path in (ROOT / package).rglob("*.py")
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+        and str(path.relative_to(ROOT)) not in LONG_MODULES_ALLOWED
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them along a seam): {long}"
+    engine_lines = len((ROOT / "runtime" / "training" / "engine.py").read_text().splitlines())
+    assert engine_lines < 400, f"runtime/training/engine.py has {engine_lines} lines; the Engine stays under 400"

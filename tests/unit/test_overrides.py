@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from protrain_launcher.cli import parse_command_line, resolve_spec
-from runtime.spec import Precision
-from runtime.spec_io import SpecError, load_spec, parse_override
+from runtime.config.spec import Precision
+from runtime.config.spec_io import SpecError, load_spec, parse_override
 
 
 def test_set_values_are_typed_like_the_file() -> None:

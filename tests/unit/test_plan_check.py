@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import runtime
-import runtime.engine
-from runtime.engine import Engine
-from runtime.model_profiling import profile_model
-from runtime.plan_check import CHECK_AFTER_UPDATES
-from runtime.planner import Profilers
+import runtime.training.engine
+from runtime.training.engine import Engine
+from runtime.planning.model_profiling import profile_model
+from runtime.planning.plan_check import CHECK_AFTER_UPDATES
+from runtime.planning.planner import Profilers
 from tests.helpers import lm_batches, tiny_gpt, train_updates
 
 
@@ -51,7 +51,7 @@ def train_at(engine: Engine, step_s: float, monkeypatch: pytest.MonkeyPatch) -> 
         return now[0]
 
     with monkeypatch.context() as patch:
-        patch.setattr(runtime.engine, "time", types.SimpleNamespace(perf_counter=clock))
+        patch.setattr(runtime.training.engine, "time", types.SimpleNamespace(perf_counter=clock))
         data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
         train_updates(engine, data, range(CHECK_AFTER_UPDATES))
     engine.close()

@@ -17,9 +17,9 @@ from runtime.blocks import find_blocks
 from runtime.chunks.layout import model_params
 from runtime.device import select_device
 from runtime.batches import call_model, default_loss
-from runtime.model_profiling import profile_model
-from runtime.planner import Profilers
-from runtime.spec_io import SpecError
+from runtime.planning.model_profiling import profile_model
+from runtime.planning.planner import Profilers
+from runtime.config.spec_io import SpecError
 from tests.helpers import assert_state_equal, lm_batches, tiny_gpt, train_reference
 
 KIB = 1024
@@ -316,7 +316,7 @@ def test_profiling_stops_once_steps_agree(
 ) -> None:
     import types
 
-    from runtime import model_profiling
+    from runtime.planning import model_profiling
 
     clock = [0.0]
     monkeypatch.setattr(model_profiling, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))

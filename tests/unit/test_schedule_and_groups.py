@@ -8,9 +8,9 @@ import pytest
 from torch import nn
 
 from runtime.param_groups import split_decay
-from runtime.schedule import lr_factor
-from runtime.settings import ScheduleSettings
-from runtime.spec import SchedulerType
+from runtime.training.schedule import lr_factor
+from runtime.config.settings import ScheduleSettings
+from runtime.config.spec import SchedulerType
 from tests.helpers import tiny_gpt
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from protrain_launcher.cli import LAUNCHER_OPTIONS, SPEC_OPTIONS, build_parser
 from protrain_launcher.what_if_cli import build_parser as build_what_if_parser
-from runtime.spec_doc import reference_rows
+from runtime.config.spec_doc import reference_rows
 
 SNAPSHOT = Path(__file__).with_name("surface_snapshot.json")
 UPDATE_ENV = "PROTRAIN_UPDATE_SURFACE"

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import runtime
-from runtime.spec_io import SpecError
-from runtime.stop import TrainingStopped
+from runtime.config.spec_io import SpecError
+from runtime.training.stop import TrainingStopped
 from tests.helpers import TINY_GPT, assert_state_equal, lm_batches, tiny_gpt, train_reference, train_updates
 
 LR = 1e-3

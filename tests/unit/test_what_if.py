@@ -12,7 +12,7 @@ import torch
 
 from profiler.analytic import KNOWN_CONFIGS, analytic_profile, shape_from_config
 from protrain_launcher.cli import main
-from runtime.hardware_spec import load_hardware
+from runtime.config.hardware_spec import load_hardware
 
 ROOT = Path(__file__).resolve().parents[2]
 HARDWARE = ROOT / "configs" / "hardware"

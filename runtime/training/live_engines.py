@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.spec_io import SpecError
+from runtime.config.spec_io import SpecError
 
 
 @dataclass(slots=True, kw_only=True)

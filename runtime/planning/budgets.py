@@ -6,7 +6,7 @@ import psutil
 import torch
 
 from runtime.device import DeviceInfo
-from runtime.settings import PlanningSettings
+from runtime.config.settings import PlanningSettings
 
 DEVICE_RESERVE_FRACTION = 0.05
 """Kept free on a CUDA device for the CUDA context, NCCL and allocator slack."""

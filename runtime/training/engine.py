@@ -33,22 +33,22 @@ from runtime.chunks.manager import ChunkManager
 from runtime.console import MetricsFile, ProgressReporter, StepRecord
 from runtime.device import DeviceInfo, synchronize
 from runtime.distributed import DistContext, release
-from runtime.engine_facades import EngineFacades
-from runtime.live_engines import EngineClaim
+from runtime.training.engine_facades import EngineFacades
+from runtime.training.live_engines import EngineClaim
 from runtime.loaders import DataPosition
-from runtime.loss_scale import DynamicLossScaler
-from runtime.memory_probe import PeakMemoryProbe
+from runtime.training.loss_scale import DynamicLossScaler
+from runtime.planning.memory_probe import PeakMemoryProbe
 from runtime.model_cache import TrainingCaches, refuse_cache_with_recompute
-from runtime.plan_check import PlanCheck
-from runtime.plan_check import describe as describe_plan_check
-from runtime.plan_check import judge as judge_plan_check
-from runtime.planning import AUTOCAST_DTYPES
-from runtime.replanner import Replanner, same_layout
-from runtime.schedule import lr_factor
-from runtime.settings import TrainingSettings
-from runtime.stop import StopRequest, TrainingStopped
-from runtime.update import sum_window, update_shards
-from runtime.window import Window
+from runtime.planning.plan_check import PlanCheck
+from runtime.planning.plan_check import describe as describe_plan_check
+from runtime.planning.plan_check import judge as judge_plan_check
+from runtime.planning.model_facts import AUTOCAST_DTYPES
+from runtime.planning.replanner import Replanner, same_layout
+from runtime.training.schedule import lr_factor
+from runtime.config.settings import TrainingSettings
+from runtime.training.stop import StopRequest, TrainingStopped
+from runtime.training.update import sum_window, update_shards
+from runtime.training.window import Window
 
 
 class Engine(EngineFacades):
@@ -320,7 +320,7 @@ class Engine(EngineFacades):
     def switch_plan(self, plan: Plan) -> None:
         """Carry on under ``plan``: the chunk and activation managers are rebuilt for it and
         every parameter, moment and step count moves into its chunk layout (in memory; see
-        ``runtime.plan_switch``). Every rank calls it, between updates."""
+        ``runtime.planning.plan_switch``). Every rank calls it, between updates."""
         if self._replanner is None:
             raise RuntimeError("this engine cannot switch plans (it was not built by runtime.initialize)")
         if self.micro_step % self.settings.gradient_accumulation_steps != 0:

@@ -1,7 +1,7 @@
 """The Engine's facades, around its call protocol: DeepSpeed-style accessors, the model's state
 dict, data loaders whose position checkpoints save, checkpoints, and export.
 
-``EngineFacades`` is the base class of ``runtime.engine.Engine`` and holds nothing of its own: it
+``EngineFacades`` is the base class of ``runtime.training.engine.Engine`` and holds nothing of its own: it
 reads the attributes the Engine sets (declared below), so that ``engine.py`` stays the call
 protocol (forward, backward, step) and the plan in force.
 """
@@ -23,9 +23,9 @@ from runtime.console import ProgressReporter
 from runtime.device import DeviceInfo
 from runtime.distributed import DistContext
 from runtime.loaders import DataPosition
-from runtime.loss_scale import DynamicLossScaler
+from runtime.training.loss_scale import DynamicLossScaler
 from runtime.sampler import ShardedSampler
-from runtime.settings import TrainingSettings
+from runtime.config.settings import TrainingSettings
 
 _E = TypeVar("_E", bound="EngineFacades")
 

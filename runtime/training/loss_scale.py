@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime.settings import LossScaleSettings
+from runtime.config.settings import LossScaleSettings
 
 
 class DynamicLossScaler:

@@ -11,7 +11,7 @@ hand-set knobs no plan can honour are refused. Three questions, three methods:
 - ``plan_on(batch, chunked)``: profile on a batch through the chunk engine running under the
   plan in force (the example batch, or the first training batch), and search.
 - ``search_at(device_budget)``: search the latest profiles again at another budget (what a
-  re-plan runs; see ``runtime.replanner``).
+  re-plan runs; see ``runtime.planning.replanner``).
 
 The Planner keeps the profiles it searched (``profiles``) and the cache entries they were read
 from (``origin``). The measuring functions are ``Profilers``: tests and benchmarks pass wrapped
@@ -44,8 +44,8 @@ from runtime.chunks.layout import ParamInfo
 from runtime.device import DeviceInfo, release_free_memory
 from runtime.distributed import DistContext, all_reduce_max, all_reduce_sum_
 from runtime.model_cache import cache_configs, caches_off
-from runtime.model_profiling import ChunkedRun, agree_model, profile_model
-from runtime.planning import (
+from runtime.planning.model_profiling import ChunkedRun, agree_model, profile_model
+from runtime.planning.model_facts import (
     AUTOCAST_DTYPES,
     compute_element_size,
     is_searchable,
@@ -54,16 +54,16 @@ from runtime.planning import (
     module_params,
     refuse_impossible_knobs,
 )
-from runtime.probes import hardware_key, hardware_profile, with_disk_rates
-from runtime.profile_cache import ProfileOrigin, read_agreed, write_cached
-from runtime.settings import PlanningSettings
-from runtime.spec_io import SpecError
+from runtime.planning.hardware_probes import hardware_key, hardware_profile, with_disk_rates
+from runtime.planning.profile_cache import ProfileOrigin, read_agreed, write_cached
+from runtime.config.settings import PlanningSettings
+from runtime.config.spec_io import SpecError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Profilers:
-    """The measuring functions the Planner calls (``runtime.model_profiling.profile_model`` and
-    ``runtime.probes.hardware_profile``, same signatures)."""
+    """The measuring functions the Planner calls (``runtime.planning.model_profiling.profile_model`` and
+    ``runtime.planning.hardware_probes.hardware_profile``, same signatures)."""
 
     model: Callable[..., ModelProfile] = profile_model
     hardware: Callable[..., HardwareProfile] = hardware_profile

@@ -5,9 +5,9 @@ validator accepts exactly what its ``Allowed`` phrase says: no bool for an int, 
 int, no string for a number; ``"auto"`` only in the ``Auto*`` types, which mark themselves
 ``AutoFilled``. The same phrase goes into error messages and the README's spec reference, so
 the two cannot disagree. ``SpecModel`` is the base of every spec section (here so the hardware
-files share it). The sections themselves are ``runtime/spec.py``.
+files share it). The sections themselves are ``runtime/config/spec.py``.
 
-Importing this module must not import torch (see runtime/spec.py).
+Importing this module must not import torch (see runtime/config/spec.py).
 """
 
 from __future__ import annotations

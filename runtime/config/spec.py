@@ -16,7 +16,7 @@ from typing import Annotated
 from pydantic import BaseModel, Field, model_validator
 
 from profiler.plan import BlockMode
-from runtime.spec_types import (
+from runtime.config.spec_types import (
     AUTO,
     AutoFilled,
     AutoNonNegInt,
@@ -40,7 +40,7 @@ from runtime.spec_types import (
     enum_leaf,
 )
 
-# The leaf types (sizes, "auto", bounded numbers) and their strict parsing: runtime/spec_types.py.
+# The leaf types (sizes, "auto", bounded numbers) and their strict parsing: runtime/config/spec_types.py.
 
 
 class Precision(str, Enum):

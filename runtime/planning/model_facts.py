@@ -2,7 +2,7 @@
 list, the parameters each module owns, the bytes a plan's model state takes on the device, and
 the hand-set knobs refused before any profiling (no plan could honour them, or a plan cannot run).
 
-The plan itself is made by ``runtime.planner.Planner``; these functions are shared by it,
+The plan itself is made by ``runtime.planning.planner.Planner``; these functions are shared by it,
 ``initialize``, the dry run and ``apply_plan``.
 """
 
@@ -17,9 +17,9 @@ from profiler.plan import Plan
 from profiler.plan_builder import KnobRequest, activations_searchable
 from runtime.blocks import BlocksNotFoundError, find_blocks
 from runtime.chunks.layout import ParamInfo
-from runtime.settings import PlanningSettings
-from runtime.spec import Precision
-from runtime.spec_io import SpecError
+from runtime.config.settings import PlanningSettings
+from runtime.config.spec import Precision
+from runtime.config.spec_io import SpecError
 
 COMPUTE_DTYPES = {
     Precision.FP32: torch.float32,

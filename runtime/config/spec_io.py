@@ -18,8 +18,8 @@ from typing import Annotated, Any, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from runtime.spec import Spec, auto_fields
-from runtime.spec_types import Allowed
+from runtime.config.spec import Spec, auto_fields
+from runtime.config.spec_types import Allowed
 
 RESOLVED_SPEC_ENV = "PROTRAIN_SPEC"
 RESOLVED_SPEC_VERSION = 1

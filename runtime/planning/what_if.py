@@ -27,11 +27,11 @@ from profiler.plan_builder import KnobRequest, searched_plan
 from profiler.profile import HardwareProfile
 from profiler.search import NoPlanFitsError
 from runtime.console import plan_table
-from runtime.hardware_spec import HardwareFile, load_hardware
-from runtime.spec_io import SpecError
+from runtime.config.hardware_spec import HardwareFile, load_hardware
+from runtime.config.spec_io import SpecError
 
 DEVICE_RESERVE_FRACTION = 0.05
-"""As runtime/budgets.py: kept free on a CUDA device for the context, NCCL and allocator slack."""
+"""As runtime/planning/budgets.py: kept free on a CUDA device for the context, NCCL and allocator slack."""
 HOST_RESERVE_BYTES = 2 << 30
 EXTRA_BUFFERS = 8
 """Buffers tried beyond the fewest that work: beyond a few, more only helps the first backward

@@ -19,10 +19,10 @@ import torch
 
 from runtime.chunks.manager import ChunkManager
 from runtime.distributed import DistContext, all_reduce_sum_
-from runtime.loss_scale import DynamicLossScaler
-from runtime.settings import TrainingSettings
-from runtime.spec import NonFiniteLossPolicy
-from runtime.window import Window
+from runtime.training.loss_scale import DynamicLossScaler
+from runtime.config.settings import TrainingSettings
+from runtime.config.spec import NonFiniteLossPolicy
+from runtime.training.window import Window
 
 
 class NonFiniteLossError(FloatingPointError):

@@ -54,7 +54,7 @@ def write_cached(path: Path, body: dict[str, Any]) -> None:
 class ProfileOrigin:
     """The profile cache entries the plan in force was made from; empty when every profile was
     measured in this run. Each profiling starts it over. The engine drops these entries when the
-    measured step time says they are stale (``runtime.plan_check``): the next launch measures."""
+    measured step time says they are stale (``runtime.planning.plan_check``): the next launch measures."""
 
     cached: list[Path] = dataclasses.field(default_factory=list)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from profiler.plan_builder import KnobRequest
-from runtime.spec import (
+from runtime.config.spec import (
     AUTO,
     DEFAULT_MIN_LR_RATIO,
     MemorySpec,
@@ -110,7 +110,7 @@ class PlanningSettings:
     ssd_path: Path | None
     """``memory.ssd.path``, expanded; None: no SSD tier."""
     device_budget_bytes: int | None
-    """Per rank; None: "auto" (measured, see ``runtime.budgets``)."""
+    """Per rank; None: "auto" (measured, see ``runtime.planning.budgets``)."""
     host_budget_bytes: int | None
     undo_snapshots: bool
     """Gradient clipping is on, so early CPU-Adam updates keep an undo copy (the search counts it)."""

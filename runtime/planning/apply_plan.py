@@ -7,7 +7,7 @@
 
 ``initialize`` applies the first plan (values from the model's parameters, or streamed from the
 weights); a plan switch (``Engine.switch_plan``) applies the next one over the same parameters,
-the training state then moved over from the old chunks in memory (``runtime.plan_switch``). Policy
+the training state then moved over from the old chunks in memory (``runtime.planning.plan_switch``). Policy
 applied to mechanism by one plain function, as torchtitan's ``apply_fsdp`` and ``apply_ac`` do.
 """
 
@@ -27,10 +27,10 @@ from runtime.chunks.manager import ChunkManager
 from runtime.device import DeviceInfo
 from runtime.distributed import DistContext
 from runtime.param_groups import split_decay
-from runtime.plan_switch import move_state
-from runtime.planning import COMPUTE_DTYPES, compute_element_size, model_blocks
-from runtime.settings import PlanningSettings, TrainingSettings
-from runtime.spec_io import SpecError
+from runtime.planning.plan_switch import move_state
+from runtime.planning.model_facts import COMPUTE_DTYPES, compute_element_size, model_blocks
+from runtime.config.settings import PlanningSettings, TrainingSettings
+from runtime.config.spec_io import SpecError
 from runtime.weights import WeightReader
 
 

@@ -4,8 +4,8 @@ returned as the profiler's plain ``HardwareProfile``.
 
 Every rank must plan alike, so ``agree_hardware`` reduces the measurements across ranks: the
 slowest rates, the longest times. Hardware profiles are cached per machine under
-``profiler.cache_dir`` (``runtime.profile_cache``). The model is measured by
-``runtime.model_profiling``.
+``profiler.cache_dir`` (``runtime.planning.profile_cache``). The model is measured by
+``runtime.planning.model_profiling``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from runtime.distributed import (
     all_reduce_sum_,
     reduce_scatter_flat_,
 )
-from runtime.profile_cache import ProfileOrigin, read_agreed, write_cached
+from runtime.planning.profile_cache import ProfileOrigin, read_agreed, write_cached
 
 COPY_PROBE_BYTES = 32 << 20
 ADAM_PROBE_NUMEL = 4 << 20
