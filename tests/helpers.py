@@ -119,6 +119,21 @@ def reference_param_groups(model: nn.Module, weight_decay: float) -> list[dict[s
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def adamw_decaying_by_name(model: nn.Module, no_decay: tuple[str, ...], *, lr: float = 1e-3) -> torch.optim.AdamW:
+    """torch's fused AdamW with weight decay 0.1 except for trainable parameters whose names
+    contain one of ``no_decay`` (how the spec's default rule lands on Hugging Face models, whose
+    biases and norms say so in their names)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    exempt = [p for n, p in model.named_parameters() if p.requires_grad and any(s in n for s in no_decay)]
+    decay = [p for p in params if all(p is not q for q in exempt)]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": exempt, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+        fused=True,
+    )
+
+
 def reference_warmup_cosine(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
     def factor(step: int) -> float:
         if step < warmup:

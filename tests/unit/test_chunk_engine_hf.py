@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import runtime
-from tests.helpers import TINY_LLAMA, assert_state_equal, lm_batches
+from tests.helpers import TINY_LLAMA, adamw_decaying_by_name, assert_state_equal, lm_batches
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,19 +34,7 @@ def tiny_hf(kind: str) -> nn.Module:
 
 
 def reference_step_all(model: nn.Module, batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    params = [p for p in model.parameters() if p.requires_grad]
-    no_decay = [
-        p
-        for n, p in model.named_parameters()
-        if p.requires_grad and ("bias" in n or "norm" in n or "ln" in n)
-    ]
-    decay = [p for p in params if all(p is not q for q in no_decay)]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=1e-3,
-        betas=(0.9, 0.95),
-        fused=True,
-    )
+    optimizer = adamw_decaying_by_name(model, ("bias", "norm", "ln"))
     for batch in batches:
         model(**batch).loss.backward()
         optimizer.step()

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import runtime
-from tests.helpers import assert_state_close, assert_state_equal
+from tests.helpers import adamw_decaying_by_name, assert_state_close, assert_state_equal
 
 transformers = pytest.importorskip("transformers")
 
@@ -118,15 +118,7 @@ def train_reference(case: Seq2Seq) -> dict[str, torch.Tensor]:
     """Plain PyTorch, torch.optim.AdamW with the spec's default decay rule (no decay for biases
     and norms: both models' norm parameters have "norm" in their names)."""
     model = case.build()
-    params = [p for p in model.parameters() if p.requires_grad]
-    no_decay = [p for n, p in model.named_parameters() if "bias" in n or "norm" in n]
-    decay = [p for p in params if all(p is not q for q in no_decay)]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=1e-3,
-        betas=(0.9, 0.95),
-        fused=True,
-    )
+    optimizer = adamw_decaying_by_name(model, ("bias", "norm"))
     for batch, targets in case.batches(STEPS):
         case.loss(model(**batch), targets).backward()
         optimizer.step()
