@@ -215,13 +215,19 @@ def _build_engine(
     _check_same_plan_everywhere(plan, dist_ctx)
     check_supported(plan, planning.precision)
     target = PlanTarget(params=params, training=training, planning=planning, device=device, dist_ctx=dist_ctx)
-    chunks, activations = apply_plan(model, plan, target=target, weights=reader)
+    # The run folder first: a bad output_dir is refused before chunk threads and files exist.
+    metrics = _open_metrics(resolved, run_dir, dist_ctx)
+    try:
+        chunks, activations = apply_plan(model, plan, target=target, weights=reader)
+    except BaseException:
+        if metrics is not None:
+            metrics.close()
+        raise
     reporter = ProgressReporter(
         total_steps=spec.scheduler.total_steps,
         enabled=dist_ctx.is_main,
         name=None if reseed else f"engine {claim.label}",
     )
-    metrics = _open_metrics(resolved, run_dir, dist_ctx)
     reporter.show_plan(plan)
     if metrics is not None:
         metrics.write({"event": "plan", "plan": plan.to_dict()})

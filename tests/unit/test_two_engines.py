@@ -190,7 +190,9 @@ def test_a_second_engine_on_a_terminal_prints_named_lines_instead_of_a_second_ba
 
 def test_an_output_dir_that_is_a_file_is_refused_by_name_without_the_launcher(tmp_path: Path) -> None:
     (tmp_path / "taken").write_text("")
+    threads = _protrain_threads()
     with pytest.raises(SpecError, match=r"output_dir: .*taken cannot hold run folders"):
         runtime.initialize(tiny_gpt(0), config=job(tmp_path, output_dir=str(tmp_path / "taken")))
+    assert _protrain_threads() == threads, "the refused engine started no workers"
     # Nothing was left claimed by the refused engine: a second try with a good folder works.
     runtime.initialize(tiny_gpt(0), config=job(tmp_path, device_budget="auto")).close()
