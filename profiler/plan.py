@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
 
-
 PLAN_VERSION = 1
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from runtime.training.engine import Engine
     from runtime.entry import current_spec, initialize
+    from runtime.training.engine import Engine
 
 __all__ = ["Engine", "current_spec", "initialize"]
 

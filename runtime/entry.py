@@ -19,27 +19,10 @@ from rich.console import Console
 from torch import nn
 
 from profiler.plan import BlockMode, Plan
-from runtime.training import live_engines
-from runtime.planning.apply_plan import PlanTarget, apply_plan
 from runtime.batches import call_model, to_device
 from runtime.blocks import refuse_foreign_activation_handling
-from runtime.planning.budgets import auto_device_budget, resolve_budgets
 from runtime.checkpoint.checkpointer import Checkpointer, CheckpointSettings
 from runtime.chunks.layout import first_use_order, model_params
-from runtime.console import MetricsFile, ProgressReporter, plan_table
-from runtime.device import DeviceInfo, select_device
-from runtime.distributed import (
-    DistContext,
-    all_reduce_min_,
-    broadcast_module_,
-    env_int,
-    init_distributed,
-    release,
-)
-from runtime.training.engine import Engine
-from runtime.planning.planner import Profilers, build_planner
-from runtime.planning.model_facts import check_supported, model_blocks
-from runtime.planning.replanner import Replanner
 from runtime.config.settings import PlanningSettings, planning_settings_from_spec, settings_from_spec
 from runtime.config.spec import AUTO, Spec
 from runtime.config.spec_io import (
@@ -50,6 +33,23 @@ from runtime.config.spec_io import (
     read_resolved,
     validate_spec,
 )
+from runtime.console import MetricsFile, ProgressReporter, plan_table
+from runtime.device import DeviceInfo, select_device
+from runtime.distributed import (
+    DistContext,
+    all_reduce_min_,
+    broadcast_module_,
+    env_int,
+    init_distributed,
+    release,
+)
+from runtime.planning.apply_plan import PlanTarget, apply_plan
+from runtime.planning.budgets import auto_device_budget, resolve_budgets
+from runtime.planning.model_facts import check_supported, model_blocks
+from runtime.planning.planner import Profilers, build_planner
+from runtime.planning.replanner import Replanner
+from runtime.training import live_engines
+from runtime.training.engine import Engine
 from runtime.training.stop import StopRequest
 from runtime.weights import WeightReader, WeightsSource, install_placeholders_, load_weights_
 

@@ -91,15 +91,15 @@ from profiler.analytic import KNOWN_CONFIGS, analytic_profile, shape_from_config
 from profiler.cost_model import Prediction, chunk_costs, predict
 from profiler.profile import HardwareProfile, ModelProfile
 from profiler.search import search
-from runtime.device import malloc_in_use_bytes
-from runtime.training.engine import Engine
 from runtime.config.hardware_spec import load_hardware
+from runtime.config.spec_io import SpecError
+from runtime.device import malloc_in_use_bytes
+from runtime.models.gpt import GPTConfig
+from runtime.planning.hardware_probes import hardware_profile
 from runtime.planning.model_profiling import profile_model
 from runtime.planning.planner import Profilers
-from runtime.planning.hardware_probes import hardware_profile
-from runtime.models.gpt import GPTConfig
-from runtime.config.spec_io import SpecError
 from runtime.planning.what_if import machine_from_file
+from runtime.training.engine import Engine
 
 LR = 3e-4
 WEIGHT_DECAY = 0.1

@@ -67,8 +67,8 @@ from bench_common import (
 
 import runtime
 from runtime.chunks.manager import ChunkManager
-from runtime.training.engine import Engine
 from runtime.config.spec_io import SpecError
+from runtime.training.engine import Engine
 
 LR = 3e-4
 WEIGHT_DECAY = 0.1

@@ -32,9 +32,9 @@ import torch
 from bench_common import SEED, Batch, add_model_arguments, build_gpt, gpt_config, make_batches
 
 import runtime
-from runtime.training.engine import Engine
 from runtime.models.gpt import GPT
 from runtime.param_groups import split_decay
+from runtime.training.engine import Engine
 
 LR = 3e-4
 BETAS = (0.9, 0.95)

@@ -38,9 +38,9 @@ import torch
 from torch import nn
 
 import runtime
+from runtime.config.spec import AUTO, Spec
 from runtime.data import TokenWindows, stdlib_text_corpus
 from runtime.models.gpt import GPT, PRESETS
-from runtime.config.spec import AUTO, Spec
 from runtime.weights import ModelInit, WeightsSource
 
 LLAMA_PRESETS: dict[str, dict[str, int]] = {

@@ -24,13 +24,13 @@ from runtime.activations.manager import ActivationManager
 from runtime.activations.ssd_store import ActivationFileStore
 from runtime.chunks.layout import ParamInfo, layout_from_params
 from runtime.chunks.manager import ChunkManager
+from runtime.config.settings import PlanningSettings, TrainingSettings
+from runtime.config.spec_io import SpecError
 from runtime.device import DeviceInfo
 from runtime.distributed import DistContext
 from runtime.param_groups import split_decay
-from runtime.planning.plan_switch import move_state
 from runtime.planning.model_facts import COMPUTE_DTYPES, compute_element_size, model_blocks
-from runtime.config.settings import PlanningSettings, TrainingSettings
-from runtime.config.spec_io import SpecError
+from runtime.planning.plan_switch import move_state
 from runtime.weights import WeightReader
 
 

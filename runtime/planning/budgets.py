@@ -5,8 +5,8 @@ from __future__ import annotations
 import psutil
 import torch
 
-from runtime.device import DeviceInfo
 from runtime.config.settings import PlanningSettings
+from runtime.device import DeviceInfo
 
 DEVICE_RESERVE_FRACTION = 0.05
 """Kept free on a CUDA device for the CUDA context, NCCL and allocator slack."""

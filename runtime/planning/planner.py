@@ -41,10 +41,12 @@ from profiler.profile import HardwareProfile, ModelProfile, cache_key
 from profiler.search import NoPlanFitsError
 from runtime.batches import batch_shape, call_model, default_loss
 from runtime.chunks.layout import ParamInfo
+from runtime.config.settings import PlanningSettings
+from runtime.config.spec_io import SpecError
 from runtime.device import DeviceInfo, release_free_memory
 from runtime.distributed import DistContext, all_reduce_max, all_reduce_sum_
 from runtime.model_cache import cache_configs, caches_off
-from runtime.planning.model_profiling import ChunkedRun, agree_model, profile_model
+from runtime.planning.hardware_probes import hardware_key, hardware_profile, with_disk_rates
 from runtime.planning.model_facts import (
     AUTOCAST_DTYPES,
     compute_element_size,
@@ -54,10 +56,8 @@ from runtime.planning.model_facts import (
     module_params,
     refuse_impossible_knobs,
 )
-from runtime.planning.hardware_probes import hardware_key, hardware_profile, with_disk_rates
+from runtime.planning.model_profiling import ChunkedRun, agree_model, profile_model
 from runtime.planning.profile_cache import ProfileOrigin, read_agreed, write_cached
-from runtime.config.settings import PlanningSettings
-from runtime.config.spec_io import SpecError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -28,14 +28,14 @@ from torch import nn
 
 from profiler.plan import Plan
 from runtime.activations.manager import ActivationManager
-from runtime.planning.apply_plan import PlanTarget, apply_plan
 from runtime.batches import LossNotFoundError
 from runtime.chunks.manager import ChunkManager, SavedAlias
+from runtime.config.spec_io import SpecError
 from runtime.distributed import DistContext, all_reduce_max
+from runtime.planning.apply_plan import PlanTarget, apply_plan
 from runtime.planning.model_profiling import ChunkedRun
 from runtime.planning.plan_check import judge as judge_plan_check
 from runtime.planning.planner import Planner
-from runtime.config.spec_io import SpecError
 
 REPLAN_MARGIN = 0.10
 """A measured peak this much above the prediction makes the engine re-plan."""

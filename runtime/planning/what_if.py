@@ -26,9 +26,9 @@ from profiler.plan import Plan
 from profiler.plan_builder import KnobRequest, searched_plan
 from profiler.profile import HardwareProfile
 from profiler.search import NoPlanFitsError
-from runtime.console import plan_table
 from runtime.config.hardware_spec import HardwareFile, load_hardware
 from runtime.config.spec_io import SpecError
+from runtime.console import plan_table
 
 DEVICE_RESERVE_FRACTION = 0.05
 """As runtime/planning/budgets.py: kept free on a CUDA device for the context, NCCL and allocator slack."""

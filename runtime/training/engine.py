@@ -30,22 +30,22 @@ from runtime.activations.manager import ActivationManager
 from runtime.batches import refuse_larger_batch
 from runtime.checkpoint.checkpointer import Checkpointer
 from runtime.chunks.manager import ChunkManager
+from runtime.config.settings import TrainingSettings
 from runtime.console import MetricsFile, ProgressReporter, StepRecord
 from runtime.device import DeviceInfo, synchronize
 from runtime.distributed import DistContext, release
-from runtime.training.engine_facades import EngineFacades
-from runtime.training.live_engines import EngineClaim
 from runtime.loaders import DataPosition
-from runtime.training.loss_scale import DynamicLossScaler
-from runtime.planning.memory_probe import PeakMemoryProbe
 from runtime.model_cache import TrainingCaches, refuse_cache_with_recompute
+from runtime.planning.memory_probe import PeakMemoryProbe
+from runtime.planning.model_facts import AUTOCAST_DTYPES
 from runtime.planning.plan_check import PlanCheck
 from runtime.planning.plan_check import describe as describe_plan_check
 from runtime.planning.plan_check import judge as judge_plan_check
-from runtime.planning.model_facts import AUTOCAST_DTYPES
 from runtime.planning.replanner import Replanner, same_layout
+from runtime.training.engine_facades import EngineFacades
+from runtime.training.live_engines import EngineClaim
+from runtime.training.loss_scale import DynamicLossScaler
 from runtime.training.schedule import lr_factor
-from runtime.config.settings import TrainingSettings
 from runtime.training.stop import StopRequest, TrainingStopped
 from runtime.training.update import sum_window, update_shards
 from runtime.training.window import Window

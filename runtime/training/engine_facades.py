@@ -19,13 +19,13 @@ from torch.utils.data import DataLoader, Dataset
 from runtime.checkpoint.checkpointer import Checkpointer
 from runtime.checkpoint.store import Checkpoint, CheckpointError
 from runtime.chunks.manager import ChunkManager
+from runtime.config.settings import TrainingSettings
 from runtime.console import ProgressReporter
 from runtime.device import DeviceInfo
 from runtime.distributed import DistContext
 from runtime.loaders import DataPosition
-from runtime.training.loss_scale import DynamicLossScaler
 from runtime.sampler import ShardedSampler
-from runtime.config.settings import TrainingSettings
+from runtime.training.loss_scale import DynamicLossScaler
 
 _E = TypeVar("_E", bound="EngineFacades")
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from runtime.chunks.manager import ChunkManager
-from runtime.distributed import DistContext, all_reduce_sum_
-from runtime.training.loss_scale import DynamicLossScaler
 from runtime.config.settings import TrainingSettings
 from runtime.config.spec import NonFiniteLossPolicy
+from runtime.distributed import DistContext, all_reduce_sum_
+from runtime.training.loss_scale import DynamicLossScaler
 from runtime.training.window import Window
 
 

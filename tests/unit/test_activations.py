@@ -14,8 +14,8 @@ from torch import nn
 
 import runtime
 from runtime.activations.records import SavedTensorModifiedError
-from runtime.models.gpt import GPTConfig
 from runtime.config.spec_io import SpecError
+from runtime.models.gpt import GPTConfig
 from tests.helpers import assert_state_close, assert_state_equal, lm_batches, tiny_gpt, train_reference
 
 STEPS = 4

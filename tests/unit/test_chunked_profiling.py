@@ -13,12 +13,12 @@ import torch
 import runtime
 from profiler.plan import BlockMode
 from profiler.profile import ModelProfile
+from runtime.batches import call_model
 from runtime.blocks import find_blocks
 from runtime.chunks.residency import Residency
-from runtime.batches import call_model
-from runtime.training.engine import Engine
 from runtime.planning.model_profiling import ChunkedRun
 from runtime.planning.replanner import chunked_run
+from runtime.training.engine import Engine
 from tests.helpers import assert_state_equal, lm_batches, tiny_gpt, train_reference, train_updates
 from tests.unit.test_planning import fp32_profile, job
 
@@ -158,8 +158,8 @@ def test_a_model_larger_than_the_free_gpu_memory_is_not_moved_whole() -> None:
     (The free memory is given, not read from a GPU: none is needed to check the decision.)"""
     import pytest
 
-    from runtime.entry import _refuse_oversized_move
     from runtime.config.spec_io import SpecError
+    from runtime.entry import _refuse_oversized_move
 
     model = tiny_gpt()
     size = sum(p.numel() * 4 for p in model.parameters())

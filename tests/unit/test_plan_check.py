@@ -15,10 +15,10 @@ import torch
 
 import runtime
 import runtime.training.engine
-from runtime.training.engine import Engine
 from runtime.planning.model_profiling import profile_model
 from runtime.planning.plan_check import CHECK_AFTER_UPDATES
 from runtime.planning.planner import Profilers
+from runtime.training.engine import Engine
 from tests.helpers import lm_batches, tiny_gpt, train_updates
 
 

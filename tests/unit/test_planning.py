@@ -13,13 +13,13 @@ import torch
 import runtime
 from profiler.plan import BlockMode, Plan
 from profiler.profile import ModelProfile
+from runtime.batches import call_model, default_loss
 from runtime.blocks import find_blocks
 from runtime.chunks.layout import model_params
+from runtime.config.spec_io import SpecError
 from runtime.device import select_device
-from runtime.batches import call_model, default_loss
 from runtime.planning.model_profiling import profile_model
 from runtime.planning.planner import Profilers
-from runtime.config.spec_io import SpecError
 from tests.helpers import assert_state_equal, lm_batches, tiny_gpt, train_reference
 
 KIB = 1024

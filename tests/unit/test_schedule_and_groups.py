@@ -7,10 +7,10 @@ import math
 import pytest
 from torch import nn
 
-from runtime.param_groups import split_decay
-from runtime.training.schedule import lr_factor
 from runtime.config.settings import ScheduleSettings
 from runtime.config.spec import SchedulerType
+from runtime.param_groups import split_decay
+from runtime.training.schedule import lr_factor
 from tests.helpers import tiny_gpt
 
 
