@@ -2,8 +2,10 @@
 memory statistics. Nothing else in the runtime talks to ``torch.cuda`` directly.
 
 Real on CUDA; on CPU a faithful stand-in so that every path runs and is tested without a GPU:
-- a side stream is one worker thread that runs submitted copies in order (as a CUDA stream
-  does), and an event is set when the work queued before it has finished;
+- a side stream is one worker thread that runs submitted copies and collectives in order, on
+  both devices (on CUDA it issues them on a CUDA stream); the host worker is a thread for host
+  arithmetic; an event is set when the work queued before it has finished. CPU and CUDA run one
+  structure, so the CPU suite tests the CUDA ordering too (with stream chaos, stream_chaos.py);
 - "pinned" host memory is a plain allocation (``pin_memory`` raises on the CPU build); host tiers
   are carved from an anonymous-mmap arena, so glibc's ``mallinfo2`` counts only what the device
   tier allocates, which lets tests measure the device tier independently of our bookkeeping.
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from runtime import stream_chaos
 
 PAGE_BYTES = mmap.PAGESIZE
 
@@ -59,116 +63,203 @@ def synchronize(info: DeviceInfo) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Streams and events
+# Streams, events and the host worker
 # ------------------------------------------------------------------------------------------------
+#
+# One structure on both devices. A side stream is a worker thread that runs submitted jobs in
+# order; on CUDA each job is issued on a CUDA stream (after the compute stream's work queued
+# before the submit), so device copies and collectives overlap compute, and the thread may block
+# on a host event (a staging buffer coming free, an update the upload must follow) without
+# blocking the main thread. The host worker is a thread for host arithmetic (gradient adds into
+# host shards, CPU Adam, downcasts): it waits on device events before touching a buffer. The
+# main thread only ever waits on an event. Chaos (stream_chaos.py) delays jobs, or holds each
+# back until its event is waited on, to expose a missing wait on CPU.
 
 
 class DeviceEvent:
-    """Marks a point in a stream's work; ``wait()`` blocks the host until it is reached."""
+    """Marks a point in a worker's jobs; ``wait()`` blocks the host until it is reached (and, on
+    CUDA, until the device work the job issued has finished)."""
 
-    def __init__(self, cuda_event: Any = None) -> None:
-        self._cuda_event = cuda_event
+    def __init__(self) -> None:
         self._done = threading.Event()
+        """The job ran (CPU) or issued its device work (CUDA)."""
+        self._cuda_event: Any = None
         self._error: BaseException | None = None
+        self._demand: Callable[[], None] | None = None
+        """Lazy chaos: asks the worker to run every job up to this one."""
+        self._source = ("the side stream", "")
+        """Where the job runs, for the error a failure raises."""
 
     @classmethod
     def completed(cls) -> DeviceEvent:
         """An event that has already happened (for work that needed no stream)."""
         event = cls()
-        event._finish()
+        event._finish(None, None)
         return event
 
-    def _finish(self, error: BaseException | None = None) -> None:
+    def _finish(self, error: BaseException | None, cuda_event: Any) -> None:
         self._error = error
+        self._cuda_event = cuda_event
         self._done.set()
 
     def query(self) -> bool:
-        if self._cuda_event is not None:
-            return bool(self._cuda_event.query())
-        return self._done.is_set()
+        """Whether the work has finished, without waiting (and, under lazy chaos, without asking
+        for it: lazily held work has not happened)."""
+        if not self._done.is_set():
+            return False
+        return self._cuda_event is None or bool(self._cuda_event.query())
 
-    def wait(self) -> None:
-        """Block until the work before this event has run; re-raise its failure, if any."""
-        if self._cuda_event is not None:
-            self._cuda_event.synchronize()
-            return
+    def wait_issued(self) -> None:
+        """Block until the job has run on its worker; re-raise its failure, if any."""
+        if self._demand is not None:
+            self._demand()
         self._done.wait()
         if self._error is not None:
-            raise RuntimeError("work on the side stream failed") from self._error
+            raise RuntimeError(f"work on {self._source[0]} failed ({self._source[1]})") from self._error
+
+    def wait(self) -> None:
+        """Block until the work before this event is done, device work included."""
+        self.wait_issued()
+        if self._cuda_event is not None:
+            self._cuda_event.synchronize()
 
 
-class SideStream:
-    """An ordered queue of device work beside the compute stream.
+class _OrderedWorker:
+    """One daemon thread running submitted jobs in submission order (see the section comment).
 
-    CUDA: a ``torch.cuda.Stream``; ``submit`` runs the callable under that stream and records an
-    event. CPU: one daemon worker thread runs callables in submission order; the event is set
-    when the callable returns. Random ops must never run here (DESIGN section 6).
-    """
+    A failure sticks, like a CUDA error: every later event reports it without running its job,
+    since that job may depend on what failed (so a drain, which waits for the last event only,
+    cannot miss a failure)."""
 
-    def __init__(self, info: DeviceInfo, name: str = "protrain-side-stream") -> None:
-        self.info = info
-        self._closed = False
-        if info.is_cuda:
-            self._cuda_stream = torch.cuda.Stream(device=info.device)
-            return
-        self._cuda_stream = None
+    def __init__(
+        self, name: str, *, kind: str, cuda_stream: Any = None, device: torch.device | None = None
+    ) -> None:
+        self.name = name
+        self.kind = kind
+        self._cuda_stream = cuda_stream
+        self._device = device
+        self._chaos = stream_chaos.for_worker(name)
+        self._work: queue.SimpleQueue[tuple[Callable[[], None], DeviceEvent, int, Any] | None] = queue.SimpleQueue()
+        self._submitted = 0
+        self._demanded = 0
+        self._demand_changed = threading.Condition()
         self._failure: BaseException | None = None
-        """The first work that failed. Like a CUDA error it sticks: every later event reports
-        it without running its work, since that work may depend on what failed (so a drain,
-        which waits for the last event only, cannot miss a failure)."""
-        self._work: queue.SimpleQueue[tuple[Callable[[], None], DeviceEvent] | None] = queue.SimpleQueue()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    def submit(self, work: Callable[[], None]) -> DeviceEvent:
+        if self._closed:
+            raise RuntimeError(f"{self.name} is closed")
+        self._submitted += 1
+        sequence = self._submitted
+        event = DeviceEvent()
+        event._source = (self.kind, self.name)
+        if self._chaos is not None and self._chaos.lazy:
+            event._demand = lambda: self._demand_up_to(sequence)
+        compute_ready = None
+        if self._cuda_stream is not None:
+            # The job must not start before the compute stream has produced its inputs.
+            compute_ready = torch.cuda.Event()
+            compute_ready.record(torch.cuda.current_stream(self._device))
+        self._work.put((work, event, sequence, compute_ready))
+        return event
+
+    def _demand_up_to(self, sequence: int) -> None:
+        with self._demand_changed:
+            if sequence > self._demanded:
+                self._demanded = sequence
+                self._demand_changed.notify()
+
     def _run(self) -> None:
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
         while True:
             item = self._work.get()
             if item is None:
                 return
-            work, event = item
+            work, event, sequence, compute_ready = item
             del item
+            if self._chaos is not None:
+                if self._chaos.lazy:
+                    with self._demand_changed:
+                        self._demand_changed.wait_for(lambda: self._demanded >= sequence)
+                self._chaos.delay()
+            cuda_event = None
             if self._failure is None:
                 try:
-                    work()
+                    cuda_event = self._issue(work, compute_ready)
                 except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the event
                     self._failure = err
             # Drop the work, and what its closure holds (a gradient buffer, say), before the event
             # says it is done: whoever waited may count on it being freed.
             del work
-            event._finish(self._failure)
+            event._finish(self._failure, cuda_event)
             del event
 
-    def submit(self, work: Callable[[], None]) -> DeviceEvent:
-        """Queue ``work`` after everything submitted before; returns its completion event."""
-        if self._closed:
-            raise RuntimeError("side stream is closed")
-        if self._cuda_stream is not None:
-            # The side stream must not start before the compute stream has produced its inputs.
-            self._cuda_stream.wait_stream(torch.cuda.current_stream(self.info.device))
-            with torch.cuda.stream(self._cuda_stream):
-                work()
-                cuda_event = torch.cuda.Event()
-                cuda_event.record(self._cuda_stream)
-            return DeviceEvent(cuda_event)
-        event = DeviceEvent()
-        self._work.put((work, event))
-        return event
-
-    def make_compute_wait(self, event: DeviceEvent) -> None:
-        """Make later compute-stream work wait for ``event`` (CUDA: on the device, without
-        blocking the host; CPU: the host waits, since compute runs on the host)."""
-        if event._cuda_event is not None:
-            torch.cuda.current_stream(self.info.device).wait_event(event._cuda_event)
-        else:
-            event.wait()
+    def _issue(self, work: Callable[[], None], compute_ready: Any) -> Any:
+        if self._cuda_stream is None:
+            work()
+            return None
+        self._cuda_stream.wait_event(compute_ready)
+        with torch.cuda.stream(self._cuda_stream):
+            work()
+        done = torch.cuda.Event()
+        done.record(self._cuda_stream)
+        return done
 
     def close(self) -> None:
+        """Run what is queued, then stop the thread."""
         if self._closed:
             return
         self._closed = True
-        if self._cuda_stream is None:
-            self._work.put(None)
-            self._thread.join()
+        self._demand_up_to(self._submitted)
+        self._work.put(None)
+        self._thread.join()
+
+
+class SideStream:
+    """An ordered queue of device work (copies and collectives) beside the compute stream: a
+    worker thread on both devices, issuing on a ``torch.cuda.Stream`` on CUDA. Random ops must
+    never run here (DESIGN section 6)."""
+
+    def __init__(self, info: DeviceInfo, name: str = "protrain-side-stream") -> None:
+        self.info = info
+        cuda_stream = torch.cuda.Stream(device=info.device) if info.is_cuda else None
+        self._worker = _OrderedWorker(
+            name, kind="the side stream", cuda_stream=cuda_stream, device=info.device if info.is_cuda else None
+        )
+
+    def submit(self, work: Callable[[], None]) -> DeviceEvent:
+        """Queue ``work`` after everything submitted before; returns its completion event."""
+        return self._worker.submit(work)
+
+    def make_compute_wait(self, event: DeviceEvent) -> None:
+        """Make later compute-stream work wait for ``event``: on CUDA the host waits only until
+        the job is issued and the compute stream waits on the device; on CPU, where compute runs
+        on the host, the host waits for the job."""
+        event.wait_issued()
+        if event._cuda_event is not None:
+            torch.cuda.current_stream(self.info.device).wait_event(event._cuda_event)
+
+    def close(self) -> None:
+        self._worker.close()
+
+
+class HostWorker:
+    """A thread for host arithmetic beside training (the same on both devices): jobs run in
+    submission order, on ``threads`` intra-op threads so they do not take the cores compute
+    uses; a job that reads what device work wrote waits on that work's event first."""
+
+    def __init__(self, name: str = "protrain-host-worker", *, threads: int = 1) -> None:
+        self._worker = _OrderedWorker(name, kind="the host worker")
+        self._worker.submit(lambda: torch.set_num_threads(threads))
+
+    def submit(self, work: Callable[[], None]) -> DeviceEvent:
+        return self._worker.submit(work)
+
+    def close(self) -> None:
+        self._worker.close()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.chunks.store import Chunk, ChunkStore
-from runtime.device import DeviceEvent, DeviceInfo, SideStream
+from runtime.device import DeviceEvent, HostWorker
 from runtime.distributed import DistContext, all_reduce_sum_
 
 
@@ -62,7 +62,7 @@ class ChunkOptimizer:
         self.speculative = True
         """Update offloaded chunks during the window's last backward, as soon as their gradient
         is reduced; False defers every update to the accumulation boundary."""
-        self._worker = SideStream(DeviceInfo(torch.device("cpu"), "gloo"), name="protrain-cpu-adam")
+        self._worker = HostWorker("protrain-cpu-adam")
         self._armed: _Armed | None = None
         self._last_update: DeviceEvent | None = None
         self._snapshots: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -117,7 +117,6 @@ class ChunkOptimizer:
         """On the CPU-Adam thread: wait for the chunk's reduced gradient, keep a snapshot of what
         the update changes when it may have to be undone, update. One thread, so it does not
         take the cores backward uses."""
-        torch.set_num_threads(1)
         armed.agreed.wait()
         if float(armed.any_nonfinite) > 0:
             return  # the step will be skipped on every rank
