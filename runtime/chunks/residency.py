@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from runtime import stream_chaos
 from runtime.device import DeviceEvent, synchronize
 from runtime.distributed import all_gather_flat
 
@@ -133,6 +134,11 @@ class ChunkResidency:
             torch.empty(store.layout.chunk_numel, dtype=store.compute_dtype, device=store.device.device)
             for _ in range(n_buffer)
         ]
+        self._chaos = stream_chaos.enabled()
+        """Stream chaos: a slot is NaN whenever no chunk's data has landed in it, so compute
+        reading a slot through a missing wait sees NaN."""
+        for slot in self.slots if self._chaos else ():
+            stream_chaos.poison_(slot)
         self._slot_owner: list[int | None] = [None] * n_buffer
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._slot_storage = {slot.untyped_storage().data_ptr(): i for i, slot in enumerate(self.slots)}
@@ -225,7 +231,10 @@ class ChunkResidency:
 
     def evict(self, chunk_index: int) -> None:
         chunk = _offloaded(self.chunks[chunk_index])
-        self._slot_owner[chunk.release()] = None
+        slot = chunk.release()
+        self._slot_owner[slot] = None
+        if self._chaos:
+            stream_chaos.poison_(self.slots[slot])
         self._lru.pop(chunk_index, None)
         self.store.point_params(chunk)
 
