@@ -4,12 +4,12 @@ engine issues. World size 1 runs the same code with the communication skipped.""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -144,12 +144,18 @@ def all_reduce_max(value: float, ctx: DistContext) -> float:
     return -float(all_reduce_min_(torch.tensor([-value], dtype=torch.float64), ctx)[0])
 
 
-def broadcast_module_(module: nn.Module, ctx: DistContext) -> None:
-    """Make every rank's parameters and buffers equal to rank 0's (as DDP does at start)."""
+def broadcast_from_main_(tensors: Iterable[torch.Tensor], ctx: DistContext) -> None:
+    """Make every rank's ``tensors`` equal to rank 0's, in place (as DDP does at start), one at
+    a time; a tensor away from the collective device (a host chunk under NCCL) is staged
+    there, so the device holds one staged tensor at most."""
     if ctx.world_size == 1:
         return
-    for tensor in list(module.parameters()) + list(module.buffers()):
-        dist.broadcast(tensor.data, src=0, group=ctx.group)
+    for tensor in tensors:
+        data = tensor.detach()
+        staged = data if data.device == ctx.collective_device else data.to(ctx.collective_device)
+        dist.broadcast(staged, src=0, group=ctx.group)
+        if staged is not data:
+            data.copy_(staged)
 
 
 def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:

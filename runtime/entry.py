@@ -6,6 +6,7 @@ file protrain-run wrote) and the rendezvous variables torch's launcher sets.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -38,7 +39,7 @@ from runtime.device import DeviceInfo, select_device
 from runtime.distributed import (
     DistContext,
     all_reduce_min_,
-    broadcast_module_,
+    broadcast_from_main_,
     env_int,
     init_distributed,
     release,
@@ -51,7 +52,15 @@ from runtime.planning.replanner import Replanner
 from runtime.training import live_engines
 from runtime.training.engine import Engine
 from runtime.training.stop import StopRequest
-from runtime.weights import WeightReader, WeightsSource, install_placeholders_, load_weights_
+from runtime.weights import (
+    WeightReader,
+    WeightsSource,
+    held_on,
+    install_placeholders_,
+    load_weights_,
+    move_buffers_,
+    stand_ins,
+)
 
 
 def resolve_job(
@@ -111,9 +120,12 @@ def initialize(
     device = select_device(env_int("LOCAL_RANK", 0))
     if reader is not None:
         install_placeholders_(model, device.device, reader)
+    else:
+        # Buffers (normalisation statistics, rotary caches) are small and move now; parameters
+        # stay where they are until their chunks are built (the model never moves whole).
+        move_buffers_(model, device.device)
     if resolved.dry_run:
-        profile = reader is None
-        _dry_run(model, resolved, planning, example_batch, loss_fn, profile=profile, profilers=profilers)
+        _dry_run(model, resolved, planning, example_batch, loss_fn, whole=reader is None, profilers=profilers)
     # Another engine alive in this process (a teacher beside a student) owns the random streams
     # as they are: reseeding them here would change its dropout masks.
     reseed = not live_engines.others_alive()
@@ -194,9 +206,13 @@ def _build_engine(
     training, planning = settings_from_spec(spec), planning_settings_from_spec(spec)
     ranks_on_host = env_int("LOCAL_WORLD_SIZE", 1)
     budgets = (claim.device_budget_bytes, resolve_budgets(planning, device, ranks_on_host=ranks_on_host)[1])
-    _place_model(model, reader, device, dist_ctx)
+    # Rank 0's buffers everywhere; its parameters follow chunk by chunk (runtime.chunks.store).
+    broadcast_from_main_(model.buffers(), dist_ctx)
     _seed(spec.seed, dist_ctx, claim, reseed=reseed)
     example_batch = to_device(example_batch, device.device)
+    # Run whole (first-use order, a profile) only where the parameters already are on the device:
+    # a model in host memory on a GPU is profiled through its chunks (Engine.plan_on_batch).
+    whole = reader is None and held_on(model, device.device)
     params = model_params(model, _execution_order(model, example_batch, device))
     planner = build_planner(
         model,
@@ -209,9 +225,10 @@ def _build_engine(
         dist_ctx=dist_ctx,
         profilers=profilers,
     )
-    # Profiling the model whole needs it whole: one whose weights are streamed into chunks is
-    # profiled through the chunk engine instead (Engine.plan_on_batch, below).
-    plan = planner.initial_plan(example_batch if reader is None else None)
+    # Profiling the model whole needs it whole on the device: one whose weights are streamed
+    # into chunks, or held in host memory, is profiled through the chunk engine instead
+    # (Engine.plan_on_batch, below).
+    plan = planner.initial_plan(example_batch if whole else None)
     _check_same_plan_everywhere(plan, dist_ctx)
     check_supported(plan, planning.precision)
     target = PlanTarget(params=params, training=training, planning=planning, device=device, dist_ctx=dist_ctx)
@@ -265,19 +282,6 @@ def _build_engine(
     return engine
 
 
-def _place_model(
-    model: nn.Module, reader: WeightReader | None, device: DeviceInfo, dist_ctx: DistContext
-) -> None:
-    """A model held whole moves to the device, rank 0's values everywhere; streamed weights are
-    the same file on every rank and go straight into their chunks."""
-    if reader is not None:
-        return
-    if device.is_cuda:
-        _refuse_oversized_move(model, free_bytes=torch.cuda.mem_get_info(device.device)[0])
-    model.to(device.device)
-    broadcast_module_(model, dist_ctx)
-
-
 def _seed(seed: int, dist_ctx: DistContext, claim: live_engines.EngineClaim, *, reseed: bool) -> None:
     if reseed:
         # Rank-offset seed: dropout masks differ across ranks, as under DDP with per-rank seeds.
@@ -311,11 +315,13 @@ def _checkpoint_settings(spec: Spec) -> CheckpointSettings:
 
 def _execution_order(model: nn.Module, example_batch: Any, device: DeviceInfo) -> list[str] | None:
     """Parameter names in first-use order from a no-grad forward on ``example_batch`` (module
-    order when there is none). The forward's random draws (dropout) are undone: recording the
-    order is not a training step, and another engine of the process may be drawing too."""
+    order when there is none), on stand-ins for parameters away from the device (a model held
+    in host memory on a GPU: it is never moved whole). The forward's random draws (dropout) are
+    undone: recording the order is not a training step, and another engine may be drawing too."""
     if example_batch is None:
         return None
-    with torch.random.fork_rng(devices=[device.device.index or 0] if device.is_cuda else []):
+    away = contextlib.nullcontext() if held_on(model, device.device) else stand_ins(model, device.device)
+    with torch.random.fork_rng(devices=[device.device.index or 0] if device.is_cuda else []), away:
         return first_use_order(model, lambda: call_model(model, example_batch))
 
 
@@ -333,21 +339,6 @@ def _check_same_plan_everywhere(plan: Plan, dist_ctx: DistContext) -> None:
             f"rank {dist_ctx.rank} planned chunk_size={plan.chunk_size}, n_persist={plan.n_persist}, "
             f"n_buffer={plan.n_buffer}, but the ranks disagree; every rank must see the same spec, "
             "model and example batch"
-        )
-
-
-def _refuse_oversized_move(model: nn.Module, *, free_bytes: int) -> None:
-    """A model held whole in host memory is moved to the GPU before it is chunked: one larger
-    than the GPU's free memory would run out of memory in the move, so say how to build it
-    instead. (One that fits the GPU but not a smaller device budget is moved, then chunked.)"""
-    held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "cuda")
-    if held > free_bytes:
-        raise SpecError(
-            f"the model's parameters take {held / 2**30:.2f} GiB, more than the {free_bytes / 2**30:.2f} GiB "
-            "free on the GPU, so they cannot be moved there whole; build the model under "
-            "accelerate.init_empty_weights() and pass runtime.initialize(..., weights=<state dict, "
-            "safetensors directory or callable>): it is then filled chunk by chunk and profiled through "
-            "its chunks"
         )
 
 
@@ -400,11 +391,12 @@ def _dry_run(
     example_batch: Any,
     loss_fn: Callable[[Any], torch.Tensor] | None,
     *,
-    profile: bool,
+    whole: bool,
     profilers: Profilers | None,
 ) -> None:
     """Print the spec and the plan it resolves to, then end the process: no process group, no
-    training step, no files. ``profile``: whether the model may be run whole to profile it."""
+    training step, no files. ``whole``: whether the model is held whole (not streamed); it is
+    profiled whole where its parameters are on the device."""
     console = Console(highlight=False)
     device = select_device(0)
     example_batch = to_device(example_batch, device.device)
@@ -420,7 +412,7 @@ def _dry_run(
         dist_ctx=None,
         profilers=profilers,
     )
-    plan = planner.initial_plan(example_batch if profile else None)
+    plan = planner.initial_plan(example_batch if whole and held_on(model, device.device) else None)
     console.print(
         f"[bold]Spec[/bold] from {resolved.source}"
         + (f" with {', '.join(resolved.overrides)}" if resolved.overrides else "")

@@ -8,10 +8,11 @@ chunk engine reads each parameter from a ``WeightReader`` straight into its chun
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Union
 
@@ -168,16 +169,56 @@ class WeightReader:
         return next((alias for alias in self._aliases.get(name, ()) if alias in available), None)
 
 
+def held_on(model: nn.Module, device: torch.device) -> bool:
+    """Whether every parameter of ``model`` is on ``device`` (so the model can run whole there):
+    on the CPU any materialised model; on a GPU only one the caller moved there itself."""
+    return all(param.device == device for param in model.parameters())
+
+
+def _stand_in(like: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A shape-only stand-in for ``like`` on ``device``: one NaN element seen through a stride-0
+    view (no memory; any stray read shows as NaN)."""
+    nan = torch.full((1,), float("nan"), dtype=like.dtype, device=device)
+    return nan.expand(like.shape) if like.dim() else nan[0]
+
+
+@contextlib.contextmanager
+def stand_ins(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """Every parameter's data swapped for a stand-in on ``device`` for the duration, then put
+    back: a model held in host memory can then run a forward on the device (to record the
+    order it uses its parameters in) without its weights ever moving there. The ``Parameter``
+    objects stay the same, so tied parameters stay tied."""
+    held = {id(param): (param, param.data) for param in model.parameters()}
+    try:
+        for param, data in held.values():
+            param.data = _stand_in(data, device)
+        yield
+    finally:
+        for param, data in held.values():
+            param.data = data
+
+
+def move_buffers_(model: nn.Module, device: torch.device) -> None:
+    """Every buffer of ``model`` (normalisation statistics, rotary caches: small) onto
+    ``device``; the parameters stay where they are. A buffer shared by two modules stays shared."""
+    moved: dict[int, torch.Tensor] = {}
+    for name, buffer in list(model.named_buffers(remove_duplicate=False)):
+        if id(buffer) not in moved:
+            moved[id(buffer)] = buffer.to(device)
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        module._buffers[leaf] = moved[id(buffer)]
+
+
 def install_placeholders_(model: nn.Module, device: torch.device, reader: WeightReader) -> None:
-    """Give a meta model's parameters shape-only stand-ins on ``device`` (one NaN element seen
-    through a stride-0 view: no memory, and any stray read shows as NaN), keeping tied parameters
-    tied; real buffers move to ``device`` and meta buffers are read from ``reader``."""
+    """Give a meta model's parameters shape-only stand-ins on ``device`` (see ``_stand_in``),
+    keeping tied parameters tied; real buffers move to ``device`` and meta buffers are read from
+    ``reader``."""
     replaced: dict[int, nn.Parameter] = {}
     for name, param in list(model.named_parameters(remove_duplicate=False)):
         stand_in = replaced.get(id(param))
         if stand_in is None:
-            nan = torch.full((1,), float("nan"), dtype=param.dtype, device=device)
-            view = nan.expand(param.shape) if param.dim() else nan[0]
+            view = _stand_in(param, device)
             stand_in = replaced[id(param)] = nn.Parameter(view, requires_grad=param.requires_grad)
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner) if owner else model, leaf, stand_in)

@@ -37,7 +37,7 @@ from runtime.chunks.layout import ChunkInfo, ChunkLayout
 from runtime.chunks.residency import Residency, check_move
 from runtime.cpu_adam import ShardAdamW
 from runtime.device import DeviceInfo, MmapArena
-from runtime.distributed import DistContext, all_gather_flat
+from runtime.distributed import DistContext, all_gather_flat, broadcast_from_main_
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,6 +376,11 @@ class _ChunkBuilder:
     def build(self, info: ChunkInfo, *, persistent: bool) -> Chunk:
         rank, shard = self.dist_ctx.rank, self.layout.shard_numel
         flat = self._flat(info)
+        if self.read_param is None:
+            # A model held whole was built by each rank on its own: rank 0's values, one chunk
+            # at a time (never the whole model on the device). Read values are the same file
+            # everywhere.
+            broadcast_from_main_([flat], self.dist_ctx)
         mine = flat[rank * shard : (rank + 1) * shard]
         segments = shard_segments(self.layout, info, rank)
         full = flat.to(device=self.device.device, dtype=self.compute_dtype) if persistent else None
@@ -396,7 +401,9 @@ class _ChunkBuilder:
         return OffloadedChunk(info, segments, master, training, Residency.HOST)
 
     def _flat(self, info: ChunkInfo) -> torch.Tensor:
-        """The whole chunk in fp32, from the parameters (or ``read_param``)."""
+        """The whole chunk in fp32 in host memory, from the parameters (wherever they are: a
+        model held in host memory is read there, so only its chunks reach the device) or
+        ``read_param``."""
         flat = torch.zeros(self.layout.chunk_numel, dtype=torch.float32)
         for index in info.params:
             offset = self.layout.slots[index].offset
@@ -428,7 +435,8 @@ class _ChunkBuilder:
 
     def _place(self, tensor: torch.Tensor, persistent: bool) -> torch.Tensor:
         if persistent or self.host_arena is None:
-            return tensor.to(self.device.device).clone() if persistent else tensor.clone()
+            # One copy on the device (``to`` then ``clone`` would briefly hold two).
+            return tensor.to(self.device.device, copy=True) if persistent else tensor.clone()
         out = self.host_arena.allocate(tensor.numel(), tensor.dtype)
         out.copy_(tensor)
         return out
