@@ -201,9 +201,13 @@ class ChunkManager:
         self.residency.refresh(frozen_too=frozen_too)
 
     def drain(self) -> None:
-        """Wait for everything queued on the side stream. Collectives from the main thread may
-        only follow a drain: every rank must issue its collectives in one order."""
+        """Wait for everything queued on the side stream, then on the host worker: the one
+        place, with the waits for data compute needs (residency, grad_buffers), where the main
+        thread waits for the pipeline. Collectives from the main thread may only follow a
+        drain: every rank must issue its collectives in one order."""
         self.collectives.drain()
+        self.optimizer.drain()
+        self.reducer.forget_staging()
 
     # ------------------------------------------------------------------ backward
 
@@ -216,7 +220,9 @@ class ChunkManager:
         every reduction to land in the shards."""
         try:
             self.reducer.flush()
-            self.drain()
+            # The side stream only: the host worker's adds of this backward may go on into the
+            # next micro-batch (they run in order); the step waits for them (``drain``).
+            self.collectives.drain()
         finally:
             # Also after a failure: the next backward must not find this one's buffers or count.
             self.reducer.release_buffers()
@@ -257,6 +263,7 @@ class ChunkManager:
         return self.optimizer.grad_norm(self.dist_ctx)
 
     def scale_grads_(self, factor: float) -> None:
+        self.drain()  # the host worker may still be adding reduced gradients into the shards
         self.optimizer.scale_grads_(factor)
 
     def step(self, *, lr: float, active: torch.Tensor) -> None:
@@ -266,6 +273,7 @@ class ChunkManager:
         self.refresh_full_copies()
 
     def zero_grad(self) -> None:
+        self.drain()
         self.optimizer.zero_grads()
         self.reducer.new_window()
 

@@ -21,7 +21,7 @@ speculative update made, lives in side tables here keyed by chunk index, not on 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -62,9 +62,10 @@ class ChunkOptimizer:
         self.speculative = True
         """Update offloaded chunks during the window's last backward, as soon as their gradient
         is reduced; False defers every update to the accumulation boundary."""
-        self._worker = HostWorker("protrain-cpu-adam")
+        self._worker = HostWorker("protrain-host-worker")
         self._armed: _Armed | None = None
-        self._last_update: DeviceEvent | None = None
+        self._last_job: DeviceEvent | None = None
+        """The last job queued on the host worker (every job runs in order)."""
         self._snapshots: dict[int, tuple[torch.Tensor, ...]] = {}
         """Host copies of (master, exp_avg, exp_avg_sq, steps), allocated at a chunk's first
         early update and reused after."""
@@ -82,15 +83,32 @@ class ChunkOptimizer:
 
     # ------------------------------------------------------------------ the sink of reduced gradients
 
-    @torch.no_grad()
-    def add_reduced(self, chunk: Chunk, grad: torch.Tensor) -> None:
-        chunk.grad_shard.add_(grad)
+    def add_staged(
+        self, chunk: Chunk, staged: torch.Tensor, copied: DeviceEvent, release: Callable[[], None]
+    ) -> DeviceEvent:
+        def add() -> None:
+            copied.wait()  # the copy into the staging buffer has landed
+            with torch.no_grad():
+                chunk.grad_shard.add_(staged)
+            release()
+
+        return self._submit(add)
+
+    def _submit(self, job: Callable[[], None]) -> DeviceEvent:
+        self._last_job = self._worker.submit(job)
+        return self._last_job
+
+    def drain(self) -> None:
+        """Wait for every job queued on the host worker (gradient adds, early updates)."""
+        if self._last_job is not None:
+            self._last_job.wait()
+            self._last_job = None
 
     def reduction_queued(self, chunk: Chunk, reduced: DeviceEvent, fired: torch.Tensor) -> None:
         armed = self._armed
         if armed is not None and not chunk.persistent:
             active = [bool(fired[s.param]) for s in chunk.segments]
-            self._last_update = self._worker.submit(lambda: self._speculate(chunk, reduced, active, armed))
+            self._submit(lambda: self._speculate(chunk, reduced, active, armed))
 
     # ------------------------------------------------------------------ speculative CPU Adam
 
@@ -135,11 +153,10 @@ class ChunkOptimizer:
         self.num_speculations += 1
 
     def finish_speculation(self) -> None:
-        """Wait for the CPU-Adam thread; no more speculation in this window."""
+        """Wait for the host worker (gradient adds and early updates, in order); no more
+        speculation in this window."""
         self._armed = None
-        if self._last_update is not None:
-            self._last_update.wait()
-            self._last_update = None
+        self.drain()
 
     def speculation_undoable(self) -> bool:
         """Whether every early update of this window can still be undone (none was made, or each

@@ -8,16 +8,20 @@ Ready chunks are reduce-scattered strictly in reverse chunk order, the same on e
 (chunks left incomplete by unused parameters are flushed, in that order, when backward ends),
 on the collective queue (side_stream.py) while backward goes on.
 
-The device/host seam: this side ends with this rank's reduced part of a chunk's gradient, in
-fp32 on the device of the chunk's gradient shard (the copy to host is the last device work).
-What happens to it then is the host side's (optimizer.py), behind the two calls of
-``ReducedGradientSink``: ``add_reduced`` (the add into the shard, on the collective queue today)
-and ``reduction_queued`` (told on the main thread, with the event that says when the reduced
-gradient is in and which parameters had a gradient, so the host side may update the chunk early).
+The device/host seam: the side stream (a worker thread; on CUDA it issues on a CUDA stream) runs
+the device work of a reduction and nothing else: the reduce-scatter, then for a persistent chunk
+the fp32 add into its shard on the device, or for an offloaded one a copy of the reduced part,
+in the compute dtype, into a pinned buffer of a bounded staging ring (staging.py),
+``non_blocking``. What happens then is the host side's (optimizer.py), behind the two calls of
+``ReducedGradientSink``: ``add_staged`` (the host worker waits for the copy, adds the buffer into
+the fp32 shard and hands the buffer back) and ``reduction_queued`` (told on the main thread, with
+the event that says when the reduced gradient is in the shard and which parameters had a
+gradient, so the host side may update the chunk early). Nothing here waits on the main thread.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -25,6 +29,7 @@ from torch import nn
 
 from runtime.chunks.grad_buffers import GradientBufferPool
 from runtime.chunks.side_stream import CollectiveQueue
+from runtime.chunks.staging import Staged, StagingRing
 from runtime.chunks.store import Chunk, ChunkStore
 from runtime.device import DeviceEvent
 from runtime.distributed import reduce_scatter_flat_
@@ -33,10 +38,13 @@ from runtime.distributed import reduce_scatter_flat_
 class ReducedGradientSink(Protocol):
     """Where reduced gradients go: the host side's whole interface to this one."""
 
-    def add_reduced(self, chunk: Chunk, grad: torch.Tensor) -> None:
-        """``grad`` (fp32, on the gradient shard's device) is this rank's reduced part of the
-        chunk's gradient for one micro-batch: accumulate it. Called in queue order, off the
-        main thread."""
+    def add_staged(
+        self, chunk: Chunk, staged: torch.Tensor, copied: DeviceEvent, release: Callable[[], None]
+    ) -> DeviceEvent:
+        """``staged`` (host, compute dtype) holds this rank's reduced part of an offloaded
+        chunk's gradient for one micro-batch once ``copied`` has fired: add it into the shard
+        (off the main thread), then call ``release``; the returned event fires after that.
+        Called on the main thread in reduction order."""
 
     def reduction_queued(self, chunk: Chunk, reduced: DeviceEvent, fired: torch.Tensor) -> None:
         """The chunk's reduction is queued (main thread): its gradient shard is complete once
@@ -55,6 +63,13 @@ class GradientReducer:
         self.grad_pool = GradientBufferPool(
             numel=store.layout.chunk_numel, dtype=store.compute_dtype, device=store.device, stream=queue.stream
         )
+        offloaded = any(not c.persistent and c.info.trainable for c in self.chunks)
+        self.staging = (
+            StagingRing(numel=store.layout.shard_numel, dtype=store.compute_dtype, pin=store.device.is_cuda)
+            if offloaded
+            else None
+        )
+        """Host buffers the reduced parts of offloaded chunks' gradients are copied into."""
         self._grad_buffers: dict[int, torch.Tensor] = {}
         """The gradient buffer each chunk is filling (taken from ``grad_pool``)."""
         num_params = len(store.params)
@@ -165,11 +180,16 @@ class GradientReducer:
         self._grad_buffers.clear()
         self.grad_pool.release()
 
+    def forget_staging(self) -> None:
+        """The side stream and the host worker drained: no staging buffer is in use."""
+        if self.staging is not None:
+            self.staging.forget()
+
     def _reduce(self, chunk_index: int) -> None:
-        """Queue the chunk's reduce-scatter (and the fp32 accumulation into its shard) on the
-        side stream; backward goes on meanwhile."""
+        """Queue the chunk's reduce-scatter on the side stream, and its add into the shard (on
+        the device for a persistent chunk, on the host worker for an offloaded one); backward
+        goes on meanwhile."""
         chunk = self.chunks[chunk_index]
-        device = chunk.grad_shard.device
         buffer = self._grad_buffers.pop(chunk_index, None)
         if self.store.direct_grads(chunk):
             reduced = DeviceEvent.completed()  # the gradients are in the shard already
@@ -178,24 +198,45 @@ class GradientReducer:
         else:
             if buffer is None:  # no gradient here; other ranks may have some, so take part anyway
                 buffer = self.grad_pool.take()
-            sink = self.sink
-            reduced = self.queue.submit(lambda: sink.add_reduced(chunk, self._reduce_to(buffer, device)))
-            self.grad_pool.reducing(buffer, reduced)
+            reduced = self._queue_reduction(chunk, buffer)
         self.sink.reduction_queued(chunk, reduced, self._fired_in_window)
 
+    def _queue_reduction(self, chunk: Chunk, buffer: torch.Tensor) -> DeviceEvent:
+        """The reduction's jobs; the event that fires once the gradient is in the shard."""
+        grad_shard = chunk.grad_shard
+        if chunk.persistent:
+            reduced = self.queue.submit(lambda: grad_shard.add_(self._reduce_part(buffer)))
+            self.grad_pool.reducing(buffer, reduced)
+            return reduced
+        ring = self.staging
+        assert ring is not None, "an offloaded trainable chunk has a staging ring"
+        staged = ring.assign()
+        copied = self.queue.submit(lambda: self._copy_to_host(buffer, staged))
+        self.grad_pool.reducing(buffer, copied)
+        in_shard = self.sink.add_staged(chunk, staged.buffer, copied, lambda: ring.released(staged))
+        ring.released_by(staged, in_shard)
+        return in_shard
+
     @torch.no_grad()
-    def _reduce_to(self, buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
+    def _copy_to_host(self, buffer: torch.Tensor, staged: Staged) -> None:
+        """On the side stream: this rank's reduced part into the staging buffer, asynchronously
+        on CUDA (pinned memory), once the buffer's previous user has added it."""
+        reduced = self._reduce_part(buffer)
+        staged.wait_until_free()
+        staged.buffer.copy_(reduced, non_blocking=True)
+
+    @torch.no_grad()
+    def _reduce_part(self, buffer: torch.Tensor) -> torch.Tensor:
         """On the side stream: this rank's part of the buffer summed over ranks and divided by
-        their number, in fp32 on ``device`` (the gradient shard's)."""
+        their number, in the compute dtype on the device."""
         if buffer.is_cuda:
             # Allocated on the compute stream, used here on the side stream: keep the caching
             # allocator from handing it out again before this work is done.
             buffer.record_stream(torch.cuda.current_stream(buffer.device))
         world = self.store.dist_ctx.world_size
         if world == 1:
-            return buffer.to(device, torch.float32)
-        reduced = reduce_scatter_flat_(buffer, self.store.dist_ctx.group).div_(world)
-        return reduced.to(device, torch.float32)
+            return buffer
+        return reduce_scatter_flat_(buffer, self.store.dist_ctx.group).div_(world)
 
     # ------------------------------------------------------------------ profiling
 
@@ -218,3 +259,5 @@ class GradientReducer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self.staging is not None:
+            self.staging.close()

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from runtime import stream_chaos
+from runtime.chunks.staging import Staged, StagingRing
 from runtime.device import DeviceEvent, synchronize
 from runtime.distributed import all_gather_flat
 
@@ -146,6 +147,13 @@ class ChunkResidency:
         self._recomputing = False
         self._privatized: set[int] = set()
         self._fetches: dict[int, DeviceEvent] = {}
+        offloaded_fp32 = any(not c.persistent and c.master.dtype != store.compute_dtype for c in self.chunks)
+        self.uploads = (
+            StagingRing(numel=store.layout.shard_numel, dtype=store.compute_dtype, pin=store.device.is_cuda)
+            if offloaded_fp32
+            else None
+        )
+        """Host buffers fp32 master shards are downcast into for upload (compute dtype not fp32)."""
         self.prefetch_depth = 0 if n_buffer <= 1 else n_buffer - 1
         self.num_gathers = 0
         """Gathers of non-persistent chunks into slots (a chunk reused from its slot is not one)."""
@@ -207,7 +215,12 @@ class ChunkResidency:
         self._slot_owner[slot] = chunk.index
         self._lru[chunk.index] = None
         master = chunk.master
-        self._fetches[chunk.index] = self.queue.submit(lambda: self.gather_shard(master, full))
+        staged = self.uploads.assign() if self.uploads is not None and master.dtype != full.dtype else None
+        fetched = self.queue.submit(lambda: self.gather_shard(master, full, staged=staged))
+        if staged is not None:
+            assert self.uploads is not None
+            self.uploads.released_by(staged, fetched)
+        self._fetches[chunk.index] = fetched
         self.num_gathers += 1
 
     def _free_slot(self, *, evict: bool) -> int | None:
@@ -238,16 +251,25 @@ class ChunkResidency:
         self._lru.pop(chunk_index, None)
         self.store.point_params(chunk)
 
-    def gather_shard(self, master: torch.Tensor, out: torch.Tensor) -> None:
-        """Upload this rank's shard in the compute dtype and all-gather the full chunk into
-        ``out``. Runs on the side stream (the one thread that issues collectives) or, for
-        persistent chunks, after the stream has drained."""
+    def gather_shard(self, master: torch.Tensor, out: torch.Tensor, *, staged: Staged | None = None) -> None:
+        """This rank's shard into its place in ``out`` in the compute dtype, then (several
+        ranks) the all-gather of the others' in place. A host shard goes up from pinned memory,
+        ``non_blocking``; one in fp32 goes through a ``staged`` buffer downcast first, so the
+        upload sends the compute dtype's bytes and makes no fp32 temporary on the device. Runs
+        on the side stream (the one thread that issues collectives) or, for persistent chunks,
+        after the stream has drained."""
         store = self.store
-        shard = master.to(device=store.device.device, dtype=store.compute_dtype, non_blocking=True)
-        if store.dist_ctx.world_size == 1:
-            out.copy_(shard)
+        world = store.dist_ctx.world_size
+        shard = master.numel()
+        mine = out if world == 1 else out[store.dist_ctx.rank * shard :][:shard]
+        if staged is not None:
+            staged.wait_until_free()  # its last upload has left
+            staged.buffer.copy_(master)
+            mine.copy_(staged.buffer, non_blocking=True)
         else:
-            all_gather_flat(out, shard, store.dist_ctx.group)
+            mine.copy_(master, non_blocking=True)
+        if world > 1:
+            all_gather_flat(out, mine, store.dist_ctx.group)
 
     @torch.no_grad()
     def refresh(self, *, frozen_too: bool) -> None:
@@ -387,3 +409,5 @@ class ChunkResidency:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self.uploads is not None:
+            self.uploads.close()
