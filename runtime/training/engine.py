@@ -27,7 +27,7 @@ from torch import nn
 
 from profiler.plan import BlockMode, Plan
 from runtime.activations.manager import ActivationManager
-from runtime.batches import refuse_larger_batch
+from runtime.batches import refuse_larger_batch, to_device
 from runtime.checkpoint.checkpointer import Checkpointer
 from runtime.chunks.manager import ChunkManager
 from runtime.config.settings import TrainingSettings
@@ -133,11 +133,11 @@ class Engine(EngineFacades):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._refuse_if_torn()
+        args, kwargs = to_device((args, kwargs), self.device_info.device)  # where the chunks are
         if self._replanner is not None and self._replanner.wants_batch and self._training():
             self.plan_on_batch(kwargs if kwargs else (args[0] if len(args) == 1 else args), asked=False)
         refuse_larger_batch(self.plan.batch_shape, args, kwargs)
-        training = self._training()
-        if training:
+        if training := self._training():
             refuse_cache_with_recompute(kwargs, recomputes=BlockMode.CHECKPOINT in self.plan.block_modes)
             if self._window.start_s is None:
                 self._window.start_s = time.perf_counter()  # this module's clock: tests replace it
