@@ -205,9 +205,17 @@ class ChunkManager:
         place, with the waits for data compute needs (residency, grad_buffers), where the main
         thread waits for the pipeline. Collectives from the main thread may only follow a
         drain: every rank must issue its collectives in one order."""
-        self.collectives.drain()
-        self.optimizer.drain()
+        waits = self.collectives.waits
+        with waits.timing("reduce"):
+            self.collectives.drain()
+        with waits.timing("host"):
+            self.optimizer.drain()
         self.reducer.forget_staging()
+
+    def take_waits(self) -> dict[str, float]:
+        """Seconds the main thread waited for the pipeline since the last call, by kind
+        (waits.py): transfer, reduce, host."""
+        return self.collectives.waits.take()
 
     # ------------------------------------------------------------------ backward
 
@@ -222,7 +230,8 @@ class ChunkManager:
             self.reducer.flush()
             # The side stream only: the host worker's adds of this backward may go on into the
             # next micro-batch (they run in order); the step waits for them (``drain``).
-            self.collectives.drain()
+            with self.collectives.waits.timing("reduce"):
+                self.collectives.drain()
         finally:
             # Also after a failure: the next backward must not find this one's buffers or count.
             self.reducer.release_buffers()

@@ -137,7 +137,7 @@ class GradientReducer:
         else:
             buffer = self._grad_buffers.get(chunk_index)
             if buffer is None:
-                buffer = self._grad_buffers[chunk_index] = self.grad_pool.take()
+                buffer = self._grad_buffers[chunk_index] = self._take_buffer()
             offset = self.store.layout.slots[index].offset
             buffer[offset : offset + param.numel()].add_(param.grad.reshape(-1))
             param.grad = None
@@ -147,6 +147,11 @@ class GradientReducer:
             self._remaining[chunk_index] -= 1
             if self._remaining[chunk_index] == 0:
                 self._issue_ready_reductions()
+
+    def _take_buffer(self) -> torch.Tensor:
+        """A gradient buffer; a wait here for a reduction still running is an exposed one."""
+        with self.queue.waits.timing("reduce"):
+            return self.grad_pool.take()
 
     def _grad_is_shard_view(self, index: int, param: nn.Parameter) -> bool:
         grad_shard = self.chunks[self.store.chunk_of_param[index]].grad_shard
@@ -197,7 +202,7 @@ class GradientReducer:
             reduced = DeviceEvent.completed()  # no gradient, nothing to add
         else:
             if buffer is None:  # no gradient here; other ranks may have some, so take part anyway
-                buffer = self.grad_pool.take()
+                buffer = self._take_buffer()
             reduced = self._queue_reduction(chunk, buffer)
         self.sink.reduction_queued(chunk, reduced, self._fired_in_window)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from runtime.chunks.waits import ExposedWaits
 from runtime.device import DeviceEvent, DeviceInfo, SideStream
 
 
@@ -21,13 +22,17 @@ class CollectiveQueue:
         self.stream = SideStream(device, name="protrain-chunks")
         """The one thread (CUDA: stream) that issues every collective, in program order."""
         self._last_submitted: DeviceEvent | None = None
+        self.waits = ExposedWaits()
+        """Where the main thread waited for the pipeline (waits.py): the engine takes them per step."""
 
     def submit(self, work: Callable[[], None]) -> DeviceEvent:
         self._last_submitted = self.stream.submit(work)
         return self._last_submitted
 
     def make_compute_wait(self, event: DeviceEvent) -> None:
-        self.stream.make_compute_wait(event)
+        """Compute waits for a gather (counted as an exposed transfer wait)."""
+        with self.waits.timing("transfer"):
+            self.stream.make_compute_wait(event)
 
     def drain(self) -> None:
         """Wait for everything queued on the side stream (it runs in order, so the last event

@@ -91,13 +91,13 @@ def train_counting_gradient_buffers(*, rank: int, output_dir: str) -> dict[str, 
     engine = runtime.initialize(tiny_gpt(0), config=config(num_chunks))
     chunks = engine.chunks
     most_alive = 0
-    reduce_to = chunks.reducer._reduce_to
+    reduce_part = chunks.reducer._reduce_part
 
-    def slow_reduce_to(buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
+    def slow_reduce_part(buffer: torch.Tensor) -> torch.Tensor:
         time.sleep(0.05)  # a slow link: reductions fall behind backward
-        return reduce_to(buffer, device)
+        return reduce_part(buffer)
 
-    chunks.reducer._reduce_to = slow_reduce_to
+    chunks.reducer._reduce_part = slow_reduce_part
 
     # Every buffer backward takes, held weakly: what is counted is the buffers still alive.
     taken: dict[int, weakref.ref[torch.Tensor]] = {}
