@@ -12,9 +12,15 @@ that luck away:
   deterministic worst case, where nothing queued ever happens early;
 
 and, in both, every buffer handed back to a pool (device chunk buffers, gradient buffers,
-staging buffers, swap buffers) is filled with NaN before reuse, and handing back a buffer whose
-event is still pending raises: a read through a missing wait then yields NaN, which the
-equivalence tests and the zero-skipped-steps check see.
+staging buffers, swap buffers) is filled with NaN before reuse (``poison_``), and handing back a
+buffer whose event is still pending raises (``check_released``): a read through a missing wait
+then yields NaN, which the equivalence tests see, and a NaN cannot hide behind
+``on_nonfinite_loss: skip`` or fp16 loss scaling either: under chaos a skipped step raises
+(``refuse_skipped_step``; tests that skip steps on purpose are marked ``skips_steps`` and left
+out of chaos runs). ``make test-chaos`` (part of ``make test``) runs the equivalence tests that
+cover every chunk plan, activation mode and precision under both modes.
+
+Everything here costs nothing when chaos is off: pools read ``enabled()`` once when they are made.
 
 What chaos cannot catch on CPU waits for ``TORCH_CUDA_SANITIZER=1`` on a GPU: ordering between
 the compute stream and a side stream inside the device (on CPU compute runs on the host thread,
@@ -31,6 +37,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -85,10 +92,57 @@ def for_worker(name: str) -> StreamChaos | None:
 
 def poison_(tensor: torch.Tensor) -> None:
     """Fill a released buffer so that a read through a missing wait is seen: NaN for floating
-    point, the largest value for integers and bytes (0xFF bytes are NaN in every float dtype)."""
-    if tensor.is_floating_point() or tensor.is_complex():
-        tensor.fill_(float("nan"))
-    elif tensor.dtype == torch.bool:
+    point, True for bool, the largest value for integers, and 0xFF bytes for the rest (0xFF
+    bytes are NaN in every float dtype, so a byte buffer viewed as floats reads NaN too)."""
+    if tensor.dtype == torch.bool:
         tensor.fill_(True)
-    else:
-        tensor.fill_(torch.iinfo(tensor.dtype).max if tensor.dtype != torch.uint8 else 0xFF)
+        return
+    if tensor.is_floating_point() or tensor.is_complex():
+        try:
+            tensor.fill_(float("nan"))
+            return
+        except RuntimeError:  # no fill kernel (packed float4 pairs): fill their bytes below
+            pass
+    elif tensor.dtype in _INTEGERS:
+        tensor.fill_(torch.iinfo(tensor.dtype).max)
+        return
+    tensor.view(torch.uint8).fill_(0xFF)
+
+
+_INTEGERS = frozenset(
+    {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64}
+)
+
+
+class PendingEvent(Protocol):
+    """What ``check_released`` needs of an event (``runtime.device.DeviceEvent``; the device
+    layer imports this module, so the type is structural)."""
+
+    def query(self) -> bool: ...
+
+
+class StreamChaosError(RuntimeError):
+    """Stream chaos saw what a missing wait leads to: a buffer handed back while work still
+    uses it, or a step skipped (NaN through a missed wait can show up as either)."""
+
+
+def check_released(event: PendingEvent | None, what: str) -> None:
+    """Raise if ``event`` (the last work that reads or writes a buffer being handed back) has not
+    finished: the buffer would be reused, poisoned or freed under that work. Call only under
+    chaos, once the caller's own wait for ``event`` should have happened."""
+    if event is not None and not event.query():
+        raise StreamChaosError(
+            f"stream chaos: {what} was handed back while work on it was still pending "
+            "(a wait for its event is missing)"
+        )
+
+
+def refuse_skipped_step(reason: str) -> None:
+    """Under chaos a skipped step fails the run: NaN read through a missing wait would
+    otherwise pass as a non-finite loss or an fp16 overflow and be skipped quietly."""
+    if enabled():
+        raise StreamChaosError(
+            f"stream chaos: a step was skipped ({reason}); runs under {ENV} must skip none "
+            "(a NaN read through a missing wait looks like this). A test that skips steps on "
+            "purpose is marked skips_steps and left out of chaos runs"
+        )

@@ -1,6 +1,9 @@
 """Test-suite shape (DESIGN section 6): tests/unit -> unit (in-process, run with -n 2),
 tests/distributed -> dist (2 gloo ranks from one reusable worker pool), tests/e2e -> e2e (real
-protrain-run processes). The marker follows the folder so no test can be left out of a run."""
+protrain-run processes). The marker follows the folder so no test can be left out of a run.
+
+Under stream chaos (PROTRAIN_STREAM_CHAOS, runtime/stream_chaos.py) a skipped step raises, so
+tests marked ``skips_steps`` (they skip on purpose: a NaN loss, an fp16 overflow) are skipped."""
 
 from __future__ import annotations
 
@@ -44,3 +47,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         marker = _MARKERS.get(folder)
         if marker is not None:
             item.add_marker(marker)
+    from runtime import stream_chaos  # here, not at the top: torch after OMP_NUM_THREADS is set
+
+    if stream_chaos.enabled():
+        chaos_skip = pytest.mark.skip(reason="skips steps on purpose; stream chaos refuses skipped steps")
+        for item in items:
+            if item.get_closest_marker("skips_steps") is not None:
+                item.add_marker(chaos_skip)

@@ -6,13 +6,18 @@ they are carved from ``MmapArena`` segments with a bump pointer instead. Every a
 step is released by the end of its backward; when none is live, the pointer goes back to the
 start. A step that outgrew the segments gets one segment of the whole size next time, so after
 the first step one region serves every step with no system calls.
+
+Under stream chaos (stream_chaos.py) a freed allocation is checked (the copy that last wrote it
+must have finished, else ``StreamChaosError``) and filled with 0xFF bytes (NaN in every float
+dtype), so a swap-in that reads it through a missing wait brings NaN back.
 """
 
 from __future__ import annotations
 
 import torch
 
-from runtime.device import PAGE_BYTES, MmapArena
+from runtime import stream_chaos
+from runtime.device import PAGE_BYTES, DeviceEvent, MmapArena
 
 _MIN_SEGMENT_BYTES = 16 << 20
 
@@ -28,6 +33,7 @@ class HostActivationPool:
         self._high_water = 0
         self._used = 0
         self.capacity_bytes = 0
+        self._chaos = stream_chaos.enabled()
 
     @property
     def live_allocations(self) -> int:
@@ -54,10 +60,15 @@ class HostActivationPool:
         self._high_water = max(self._high_water, self._used)
         return self._segments[self._current].allocate(nbytes, torch.uint8)
 
-    def free(self) -> None:
-        """One allocation is no longer used; the last one rewinds the pool."""
+    def free(self, buffer: torch.Tensor, *, written_by: DeviceEvent | None = None) -> None:
+        """``buffer`` (from ``allocate``) is no longer used; the last one rewinds the pool.
+        ``written_by``: the copy into it, if the caller still holds its event (it must have
+        finished: chaos checks)."""
         if self._live <= 0:
             raise RuntimeError("host activation pool: free without a live allocation")
+        if self._chaos:
+            stream_chaos.check_released(written_by, "a swap buffer")
+            stream_chaos.poison_(buffer)
         self._live -= 1
         if self._live == 0:
             self._rewind()

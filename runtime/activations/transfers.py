@@ -13,10 +13,21 @@ bytes of one ``StoredStorage`` by its block's mode:
   backward that needs it then is served from memory: the copy or file is dropped unused.
 
 Every method runs under the manager's lock (on CUDA autograd runs backward on its own thread).
+
+Both copies run on the side stream on memory the compute stream allocated (the original storage
+read by a swap-out, the buffer a swap-in fills): on CUDA each job marks them used on the side
+stream (``record_stream``), so the caching allocator cannot hand their memory to new compute
+work while the copy still runs, whenever the compute side lets go of them. (Swap-out also keeps
+``source`` until its copy's event has fired, but that alone does not cover ``close`` or a
+released record whose swap-in was prefetched and never used.) Under stream chaos a swap-in's
+device buffer is NaN until its copy lands, a freed host buffer is checked and poisoned
+(host_pool.py), and a failure seen on autograd's release path, where exceptions are swallowed,
+is raised again by the next forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +36,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from profiler.plan import BlockMode
+from runtime import stream_chaos
 from runtime.activations.host_pool import HostActivationPool
 from runtime.activations.records import ActivationStats, StoredStorage
 from runtime.activations.ssd_store import ActivationFileStore
@@ -55,11 +67,16 @@ class ActivationTransfers:
         self._stream = SideStream(device, name="protrain-activations") if offloads else None
         self._expected_ssd_bytes = expected_ssd_bytes
         self._ssd_bytes_this_forward = 0
+        self._chaos = stream_chaos.enabled()
+        self._chaos_failure: stream_chaos.StreamChaosError | None = None
+        """A chaos check that failed where nothing could raise (a saved tensor's release)."""
 
     # ------------------------------------------------------------------ forward
 
     def begin_forward(self) -> None:
         """Refuse a forward whose files would not fit on the disk (the last forwards' size)."""
+        if self._chaos_failure is not None:
+            raise self._chaos_failure
         if self.store is not None:
             self.store.check_free_space(self._expected_ssd_bytes)
         self._ssd_bytes_this_forward = 0
@@ -84,7 +101,7 @@ class ActivationTransfers:
             # To host memory on the side stream (CUDA ssd: staged there, written once copied).
             record.host = self._pool.allocate(record.nbytes)
             host = record.host
-            record.outbound = self._submit(lambda: host.copy_(source, non_blocking=True))
+            record.outbound = self._submit(lambda: _copy_on_side_stream(host, source))
             if mode is BlockMode.SWAP:
                 self.stats.bytes_swapped_out += record.nbytes
         else:
@@ -141,8 +158,10 @@ class ActivationTransfers:
         if record.mode is BlockMode.SWAP or (record.mode is BlockMode.SSD and record.file is None):
             assert record.host is not None
             restored = torch.empty(record.nbytes, dtype=torch.uint8, device=record.device)
+            if self._chaos:  # NaN until the copy lands: a read that misses the wait sees it
+                stream_chaos.poison_(restored)
             host = record.host
-            record.inbound = self._submit(lambda: restored.copy_(host, non_blocking=True))
+            record.inbound = self._submit(lambda: _copy_on_side_stream(restored, host))
             record.restored = restored
             self.stats.bytes_swapped_in += record.nbytes
             return
@@ -186,9 +205,20 @@ class ActivationTransfers:
             record.file = None
 
     def free_host(self, record: StoredStorage) -> None:
-        if record.host is not None:
-            record.host = None
-            self._pool.free()
+        if record.host is None:
+            return
+        if self._chaos and isinstance(record.inbound, DeviceEvent):
+            # A prefetched swap-in nobody will use still reads these bytes. Without chaos the
+            # side stream's order keeps the next copy into them behind it; the poison is
+            # written now, from this thread, so let the read finish first.
+            with contextlib.suppress(RuntimeError):  # its bytes are not wanted: nor its failure
+                record.inbound.wait()
+        try:
+            self._pool.free(record.host, written_by=record.outbound)
+        except stream_chaos.StreamChaosError as err:
+            self._chaos_failure = self._chaos_failure or err
+            raise
+        record.host = None
 
     def close_stream(self) -> None:
         if self._stream is not None:
@@ -201,3 +231,14 @@ class ActivationTransfers:
     def _submit(self, work: Callable[[], Any]) -> DeviceEvent:
         assert self._stream is not None
         return self._stream.submit(work)
+
+
+def _copy_on_side_stream(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """A swap copy, run on the side stream. Both tensors were allocated outside it (the device
+    one on the compute stream): on CUDA, record this stream's use of them (see the module
+    docstring); a host tensor needs nothing, nor does anything on CPU, where the job itself
+    holds them until the copy is done."""
+    for tensor in (destination, source):
+        if tensor.is_cuda:
+            tensor.record_stream(torch.cuda.current_stream(tensor.device))
+    destination.copy_(source, non_blocking=True)

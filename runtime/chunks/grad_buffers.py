@@ -17,6 +17,11 @@ frees it again once its reduction has run. Buffers are dropped when backward end
 peak does not carry them. The cost model counts one buffer: its predicted peak falls where
 backward starts, when only the first chunk's buffer exists; a second one is taken once that
 chunk's gradients are complete, by when the last block's activations are being freed.
+
+Under stream chaos (stream_chaos.py) a buffer about to be reused is checked: its reduction must
+have run (on CPU; on CUDA compute waits for it on the device, which the host cannot see without
+synchronising), else ``StreamChaosError``; it is then filled with NaN before it is zeroed, so on
+CUDA a reduction that still read it would sum NaN.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from collections import deque
 
 import torch
 
+from runtime import stream_chaos
 from runtime.device import DeviceEvent, DeviceInfo, SideStream
 
 GRADIENT_BUFFERS = 2
@@ -51,6 +57,7 @@ class GradientBufferPool:
         """Buffers alive now (filling or being reduced)."""
         self.most_allocated = 0
         """The most buffers alive at once since the pool was made (for tests and benchmarks)."""
+        self._chaos = stream_chaos.enabled()
 
     def take(self) -> torch.Tensor:
         """A zeroed buffer: the oldest one whose reduction has run, a new one below capacity, or
@@ -65,6 +72,9 @@ class GradientBufferPool:
             event, buffer = self._reducing[0]
             self.stream.make_compute_wait(event)  # raises if the reduction failed
             self._reducing.popleft()
+            if self._chaos:
+                self._check_reduced(event)
+                stream_chaos.poison_(buffer)
             return buffer.zero_()
         self.allocated += 1
         self.most_allocated = max(self.most_allocated, self.allocated)
@@ -77,5 +87,14 @@ class GradientBufferPool:
     def release(self) -> None:
         """Drop every buffer: backward is over and the side stream has drained (the caller
         waited for it), so no work still reads them."""
+        # Dropped, not reused: a reduction still running after a failure keeps its buffer alive
+        # (its job holds it; on CUDA record_stream guards the memory), so nothing to check.
         self._reducing.clear()
         self.allocated = 0
+
+    def _check_reduced(self, event: DeviceEvent) -> None:
+        """A buffer about to be reused: its reduction has run. On CUDA the wait before reuse is
+        the compute stream's (the device event may still be pending, rightly), so only the CPU,
+        where compute is the host, can check it here."""
+        if not self.device.is_cuda:
+            stream_chaos.check_released(event, "a gradient buffer")

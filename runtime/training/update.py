@@ -7,7 +7,9 @@ norm costs a pass over every gradient: it is taken when clipping or the fp16 ove
 needs it (then also reported), as DeepSpeed does; fp16 gradients are unscaled first and an
 overflow skips the update. Clipping scales the shards by ``torch.nn.utils.clip_grad_norm_``'s
 coefficient. AdamW then runs on the shards of the parameters that got a gradient on some rank
-(``torch.optim.AdamW`` skips the others).
+(``torch.optim.AdamW`` skips the others). Under stream chaos a skipped update raises
+(``stream_chaos.refuse_skipped_step``): NaN read through a missing wait must not pass for a
+non-finite loss or an overflow.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime import stream_chaos
 from runtime.chunks.manager import ChunkManager
 from runtime.config.settings import TrainingSettings
 from runtime.config.spec import NonFiniteLossPolicy
@@ -90,6 +93,14 @@ def update_shards(
     if not skipped:
         chunks.step(lr=lr, active=totals.active)
     chunks.zero_grad()
+    if skipped:
+        # Every rank decided alike (the totals and the norm are global), so all raise.
+        stream_chaos.refuse_skipped_step(
+            f"non-finite loss in {totals.nonfinite} of {losses_in_window} micro-batches of update "
+            f"{update_number}"
+            if totals.nonfinite
+            else f"fp16 gradients overflowed in update {update_number} (gradient norm {grad_norm})"
+        )
     return not skipped, grad_norm
 
 
