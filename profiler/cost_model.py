@@ -5,7 +5,8 @@ Pure functions over ``ModelProfile`` and ``HardwareProfile``; no torch, nothing 
 Time (one micro-batch; PAPERS.md "Cost models"), with chunks in execution order and the first
 ``n_persist`` of them persistent::
 
-    step     = forward + max(backward + device_adam, cpu_adam) + update   # CPU Adam overlaps backward
+    step     = forward + max(backward + device_adam, host) + update   # the host worker overlaps backward
+    host     = offloaded shards' CPU Adam + the adds of their reduced gradients into the fp32 shards
     device_adam = persistent shards' update (per element + per parameter segment)
                   + (world > 1) the all-gather refreshing their full copy
     update   = the gradient norm's read and the zeroing write over every trainable shard
@@ -17,8 +18,11 @@ Time (one micro-batch; PAPERS.md "Cost models"), with chunks in execution order 
                                             re-fetched        max(bwd(c), fetch(c) + reduce(c) + offload(c))
                                                               (serial: bwd(c) + fetch(c))
     fetch(c)  = shard bytes / host->device + (world > 1) all-gather of the chunk + latency
+                + (compute dtype not fp32) the downcast of the fp32 shard into a staging buffer
     reduce(c) = (world > 1) reduce-scatter of the chunk's gradient + latency
-    offload(c)= gradient shard bytes / device->host
+    offload(c)= gradient shard bytes / device->host (into a staging buffer, in the compute dtype)
+    add(c)    = the host worker's add of a staging buffer into the fp32 shard: reads the staged
+                and fp32 bytes, writes fp32 (none with direct gradients: one rank in fp32 on CPU)
 
 Where copies and collectives run on the compute cores (CPU: ``copies_overlap_compute`` False),
 every max above becomes a sum, CPU Adam included (measured by scripts/bench_cost_model.py: backward
@@ -81,6 +85,8 @@ class ChunkCosts:
     bwd_fetched_serial: tuple[float, ...]
     adam_params: tuple[float, ...]
     adam_segments: tuple[float, ...]
+    host_adds: tuple[float, ...]
+    """The host worker's add of each reduced gradient into an offloaded fp32 shard."""
     update_passes: tuple[float, ...]
     """The gradient norm's read and the zeroing write over each trainable shard."""
     refresh: tuple[float, ...]
@@ -104,6 +110,7 @@ class Prediction:
     backward_s: float
     device_adam_s: float
     cpu_adam_s: float
+    """The host worker's time: offloaded shards' CPU Adam and the adds of their gradients."""
     peak_device_bytes: int
     host_bytes: int
     persistent_bytes: int
@@ -128,10 +135,14 @@ def chunk_costs(model: ModelProfile, hardware: HardwareProfile, chunk_size: int)
     latency = hardware.collective_latency_s if world > 1 else 0.0
     gather = chunk_bytes / hardware.all_gather_bytes_per_s + latency if world > 1 else 0.0
     scatter = chunk_bytes / hardware.reduce_scatter_bytes_per_s + latency if world > 1 else 0.0
-    fetch = shard * e / hardware.h2d_bytes_per_s + gather
+    # fp32 masters are downcast into a staging buffer before upload (runtime/chunks/staging.py).
+    downcast = shard * (4 + e) / hardware.memory_bytes_per_s if e != 4 else 0.0
+    fetch = shard * e / hardware.h2d_bytes_per_s + gather + downcast
     offload = shard * e / hardware.d2h_bytes_per_s
     alias = world == 1 and e == 4
     overlap = hardware.copies_overlap_compute
+    # On CPU one rank in fp32 accumulates straight into host shards: nothing to add.
+    add = 0.0 if alias and not overlap else shard * (e + 8) / hardware.memory_bytes_per_s
     rows: dict[str, list[float]] = {name: [] for name in _PREFIXED}
     for index, chunk in enumerate(packing.chunks):
         f, b = fwd_c[index], bwd_c[index]
@@ -153,6 +164,7 @@ def chunk_costs(model: ModelProfile, hardware: HardwareProfile, chunk_size: int)
             rows["bwd_fetched_serial"].append(b + fetch + reduce + off)
         rows["adam_params"].append(chunk.used / world if chunk.trainable else 0.0)
         rows["adam_segments"].append(float(len(chunk.members)) if chunk.trainable else 0.0)
+        rows["host_adds"].append(add if chunk.trainable else 0.0)
         rows["update_passes"].append(2 * 4 * shard / hardware.memory_bytes_per_s if chunk.trainable else 0.0)
         rows["refresh"].append(gather if chunk.trainable else 0.0)
         if chunk.trainable:
@@ -192,6 +204,7 @@ _PREFIXED = (
     "bwd_fetched_serial",
     "adam_params",
     "adam_segments",
+    "host_adds",
     "update_passes",
     "refresh",
     "persistent_bytes",
@@ -270,6 +283,7 @@ def predict(
     device_adam += _span(costs.adam_segments, 0, p) * segment + _span(costs.refresh, 0, p)
     cpu_adam = _span(costs.adam_params, p, n) / hardware.cpu_adam_params_per_s
     cpu_adam += _span(costs.adam_segments, p, n) * segment
+    cpu_adam += _span(costs.host_adds, p, n)  # the same host worker, in order
     update = _span(costs.update_passes, 0, n)
     step = _step_s(hardware, forward, backward, device_adam, cpu_adam, update)
 

@@ -313,3 +313,25 @@ def test_shared_cores_add_up_and_the_update_passes_are_counted() -> None:
     )
     fetch = 4 * MIB / 1e9
     assert got.forward_s == pytest.approx(4e-3 + 2 * fetch + 0.5e-3)  # no prefetch hides on shared cores
+
+
+def test_the_host_worker_adds_and_the_upload_downcast_are_counted() -> None:
+    """bf16 compute on a GPU-like machine: each offloaded chunk's reduced gradient is added into
+    its fp32 shard on the host worker (beside CPU Adam), and each upload first downcasts the
+    fp32 shard into a staging buffer (runtime/chunks/staging.py)."""
+    fp32 = four_blocks()
+    model = ModelProfile(
+        **{**{f: getattr(fp32, f) for f in fp32.__dataclass_fields__}, "precision": "bf16", "element_size": 2}
+    )
+    gpu = hardware(memory_bytes_per_s=1e10)
+    costs = chunk_costs(model, gpu, 2 * MIB)  # one 1 Mi-element parameter per chunk
+    got = predict(model, gpu, costs, n_persist=2, n_buffer=1)
+    shard = 1 << 20
+    adds = 2 * shard * (2 + 8) / 1e10  # read bf16 staged + fp32 shard, write fp32; two chunks
+    assert got.cpu_adam_s == pytest.approx(2 * shard / 1e9 + adds)
+    fetch = shard * 2 / 1e9 + shard * (4 + 2) / 1e10  # bf16 over the link, after the downcast
+    assert got.forward_s == pytest.approx(4e-3 + 2 * fetch + 0.5e-3)
+    # One rank in fp32 on CPU accumulates into the host shards directly: no add to count.
+    cpu = hardware(copies_overlap_compute=False, memory_bytes_per_s=1e10)
+    direct = predict(fp32, cpu, chunk_costs(fp32, cpu, 4 * MIB), n_persist=2, n_buffer=1)
+    assert direct.cpu_adam_s == pytest.approx(2 * shard / 1e9)
