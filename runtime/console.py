@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -30,6 +30,8 @@ class StepRecord:
     tokens_per_s: float
     skipped: bool
     loss_scale: float | None
+    waits: dict[str, float] = field(default_factory=dict)
+    """Seconds the main thread waited for the pipeline (runtime/chunks/waits.py), by kind."""
 
     def to_json(self) -> dict[str, Any]:
         record = {
@@ -44,6 +46,8 @@ class StepRecord:
         }
         if self.loss_scale is not None:
             record["loss_scale"] = self.loss_scale
+        if self.waits:
+            record["waits"] = self.waits
         return record
 
 

@@ -101,6 +101,7 @@ class ActivationManager:
         self.prefetch_blocks = max(1, prefetch_blocks)
         self.min_offload_bytes = min_offload_bytes
         self.stats = ActivationStats()
+        self._wait_taken_s = 0.0
         self.phase = Phase.IDLE
         self._block: int | None = None
         self._offloaded_blocks = [i for i, mode in enumerate(self.modes) if mode in OFFLOADED]
@@ -323,6 +324,12 @@ class ActivationManager:
         return [record for records in self._by_block.values() for record in records]
 
     # ------------------------------------------------------------------ the end
+
+    def take_wait_s(self) -> float:
+        """Seconds compute waited for activation transfers since the last call."""
+        total = self.stats.wait_s
+        taken, self._wait_taken_s = total - self._wait_taken_s, total
+        return round(taken, 6)
 
     @property
     def live_records(self) -> int:

@@ -88,7 +88,9 @@ class ChunkManager:
             read_param=read_param,
         )
         self.collectives = CollectiveQueue(device)
-        self.optimizer = ChunkOptimizer(store=self.store, undo_snapshots=undo_snapshots)
+        self.optimizer = ChunkOptimizer(
+            store=self.store, undo_snapshots=undo_snapshots, waits=self.collectives.waits
+        )
         self.reducer = GradientReducer(store=self.store, queue=self.collectives, sink=self.optimizer)
         self.residency = ChunkResidency(
             store=self.store, n_buffer=n_buffer, queue=self.collectives, backward_done=self.reducer.backward_done
@@ -205,11 +207,9 @@ class ChunkManager:
         place, with the waits for data compute needs (residency, grad_buffers), where the main
         thread waits for the pipeline. Collectives from the main thread may only follow a
         drain: every rank must issue its collectives in one order."""
-        waits = self.collectives.waits
-        with waits.timing("reduce"):
+        with self.collectives.waits.timing("reduce"):
             self.collectives.drain()
-        with waits.timing("host"):
-            self.optimizer.drain()
+        self.optimizer.drain()  # counted as a host wait there
         self.reducer.forget_staging()
 
     def take_waits(self) -> dict[str, float]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.chunks.store import Chunk, ChunkStore
+from runtime.chunks.waits import ExposedWaits
 from runtime.device import DeviceEvent, HostWorker
 from runtime.distributed import DistContext, all_reduce_sum_
 
@@ -54,8 +55,10 @@ class ChunkOptimizer:
     """AdamW over every trainable shard, early (speculative) for offloaded chunks; see the
     module docstring."""
 
-    def __init__(self, *, store: ChunkStore, undo_snapshots: bool) -> None:
+    def __init__(self, *, store: ChunkStore, undo_snapshots: bool, waits: ExposedWaits | None = None) -> None:
         self.store = store
+        self.waits = waits if waits is not None else ExposedWaits()
+        """Where the main thread's waits for the host worker are counted (``host``)."""
         self.undo_snapshots = undo_snapshots
         """Snapshot what an early (speculative) update changes so it can be undone: needed only
         when gradient clipping is on (see ``arm``)."""
@@ -101,7 +104,8 @@ class ChunkOptimizer:
     def drain(self) -> None:
         """Wait for every job queued on the host worker (gradient adds, early updates)."""
         if self._last_job is not None:
-            self._last_job.wait()
+            with self.waits.timing("host"):
+                self._last_job.wait()
             self._last_job = None
 
     def reduction_queued(self, chunk: Chunk, reduced: DeviceEvent, fired: torch.Tensor) -> None:

@@ -90,8 +90,7 @@ class Engine(EngineFacades):
         self.loss_scaler = DynamicLossScaler(settings.loss_scale) if settings.loss_scale else None
         self.global_step = 0
         """Optimizer updates made (skipped updates do not count)."""
-        self.skipped_steps = 0
-        self.micro_step = 0
+        self.skipped_steps = self.micro_step = 0
         self.samples_consumed = 0
         """Samples every rank trained on, summed over ranks and updates (skipped ones too)."""
         self.resumed_from: Path | None = None
@@ -276,6 +275,7 @@ class Engine(EngineFacades):
                 tokens_per_s=totals.tokens / elapsed if elapsed > 0 else 0.0,
                 skipped=not updated,
                 loss_scale=None if self.loss_scaler is None else self.loss_scaler.scale,
+                waits={**self.chunks.take_waits(), "activation_s": self.activations.take_wait_s()},
             )
         )
         self._after_update(updated=updated, stop=totals.stop)
