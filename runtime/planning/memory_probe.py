@@ -1,23 +1,24 @@
 """The measured peak of device memory over a few updates, for the plan check (measured beside
 predicted).
 
-On CUDA it is the allocator's own peak (``torch.cuda.max_memory_allocated`` after a reset): every
-byte on the device. On CPU the "device" is the C heap, which also holds whatever else the process
-allocates, so the peak is the engine's static device state (persistent chunks, their fp32 state,
-the chunk buffers: counted from its tensors) plus the largest rise of ``mallinfo2``'s in-use bytes
-above the reading when the probe started, read at every module's forward hook and every trainable
-parameter's gradient hook (where activations and gradient buffers peak). Peaks between hooks
-(inside one operator) are not seen: the CPU figure can only be low, never high, by that much.
+It reads the profiler's counter at the profiler's hooks (``runtime.memory_counter``), so that the
+two figures the plan check compares through the plan differ by what the plan gets wrong, not by
+how they were measured. On CUDA that is the allocator's peak between hooks: every byte on the
+device. On CPU the "device" is the C heap, which also holds whatever else the process allocates,
+so the peak is the engine's static device state (persistent chunks, their fp32 state, the chunk
+buffers: counted from its tensors) plus the largest rise of the heap's in-use bytes above the
+reading when the probe started, read at the hooks (peaks inside one operator are not seen: the
+CPU figure can only be low, never high, by that much).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
-from runtime.device import DeviceInfo, malloc_in_use_bytes
+from runtime.device import DeviceInfo
+from runtime.memory_counter import PeakWindow, device_peak_since_last_sample, sample_at_hooks
 
 
 class PeakMemoryProbe:
@@ -26,33 +27,29 @@ class PeakMemoryProbe:
         self.device = device
         self.static_device_bytes = static_device_bytes
         self.active = False
-        self._base = 0
-        self._highest = 0
+        self._window = PeakWindow(device)
         self._handles: list[Any] = []
 
     def start(self) -> None:
         if self.active:
             return
         self.active = True
-        if self.device.is_cuda:
-            torch.cuda.reset_peak_memory_stats(self.device.device)
-            return
-        self._base = self._highest = malloc_in_use_bytes()
-        for module in self.model.modules():
-            self._handles.append(module.register_forward_hook(lambda *_: self._sample()))
-        for param in self.model.parameters():
-            if param.requires_grad:
-                self._handles.append(param.register_post_accumulate_grad_hook(lambda _: self._sample()))
+        self._window.open()
+        self._handles = sample_at_hooks(
+            self.model, after_forward=self._sample, after_gradient=lambda _: self._sample()
+        )
 
     def _sample(self) -> None:
-        self._highest = max(self._highest, malloc_in_use_bytes())
+        device_peak_since_last_sample(self.device)  # the window takes the reading
 
     def stop(self) -> int:
-        """The peak device bytes since ``start``."""
-        self.active = False
+        """The peak device bytes since ``start`` (stopped already: the figure it stopped with)."""
+        if self.active:
+            self.active = False
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            self._window.close()
         if self.device.is_cuda:
-            return int(torch.cuda.max_memory_allocated(self.device.device))
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        return self.static_device_bytes + max(0, self._highest - self._base)
+            return self._window.highest
+        return self.static_device_bytes + max(0, self._window.highest - self._window.base)

@@ -7,8 +7,9 @@ The model is profiled either before it is chunked, its parameters where the call
 training gathers them, the time compute waits for them taken off the clock), which is how a
 model whose state does not fit the device is profiled. Backward time per block is the measured
 backward total shared in proportion to forward time (per block backward hooks would wrap every
-block's outputs). Every rank must plan alike, so ``agree_model`` takes the longest times and
-the most bytes of any rank.
+block's outputs). The transient peak is read with the plan check's counter at the plan check's
+hooks (``runtime.memory_counter``). Every rank must plan alike, so ``agree_model`` takes the
+longest times and the most bytes of any rank.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from torch import nn
 from profiler.instruments import OUTSIDE, BlockTimer, PeakSampler, SavedBytes
 from profiler.profile import BlockProfile, ModelProfile
 from runtime.chunks.layout import ParamInfo
-from runtime.device import DeviceInfo, device_allocated_bytes, synchronize
+from runtime.device import DeviceInfo, synchronize
 from runtime.distributed import DistContext, all_reduce_min_
+from runtime.memory_counter import peak_reader, sample_at_hooks
 
 STEADY_STEPS = 0.05
 """Profiling steps stop once one's wall time is within this fraction of the one before."""
@@ -204,7 +206,9 @@ def _one_step(
     if chunked is not None:
         param_storages |= chunked.model_state()
     grad_bytes = [0]
-    peak = PeakSampler(lambda: device_allocated_bytes(device))
+    # The plan check's counter at the plan check's hooks (runtime.memory_counter): the two peaks
+    # are compared through the plan, so they must not differ by how they were read.
+    peak = PeakSampler(peak_reader(device))
 
     def pack(tensor: torch.Tensor) -> Any:
         storage = tensor.untyped_storage()
@@ -212,7 +216,7 @@ def _one_step(
             saved.record((storage.data_ptr(), tensor.device), storage.nbytes())
         return pack_inner(tensor)
 
-    def sample_forward(*_: Any) -> None:
+    def sample_forward() -> None:
         peak.sample(saved.total)
 
     def sample_backward(param: torch.Tensor) -> None:
@@ -242,11 +246,7 @@ def _one_step(
             )
         )
         handles.append(block.register_forward_hook(lambda *_, i=index: timer.exit(i)))
-    for module in model.modules():
-        handles.append(module.register_forward_hook(sample_forward))
-    for param in model.parameters():
-        if param.requires_grad:
-            handles.append(param.register_post_accumulate_grad_hook(sample_backward))
+    handles += sample_at_hooks(model, after_forward=sample_forward, after_gradient=sample_backward)
     try:
         timer.start()
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):

@@ -1,7 +1,8 @@
 """Measured beside predicted: after the first updates, the step time the plan's cost model
 predicted is set against the median measured one, and the predicted peak device memory against
-the peak measured over the same updates (``runtime.planning.memory_probe``), printed on rank 0 and written
-to the metrics file, so a wrong model (or a machine busier than when it was profiled) shows.
+the peak measured over the same updates (``runtime.planning.memory_probe``: the profile's counter
+read at the profile's hooks, ``runtime.memory_counter``), printed on rank 0 and written to the
+metrics file, so a wrong model (or a machine busier than when it was profiled) shows.
 
 A step time off the prediction by more than ``STALE_MARGIN`` is named: when the profiles came
 from the cache, they were measured at a busier (or quieter) moment than now, so the engine drops
