@@ -27,7 +27,6 @@ from runtime.stream_chaos import StreamChaosError
 from tests.helpers import lm_batches, tiny_gpt
 
 CPU = DeviceInfo(torch.device("cpu"), "gloo")
-SEEDS = range(5)
 
 
 @pytest.fixture
