@@ -153,6 +153,7 @@ class Checkpointer:
     def save(self, root: Path, *, step: int, trainer_state: dict[str, Any]) -> Path:
         """Write the checkpoint of update ``step`` under ``root``; returns its final path."""
         self.wait()
+        self.chunks.drain()  # updates still running on the host worker (two-phase step) land first
         final = root / checkpoint_name(step)
         temp = temp_dir(root, step)
 
@@ -300,6 +301,7 @@ class Checkpointer:
     def load(self, checkpoint: Checkpoint, *, log: Callable[[str], None]) -> dict[str, Any]:
         """Load ``checkpoint`` into the live state; returns its manifest."""
         self.wait()
+        self.chunks.drain()  # nothing on the host worker may write the state loaded into
         self._check_params(checkpoint)
         self._check_intact(checkpoint)
         space = self._parameter_space()

@@ -93,7 +93,11 @@ class ChunkManager:
         )
         self.reducer = GradientReducer(store=self.store, queue=self.collectives, sink=self.optimizer)
         self.residency = ChunkResidency(
-            store=self.store, n_buffer=n_buffer, queue=self.collectives, backward_done=self.reducer.backward_done
+            store=self.store,
+            n_buffer=n_buffer,
+            queue=self.collectives,
+            backward_done=self.reducer.backward_done,
+            pending_update=self.optimizer.pending_update,
         )
         self.residency.install_hooks(model)
         self.reducer.install_hooks()
@@ -144,6 +148,17 @@ class ChunkManager:
     @speculative_cpu_adam.setter
     def speculative_cpu_adam(self, value: bool) -> None:
         self.optimizer.speculative = value
+
+    @property
+    def two_phase_updates(self) -> bool:
+        """Clipped and fp16 windows: offloaded chunks are updated after the step's norm, on the
+        host worker, overlapping the next forward (no early update, no undo snapshot); see
+        ChunkOptimizer.two_phase."""
+        return self.optimizer.two_phase
+
+    @two_phase_updates.setter
+    def two_phase_updates(self, value: bool) -> None:
+        self.optimizer.two_phase = value
 
     @property
     def num_gathers(self) -> int:
@@ -198,8 +213,10 @@ class ChunkManager:
     def refresh_full_copies(self, *, frozen_too: bool = False) -> None:
         """After an update: re-gather persistent chunks; drop every buffered copy of the others
         (including prefetches that arrived with pre-update data). ``frozen_too``: also the
-        persistent chunks of frozen parameters (after a checkpoint load changed them)."""
-        self.drain()
+        persistent chunks of frozen parameters (after a checkpoint load changed them). The side
+        stream drains (the gathers come from the main thread); two-phase updates still running
+        on the host worker go on: each offloaded chunk's next gather waits for its own."""
+        self.collectives.drain()
         self.residency.refresh(frozen_too=frozen_too)
 
     def drain(self) -> None:
@@ -242,7 +259,11 @@ class ChunkManager:
         """The coming backward ends the accumulation window: update offloaded chunks as their
         gradients arrive, overlapping the rest of backward (the engine calls this). The ranks
         first agree whether any saw a non-finite loss: one tiny all-reduce, queued ahead of the
-        reductions (see ChunkOptimizer.arm)."""
+        reductions (see ChunkOptimizer.arm). Two-phase: no early update, only each offloaded
+        shard's squared norm as its gradient completes."""
+        if self.optimizer.two_phase:
+            self.optimizer.arm_norms()
+            return
         if not self.optimizer.may_speculate():
             return
         flag = torch.tensor([1.0 if local_nonfinite else 0.0], dtype=torch.float64)
@@ -275,14 +296,15 @@ class ChunkManager:
         self.drain()  # the host worker may still be adding reduced gradients into the shards
         self.optimizer.scale_grads_(factor)
 
-    def step(self, *, lr: float, active: torch.Tensor) -> None:
+    def step(self, *, lr: float, active: torch.Tensor, grad_factors: tuple[float, ...] = ()) -> None:
         """AdamW on every trainable shard (``active``: per parameter, whether any rank produced a
-        gradient this window), then refresh the device copies."""
-        self.optimizer.step(lr=lr, active=active)
+        gradient this window; gradients multiplied by ``grad_factors`` first), then refresh the
+        device copies."""
+        self.optimizer.step(lr=lr, active=active, grad_factors=grad_factors)
         self.refresh_full_copies()
 
     def zero_grad(self) -> None:
-        self.drain()
+        self.collectives.drain()
         self.optimizer.zero_grads()
         self.reducer.new_window()
 

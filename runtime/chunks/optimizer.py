@@ -65,6 +65,18 @@ class ChunkOptimizer:
         self.speculative = True
         """Update offloaded chunks during the window's last backward, as soon as their gradient
         is reduced; False defers every update to the accumulation boundary."""
+        self.two_phase = False
+        """No early update: the window's last backward takes each offloaded shard's squared
+        norm on the host worker as its gradient lands; the step then updates offloaded chunks on
+        the host worker in forward order (clip and unscale factors applied there), overlapping
+        the next forward, whose gather of a chunk waits for that chunk's update. Bit-exact AdamW
+        with no undo snapshot; for clipped and fp16 windows (see ``ChunkManager``)."""
+        self._norms_armed = False
+        self._norm_squares: dict[int, torch.Tensor] = {}
+        """Two-phase: each offloaded shard's squared gradient norm (float64), taken on the host
+        worker as the window's last backward ended for it."""
+        self._pending_updates: dict[int, DeviceEvent] = {}
+        """Two-phase: the host worker's update of each offloaded chunk since the last drain."""
         self._worker = HostWorker("protrain-host-worker")
         self._armed: _Armed | None = None
         self._last_job: DeviceEvent | None = None
@@ -107,8 +119,18 @@ class ChunkOptimizer:
             with self.waits.timing("host"):
                 self._last_job.wait()
             self._last_job = None
+        self._pending_updates.clear()
+
+    def pending_update(self, chunk_index: int) -> DeviceEvent | None:
+        """Two-phase: the event of the chunk's update still queued on the host worker, if any
+        (a gather of the chunk must wait for it)."""
+        return self._pending_updates.get(chunk_index)
 
     def reduction_queued(self, chunk: Chunk, reduced: DeviceEvent, fired: torch.Tensor) -> None:
+        if self._norms_armed and not chunk.persistent:
+            # After the chunk's adds on the same worker: its gradient is complete for the window.
+            self._submit(lambda: self._take_norm(chunk))
+            return
         armed = self._armed
         if armed is not None and not chunk.persistent:
             active = [bool(fired[s.param]) for s in chunk.segments]
@@ -134,6 +156,17 @@ class ChunkOptimizer:
         """Backward is over: no more early updates this window (queued ones finish on their own;
         ``step`` waits for them)."""
         self._armed = None
+        self._norms_armed = False
+
+    def arm_norms(self) -> None:
+        """Two-phase: the coming backward ends the window; take each offloaded shard's squared
+        norm as its gradient completes."""
+        self._norms_armed = True
+
+    @torch.no_grad()
+    def _take_norm(self, chunk: Chunk) -> None:
+        # The same fp32 pass and float64 square as ``grad_norm`` takes on the main thread.
+        self._norm_squares[chunk.index] = torch.linalg.vector_norm(chunk.grad_shard).double().cpu().square()
 
     def _speculate(self, chunk: Chunk, reduced: DeviceEvent, active: list[bool], armed: _Armed) -> None:
         """On the CPU-Adam thread: wait for the chunk's reduced gradient, keep a snapshot of what
@@ -192,23 +225,30 @@ class ChunkOptimizer:
     # ------------------------------------------------------------------ the update
 
     def grad_norm(self, dist_ctx: DistContext) -> float:
-        """The global gradient norm (the caller drained the collective queue)."""
+        """The global gradient norm (the caller drained the collective queue and the host
+        worker), from the squares the host worker took where it took them (two-phase)."""
         squares = torch.zeros((), dtype=torch.float64)
         for chunk in self.trainable_chunks():
             # One fp32 pass per shard (as clip_grad_norm_ takes per-tensor norms); the sum of
             # squares across shards and ranks in float64.
-            squares += torch.linalg.vector_norm(chunk.grad_shard).double().cpu().square()
+            square = self._norm_squares.get(chunk.index)
+            if square is None:
+                square = torch.linalg.vector_norm(chunk.grad_shard).double().cpu().square()
+            squares += square
         all_reduce_sum_(squares, dist_ctx)
         return math.sqrt(float(squares))
 
     def scale_grads_(self, factor: float) -> None:
+        self._norm_squares.clear()  # taken before the scaling
         for chunk in self.trainable_chunks():
             chunk.grad_shard.mul_(factor)
 
-    def step(self, *, lr: float, active: torch.Tensor) -> None:
+    def step(self, *, lr: float, active: torch.Tensor, grad_factors: tuple[float, ...] = ()) -> None:
         """AdamW on every trainable shard (``active``: per parameter, whether any rank produced a
-        gradient this window). A chunk already updated speculatively with the same activity is
-        left as it is; otherwise it is restored and updated here."""
+        gradient this window), each gradient multiplied by ``grad_factors`` first (unscale,
+        clip), in that order. A chunk already updated speculatively with the same activity is
+        left as it is; otherwise it is restored and updated here. Two-phase: offloaded chunks
+        are updated (and their gradients zeroed) on the host worker, in forward order."""
         self.finish_speculation()
         for chunk in self.trainable_chunks():
             wanted = [bool(active[s.param]) for s in chunk.segments]
@@ -219,11 +259,35 @@ class ChunkOptimizer:
                 wanted = [want and not done for want, done in zip(wanted, speculation.active, strict=True)]
                 if not any(wanted):
                     continue
+            if self.two_phase and not chunk.persistent:
+                job = self._updater(chunk, wanted, lr, grad_factors, zero=True)
+                self._pending_updates[chunk.index] = self._submit(job)
+            else:
+                self._updater(chunk, wanted, lr, grad_factors, zero=False)()
+        self._norm_squares.clear()
+
+    @staticmethod
+    def _updater(
+        chunk: Chunk, wanted: list[bool], lr: float, grad_factors: tuple[float, ...], *, zero: bool
+    ) -> Callable[[], None]:
+        @torch.no_grad()
+        def update() -> None:
+            for factor in grad_factors:
+                chunk.grad_shard.mul_(factor)
             chunk.optimizer.step_(chunk.grad_shard, wanted, lr=lr)
+            if zero:
+                chunk.grad_shard.zero_()
+
+        return update
 
     def zero_grads(self) -> None:
+        """Zero every gradient shard (the two-phase updates zero theirs on the host worker)."""
+        if not self._pending_updates:
+            self.drain()  # no add into a shard may still be running
+        self._norm_squares.clear()
         for chunk in self.trainable_chunks():
-            chunk.grad_shard.zero_()
+            if chunk.index not in self._pending_updates:
+                chunk.grad_shard.zero_()
 
     def close(self) -> None:
         self._worker.close()

@@ -125,12 +125,16 @@ class ChunkResidency:
         n_buffer: int,
         queue: CollectiveQueue,
         backward_done: Callable[[int], bool],
+        pending_update: Callable[[int], DeviceEvent | None] = lambda _: None,
     ) -> None:
+        """``pending_update(chunk)``: the host worker's update of the chunk still running, if
+        any (two-phase step): its gather waits for it, on the side stream."""
         self.store = store
         self.chunks = store.chunks
         self.n_buffer = n_buffer
         self.queue = queue
         self.backward_done = backward_done
+        self.pending_update = pending_update
         self.slots = [
             torch.empty(store.layout.chunk_numel, dtype=store.compute_dtype, device=store.device.device)
             for _ in range(n_buffer)
@@ -216,7 +220,14 @@ class ChunkResidency:
         self._lru[chunk.index] = None
         master = chunk.master
         staged = self.uploads.assign() if self.uploads is not None and master.dtype != full.dtype else None
-        fetched = self.queue.submit(lambda: self.gather_shard(master, full, staged=staged))
+        updated = self.pending_update(chunk.index)
+
+        def fetch() -> None:
+            if updated is not None:
+                updated.wait()  # the chunk's two-phase update on the host worker has landed
+            self.gather_shard(master, full, staged=staged)
+
+        fetched = self.queue.submit(fetch)
         if staged is not None:
             assert self.uploads is not None
             self.uploads.released_by(staged, fetched)

@@ -84,14 +84,18 @@ def update_shards(
             f"{update_number}; set on_nonfinite_loss: skip to skip such updates"
         )
     grad_norm: float | None = None
+    factors: tuple[float, ...] = ()
     if not skipped and (settings.gradient_clipping > 0 or loss_scaler is not None):
-        grad_norm = _unscale_and_clip(chunks, loss_scaler, settings.gradient_clipping)
+        if chunks.two_phase_updates and (loss_scaler is None or _power_of_two(loss_scaler.scale)):
+            grad_norm, factors = _norm_and_factors(chunks, loss_scaler, settings.gradient_clipping)
+        else:
+            grad_norm = _unscale_and_clip(chunks, loss_scaler, settings.gradient_clipping)
         if loss_scaler is not None:
             overflow = not math.isfinite(grad_norm)
             loss_scaler.update(overflow=overflow)
             skipped = overflow
     if not skipped:
-        chunks.step(lr=lr, active=totals.active)
+        chunks.step(lr=lr, active=totals.active, grad_factors=factors)
     chunks.zero_grad()
     if skipped:
         # Every rank decided alike (the totals and the norm are global), so all raise.
@@ -102,6 +106,31 @@ def update_shards(
             else f"fp16 gradients overflowed in update {update_number} (gradient norm {grad_norm})"
         )
     return not skipped, grad_norm
+
+
+def _power_of_two(value: float) -> bool:
+    return value > 0 and math.frexp(value)[0] == 0.5
+
+
+def _norm_and_factors(
+    chunks: ChunkManager, loss_scaler: DynamicLossScaler | None, clip: float
+) -> tuple[float, tuple[float, ...]]:
+    """Two-phase: the global norm (after unscaling) from the squares the host worker took, and
+    the factors each chunk's update multiplies its gradient by first: unscale, then clip (as
+    ``_unscale_and_clip`` scales the shards, without a pass over them here). Taken only while
+    the loss scale is a power of two (DynamicLossScaler's halving and doubling keep it one from
+    the default start), so unscaling the norm is exact."""
+    norm = chunks.grad_norm()
+    factors: list[float] = []
+    if loss_scaler is not None:
+        inverse = 1.0 / loss_scaler.scale
+        norm *= inverse
+        factors.append(inverse)
+    if clip > 0 and math.isfinite(norm):
+        coefficient = clip / (norm + 1e-6)
+        if coefficient < 1.0:
+            factors.append(coefficient)
+    return norm, tuple(factors)
 
 
 def _unscale_and_clip(chunks: ChunkManager, loss_scaler: DynamicLossScaler | None, clip: float) -> float:
