@@ -163,6 +163,9 @@ class Config:
         for method, category in OPTIONAL_METHODS.items():
             if hasattr(chunks, method):
                 self.timer.wrap(chunks, method, category)
+        if hasattr(chunks, "optimizer"):
+            # The wait for the host worker (CPU Adam, gradient adds) wherever it is drained.
+            self.timer.wrap(chunks.optimizer, "drain", OPTIMIZER)
 
     def run(self, batches: Sequence[Batch], num_steps: int, *, record: bool) -> None:
         engine = self.engine
@@ -176,6 +179,9 @@ class Config:
             engine.step()
             self.steps_taken += 1
             self.last_loss = float(out.loss.detach())
+        # A two-phase step leaves its offloaded updates running into the next forward: the
+        # block's last ones are this engine's time, not the next engine's.
+        engine.chunks.drain()
         elapsed = time.perf_counter() - start
         parts = self.timer.take()
         if not record:
@@ -212,6 +218,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="also run the minimum-buffer plan with CPU Adam deferred to the window's end",
     )
     parser.add_argument(
+        "--clip",
+        type=float,
+        default=0.0,
+        help="gradient_clipping of every engine; > 0 adds the minimum-buffer plan with the two-phase "
+        "step (offloaded updates after the norm, overlapping the next forward) beside the speculative "
+        "one (updates during backward, undone from a snapshot when the clip triggers)",
+    )
+    parser.add_argument(
         "--device-budget",
         default="2GiB",
         help="memory.device_budget of each engine (the engines are alive at once, so none may take auto)",
@@ -225,7 +239,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.layers, args.width, args.heads, args.seq_len, args.batch = 2, 64, 2, 32, 2
         args.steps, args.repeats, args.warmup = 1, 1, 0
     sizes = (args.layers, args.width, args.heads, args.seq_len, args.batch, args.min_chunks)
-    if min(*sizes, args.steps, args.repeats) < 1 or min(args.warmup, args.extra_buffers) < 0:
+    if min(*sizes, args.steps, args.repeats) < 1 or min(args.warmup, args.extra_buffers, args.clip) < 0:
         parser.error(
             "sizes, --min-chunks, --steps and --repeats must be positive, --warmup and --extra-buffers >= 0"
         )
@@ -238,6 +252,7 @@ def job_spec(args: argparse.Namespace, output_dir: str, memory: dict[str, Any]) 
         "micro_batch_size": args.batch,
         "precision": "fp32",
         "optimizer": {"lr": LR, "weight_decay": WEIGHT_DECAY},
+        "gradient_clipping": args.clip,
         "memory": {"device_budget": args.device_budget, **memory},
         "output_dir": output_dir,
     }
@@ -347,11 +362,18 @@ def main(argv: Sequence[str] | None = None) -> None:
             deferred = offloaded_engine(args, output_dir, chunk_size, batches[0], first_n_buffer=1)
             deferred.chunks.speculative_cpu_adam = False
             offloaded.append(deferred)
+        if args.clip > 0:
+            # The same minimum-buffer plan with the two-phase step (runtime/chunks/optimizer.py).
+            two_phase = offloaded_engine(args, output_dir, chunk_size, batches[0], first_n_buffer=1)
+            two_phase.chunks.two_phase_updates = True
+            offloaded.append(two_phase)
         for engine in offloaded:
             stack.enter_context(engine)
             label = " (minimum)" if engine is minimum else ""
             if not engine.chunks.speculative_cpu_adam:
                 label = " (minimum), CPU Adam deferred"
+            if engine.chunks.two_phase_updates:
+                label = " (minimum), two-phase"
             name = f"offload, n_buffer={engine.plan.n_buffer}{label}"
             configs.append(Config(name, engine, ExclusiveTimer()))
         for config in configs:
@@ -364,6 +386,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"model: GPT {args.layers} layers x width {args.width}, {num_params / 1e6:.1f}M parameters; batch "
         f"{args.batch} x {args.seq_len} tokens; {plan.num_chunks} chunks of {chunk_size / 2**20:.2f} MiB; "
         "offload = n_persist=0"
+        + (f"; gradient_clipping {args.clip:g} on every engine" if args.clip > 0 else "")
     )
     print_table(configs, header=header, args=args)
 
