@@ -332,9 +332,9 @@ class Engine(EngineFacades):
         self.chunks, self.activations = self._replanner.apply(plan, state_from=old_chunks)
         old_chunks.close()
         self.checkpointer.use(self.chunks)
-        self._peak_probe = PeakMemoryProbe(
-            self.module, self.device_info, static_device_bytes=self.chunks.device_state_bytes()
-        )
+        self._peak_probe.stop()  # its hooks and window go with the old plan
+        static = self.chunks.device_state_bytes()
+        self._peak_probe = PeakMemoryProbe(self.module, self.device_info, static_device_bytes=static)
         self._adopt(plan)
 
     def _adopt(self, plan: Plan) -> None:
