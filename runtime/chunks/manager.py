@@ -41,7 +41,7 @@ from runtime.chunks.reduce import GradientReducer
 from runtime.chunks.residency import ChunkResidency, SavedAlias, check_buffers
 from runtime.chunks.side_stream import CollectiveQueue
 from runtime.chunks.store import AdamWHyper, Chunk, Segment, build_store, shard_segments
-from runtime.device import DeviceInfo, MmapArena, SideStream
+from runtime.device import DeviceInfo, MmapArena, SideStream, synchronize
 from runtime.distributed import DistContext, all_reduce_sum_
 
 __all__ = ["Chunk", "ChunkManager", "SavedAlias", "Segment", "shard_segments"]
@@ -351,7 +351,11 @@ class ChunkManager:
                 self.reset_backward()
 
     def close(self) -> None:
-        self.residency.close()
-        self.reducer.close()
+        """Stop the workers (each runs what is queued first: the side stream before the host
+        worker, whose jobs may wait on the side stream's, and whose own it may wait on), let the
+        device finish their copies, then free the hooks and the staging rings."""
         self.collectives.close()
         self.optimizer.close()
+        synchronize(self.device)  # no copy may still read or write a staging buffer
+        self.residency.close()
+        self.reducer.close()
