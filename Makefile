@@ -1,12 +1,12 @@
 # ProTrain: two commands on a fresh machine with nothing but Python 3.10+:
 #   make demo   - train the bundled byte-level GPT on 2 CPU ranks (configs/demo-cpu.yaml)
-#   make test   - the whole test suite (unit, 2-rank gloo, end-to-end launches)
+#   make test   - the whole test suite (unit, 2-rank gloo, end-to-end launches, stream chaos)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-unit test-dist test-e2e spec-reference clean
+.PHONY: venv demo test test-unit test-dist test-e2e test-chaos spec-reference clean
 
 venv: $(STAMP)
 
@@ -25,6 +25,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -m "unit" tests
 	$(BIN)/python -m pytest -m "not unit" tests
+	$(MAKE) --no-print-directory test-chaos
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -m unit tests
@@ -34,6 +35,35 @@ test-dist: $(STAMP)
 
 test-e2e: $(STAMP)
 	$(BIN)/python -m pytest -m e2e tests
+
+# Stream chaos (runtime/stream_chaos.py): equivalence tests that cover every chunk plan
+# (offloaded, buffered, persistent), reductions on two ranks, every activation mode, fp32 and
+# bf16, run again with every side-stream and host-worker job delayed by 0-5 ms, then a few with
+# every job held back until its event is waited on (lazy). A failure names its seed's replay:
+# make test-chaos CHAOS_SEED=n. About 60 s of the suite's budget on 2 cores.
+CHAOS_SEED ?= 0
+CHAOS_RANDOM_UNIT := \
+	tests/unit/test_chunk_engine.py::test_offloaded_chunks_train_exactly_like_plain_pytorch \
+	tests/unit/test_chunk_engine.py::test_clipping_undoes_speculative_updates_and_matches \
+	"tests/unit/test_activations.py::test_modes_train_bit_identically_to_keeping_everything[swap-swap-swap-swap]" \
+	"tests/unit/test_activations.py::test_modes_train_bit_identically_to_keeping_everything[ssd-ssd-ssd-ssd]" \
+	tests/unit/test_activations.py::test_modes_with_offloaded_chunks_match_plain_pytorch \
+	tests/unit/test_mixed_precision.py::test_bf16_compute_tracks_the_fp32_reference
+CHAOS_RANDOM_DIST := \
+	tests/distributed/test_engine_two_ranks.py::test_two_ranks_with_offloaded_chunks_match_plain_pytorch \
+	"tests/distributed/test_activations_two_ranks.py::test_two_ranks_train_bit_identically_under_mixed_modes[offloaded-chunks]"
+CHAOS_LAZY := \
+	"tests/unit/test_chunk_engine.py::test_offloaded_chunks_train_exactly_like_plain_pytorch[0-2]" \
+	tests/unit/test_activations.py::test_modes_with_offloaded_chunks_match_plain_pytorch \
+	tests/unit/test_mixed_precision.py::test_bf16_compute_tracks_the_fp32_reference \
+	"tests/distributed/test_engine_two_ranks.py::test_two_ranks_with_offloaded_chunks_match_plain_pytorch[some-persistent-accumulation-clip]" \
+	"tests/distributed/test_activations_two_ranks.py::test_two_ranks_train_bit_identically_under_mixed_modes[offloaded-chunks]"
+CHAOS_RANDOM := PROTRAIN_STREAM_CHAOS=1 PROTRAIN_STREAM_CHAOS_SEED=$(CHAOS_SEED)
+
+test-chaos: $(STAMP)
+	$(CHAOS_RANDOM) $(BIN)/python -m pytest -n 2 $(CHAOS_RANDOM_UNIT)
+	$(CHAOS_RANDOM) $(BIN)/python -m pytest $(CHAOS_RANDOM_DIST)
+	PROTRAIN_STREAM_CHAOS=lazy $(BIN)/python -m pytest $(CHAOS_LAZY)
 
 spec-reference: $(STAMP)
 	$(BIN)/python -m runtime.config.spec_doc --write
