@@ -362,6 +362,7 @@ def test_a_stop_between_updates_ends_the_run_at_close(tmp_path: Path) -> None:
     assert "not reached" not in proc.stdout and "Traceback" not in proc.stderr
 
 
+@pytest.mark.skips_steps
 def test_fp16_loss_scale_and_skipped_updates_are_resumed(tmp_path: Path) -> None:
     """fp16: the dynamic loss scale (and its clean-step count) and the skipped-update count are
     part of the state; a resumed run goes on from them, ending like the uninterrupted run."""

@@ -115,6 +115,7 @@ def test_unused_and_frozen_parameters_match_plain_adamw(tmp_path: Path) -> None:
     assert torch.equal(model.frozen.weight, reference.frozen.weight)
 
 
+@pytest.mark.skips_steps
 def test_nonfinite_loss_raise_and_skip(tmp_path: Path) -> None:
     import runtime
 
@@ -140,6 +141,7 @@ def test_nonfinite_loss_raise_and_skip(tmp_path: Path) -> None:
     engine.close()
 
 
+@pytest.mark.skips_steps
 def test_fp16_overflow_skips_the_step_and_lowers_the_scale(tmp_path: Path) -> None:
     import runtime
 
