@@ -300,6 +300,30 @@ def test_a_swap_buffer_freed_before_its_copy_landed_fails_now_and_at_the_next_fo
         transfers.close_stream()
 
 
+def test_a_swap_in_prefetched_but_never_used_reads_its_bytes_before_they_are_poisoned(
+    chaos: Callable[..., None],
+) -> None:
+    """A record released with its swap-in still held back: the copy reads the host bytes first
+    (the poison comes after), so nothing raises and the device buffer got the real bytes."""
+    chaos("lazy")
+    transfers = swap_transfers()
+    try:
+        activation = torch.randn(1024)
+        record = transfers.send_away(activation.untyped_storage(), 0, BlockMode.SWAP)
+        record.outbound.wait()
+        assert transfers.arrived(record)
+        transfers.start_inbound(record)  # a prefetch, held back by lazy chaos
+        restored, host, inbound = record.restored, record.host, record.inbound
+        assert isinstance(inbound, DeviceEvent) and not inbound.query()
+        assert restored is not None and torch.isnan(restored.view(torch.float32)).all(), "NaN until it lands"
+        transfers.drop_outbound(record)  # released unused (as autograd drops a saved tensor)
+        assert inbound.query() and torch.equal(restored.view(torch.float32), activation)
+        assert host is not None and (host == 0xFF).all() and record.host is None
+        transfers.begin_forward()  # nothing failed
+    finally:
+        transfers.close_stream()
+
+
 # ------------------------------------------------------------------ record_stream on the copies
 
 
