@@ -70,4 +70,3 @@ def test_a_slow_host_worker_shows_as_exposed_host_wait(tmp_path: Path, monkeypat
     for record in records(tmp_path):
         # The first chunk's early update is queued as backward ends: the step waits for it.
         assert record["waits"]["host_s"] >= 0.9 * SLOW_S, record["waits"]
-        assert record["waits"]["transfer_s"] < SLOW_S, "gathers were not slowed here"
