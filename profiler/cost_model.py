@@ -94,7 +94,6 @@ class ChunkCosts:
     persistent_bytes: tuple[int, ...]
     host_bytes: tuple[int, ...]
     """Host bytes of chunks [0, i) if they were offloaded (suffix = total - prefix)."""
-    snapshot_bytes: tuple[int, ...]
     unattributed_forward_s: float
     unattributed_backward_s: float
     direct_grads_possible: bool
@@ -170,11 +169,9 @@ def chunk_costs(model: ModelProfile, hardware: HardwareProfile, chunk_size: int)
         if chunk.trainable:
             rows["persistent_bytes"].append(chunk_bytes + shard * ((0 if alias else 4) + 4 + 8))
             rows["host_bytes"].append(shard * 16)
-            rows["snapshot_bytes"].append(shard * 12)
         else:
             rows["persistent_bytes"].append(chunk_bytes + shard * e)
             rows["host_bytes"].append(shard * e)
-            rows["snapshot_bytes"].append(0)
     need = min_buffers_by_persist(packing, model.module_params)
     prefixed = {name: tuple(accumulate(values, initial=0)) for name, values in rows.items()}
     return ChunkCosts(
@@ -209,7 +206,6 @@ _PREFIXED = (
     "refresh",
     "persistent_bytes",
     "host_bytes",
-    "snapshot_bytes",
 )
 
 
@@ -255,7 +251,6 @@ def predict(
     *,
     n_persist: int,
     n_buffer: int,
-    undo_snapshots: bool = False,
     activations: ActivationCost | None = None,
 ) -> Prediction:
     """Step time and memory of the plan (``costs.chunk_size``, ``n_persist``, ``n_buffer``), with
@@ -293,8 +288,6 @@ def predict(
     direct = costs.direct_grads_possible and p == n
     gradient_buffers = 0 if direct else chunk_bytes
     host = int(_span(costs.host_bytes, p, n))
-    if undo_snapshots:
-        host += int(_span(costs.snapshot_bytes, p, n))
     # The peak falls where forward ends and backward starts: every saved activation is alive,
     # with either forward's transient or the first chunk's gradient buffer, not both.
     peak = persistent + buffers + activation_bytes + max(costs.transient_bytes, gradient_buffers)

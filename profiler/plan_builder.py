@@ -151,7 +151,6 @@ def searched_plan(
     device_budget_bytes: int,
     host_budget_bytes: int,
     chosen: tuple[str, ...],
-    undo_snapshots: bool,
     extra_buffers: int | None = None,
     ssd_available: bool = False,
 ) -> tuple[Plan, SearchResult]:
@@ -178,7 +177,6 @@ def searched_plan(
         chunk_size=request.chunk_size,
         n_persist=request.n_persist,
         n_buffer=request.n_buffer,
-        undo_snapshots=undo_snapshots,
         extra_buffers=extra_buffers,
         block_modes=None if fixed is None else [mode.value for mode in fixed],
         activation_layouts=layouts,

@@ -82,7 +82,6 @@ def search(
     chunk_size: int | None = None,
     n_persist: int | None = None,
     n_buffer: int | None = None,
-    undo_snapshots: bool = False,
     margin: float = MEMORY_MARGIN,
     keep: int = 3,
     extra_buffers: int | None = None,
@@ -138,7 +137,7 @@ def search(
         )
 
     def kept_prediction(costs: ChunkCosts, p: int, b: int) -> Prediction:
-        return predict(model, hardware, costs, n_persist=p, n_buffer=b, undo_snapshots=undo_snapshots)
+        return predict(model, hardware, costs, n_persist=p, n_buffer=b)
 
     def layout_fits(kept: Prediction, cost: ActivationCost | None) -> bool:
         if cost is None:
@@ -251,7 +250,6 @@ def search(
             device_budget,
             host_budget,
             margin,
-            undo_snapshots,
             n_persist,
             n_buffer,
             best.activations,
@@ -378,7 +376,6 @@ def _binding(
     device_budget: int,
     host_budget: int,
     margin: float,
-    undo_snapshots: bool,
     n_persist: int | None,
     n_buffer: int | None,
     activations: ActivationCost | None,
@@ -398,7 +395,6 @@ def _binding(
         costs,
         n_persist=more,
         n_buffer=buffers,
-        undo_snapshots=undo_snapshots,
         activations=activations,
     )
     needed = int(grown.peak_device_bytes * (1 + margin))

@@ -9,8 +9,8 @@ switches talk to; it owns four parts and coordinates them, cut along the device/
                    residency states and their transition table, saved views of slots
     reduce.py      device side of backward: gradient hooks, buffers, reduce-scatter and the copy
                    of the reduced gradient to the shard's device
-    optimizer.py   host side: gradient adds into shards, speculative CPU Adam (snapshot,
-                   restore), the update
+    optimizer.py   host side: gradient adds into shards (on the host worker), CPU Adam early,
+                   in two phases or at the step, the update
 
 plus side_stream.py, the one ordered queue every collective goes through (gathers, the
 agreement on a non-finite loss, reduce-scatters), so all ranks pair them up. The reducer hands
@@ -64,7 +64,6 @@ class ChunkManager:
         betas: tuple[float, float],
         eps: float,
         lr: float,
-        undo_snapshots: bool = True,
         read_param: Callable[[str], torch.Tensor] | None = None,
     ) -> None:
         """``read_param(name)``, when given, supplies each parameter's value while its chunk is
@@ -84,12 +83,11 @@ class ChunkManager:
             device=device,
             dist_ctx=dist_ctx,
             adamw=AdamWHyper(weight_decay=weight_decay, betas=betas, eps=eps, lr=lr),
-            undo_snapshots=undo_snapshots,
             read_param=read_param,
         )
         self.collectives = CollectiveQueue(device)
         self.optimizer = ChunkOptimizer(
-            store=self.store, undo_snapshots=undo_snapshots, waits=self.collectives.waits
+            store=self.store, waits=self.collectives.waits
         )
         self.reducer = GradientReducer(store=self.store, queue=self.collectives, sink=self.optimizer)
         self.residency = ChunkResidency(
@@ -135,10 +133,6 @@ class ChunkManager:
         return self.collectives.stream
 
     @property
-    def undo_snapshots(self) -> bool:
-        return self.optimizer.undo_snapshots
-
-    @property
     def speculative_cpu_adam(self) -> bool:
         """Update offloaded chunks during the window's last backward, as soon as their gradient
         is reduced (see begin_last_backward); False defers every update to the accumulation
@@ -168,11 +162,6 @@ class ChunkManager:
     @property
     def num_speculations(self) -> int:
         return self.optimizer.num_speculations
-
-    @property
-    def num_restores(self) -> int:
-        """Speculative chunk updates undone from their snapshot (a triggering clip)."""
-        return self.optimizer.num_restores
 
     @property
     def stall_s(self) -> float:
@@ -281,11 +270,12 @@ class ChunkManager:
         self.optimizer.finish_speculation()
 
     def speculation_undoable(self) -> bool:
-        """Whether every early update of this window can still be undone."""
+        """Whether the window can still be dropped (no early update was made in it)."""
         return self.optimizer.speculation_undoable()
 
     def discard_speculation(self) -> None:
-        """Undo every speculative update of this window (the step is skipped or clipped)."""
+        """The window's update is dropped: wait for the host worker (an early update made
+        cannot be undone, and raises)."""
         self.optimizer.discard_speculation()
 
     def grad_norm(self) -> float:

@@ -1,21 +1,29 @@
-"""The host side of a step: gradient adds into shards, speculative CPU Adam, snapshots, the update.
+"""The host side of a step: gradient adds into shards, CPU Adam early or in two phases, the update.
 
-Optimizer: persistent chunks are updated at the accumulation boundary. Offloaded chunks are
-updated on a CPU-Adam thread during the window's last backward, as soon as their gradient is
-reduced (speculative: the global norm is not known yet). The ranks agree before that backward
-whether any saw a non-finite loss (then the step is skipped and nothing is updated early). With
-gradient clipping on, a snapshot of what the update changes is kept in the host arena and
-restored, and the update redone, when the clip triggers; without clipping nothing can undo an
-early update, so no snapshot is taken (no memory, no copy). A segment that had no gradient here
-but had one on another rank is updated at the boundary. Measured on CPU
-(scripts/bench_offload.py): exposed optimizer time 0.0004 s/step speculative vs 0.042 s/step
-deferred, for 13 chunks of 7.3 MiB; with clipping the cost is one snapshot copy per update,
-plus a redo when the clip triggers. fp16 defers (its gradients are still scaled and often
-overflow).
+Optimizer: persistent chunks are updated at the accumulation boundary. How offloaded chunks are
+updated depends on whether the window's update needs the global gradient norm first (clipping,
+fp16's overflow check), which is known only after the last gradient:
+
+- no (unclipped fp32/bf16): speculative. Each offloaded chunk is updated on the host worker
+  during the window's last backward, as soon as its gradient is in, overlapping the rest of
+  backward. The ranks agree before that backward whether any saw a non-finite loss (then the step
+  is skipped and nothing is updated early). A segment that had no gradient here but had one on
+  another rank is updated at the boundary. Nothing can undo an early update (no snapshot is
+  kept), so a backward that fails after one leaves the engine torn until a checkpoint is loaded.
+- yes, where host work runs beside compute (CUDA): two-phase. The last backward only takes each
+  offloaded shard's squared norm on the host worker; the step computes the norm from them and
+  queues each offloaded chunk's update (unscale and clip factors applied there, then the
+  gradient zeroed) on the host worker in forward order, overlapping the next forward, whose
+  gather of a chunk waits for that chunk's update. Bit-exact AdamW, no undo state.
+- yes, on CPU: deferred to the step (the host worker would take the cores compute uses).
+
+Early updates with an undo snapshot (restored and redone when the clip triggers) measured
+slowest on the CPU bench (``bench_offload --clip``: 1.28-1.32x all-persistent, two-phase
+1.09-1.17x, deferred 1.07-1.13x) and cost 12 host bytes per offloaded parameter; they are gone.
 
 This side receives reduced gradients through ``ReducedGradientSink`` (reduce.py) and nothing
-else from the device side. What it keeps per chunk for one window, the snapshot and the
-speculative update made, lives in side tables here keyed by chunk index, not on the chunk.
+else from the device side. What it keeps per chunk for one window (early updates made, norms,
+pending two-phase updates) lives in side tables here keyed by chunk index, not on the chunk.
 """
 
 from __future__ import annotations
@@ -34,11 +42,9 @@ from runtime.distributed import DistContext, all_reduce_sum_
 
 @dataclass(frozen=True, slots=True)
 class Speculation:
-    """An early update made this window: the per-segment activity it assumed, and whether the
-    chunk's snapshot holds the state from before it."""
+    """An early update made this window: the per-segment activity it assumed."""
 
     active: list[bool]
-    undoable: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +61,10 @@ class ChunkOptimizer:
     """AdamW over every trainable shard, early (speculative) for offloaded chunks; see the
     module docstring."""
 
-    def __init__(self, *, store: ChunkStore, undo_snapshots: bool, waits: ExposedWaits | None = None) -> None:
+    def __init__(self, *, store: ChunkStore, waits: ExposedWaits | None = None) -> None:
         self.store = store
         self.waits = waits if waits is not None else ExposedWaits()
         """Where the main thread's waits for the host worker are counted (``host``)."""
-        self.undo_snapshots = undo_snapshots
-        """Snapshot what an early (speculative) update changes so it can be undone: needed only
-        when gradient clipping is on (see ``arm``)."""
         self.speculative = True
         """Update offloaded chunks during the window's last backward, as soon as their gradient
         is reduced; False defers every update to the accumulation boundary."""
@@ -81,20 +84,12 @@ class ChunkOptimizer:
         self._armed: _Armed | None = None
         self._last_job: DeviceEvent | None = None
         """The last job queued on the host worker (every job runs in order)."""
-        self._snapshots: dict[int, tuple[torch.Tensor, ...]] = {}
-        """Host copies of (master, exp_avg, exp_avg_sq, steps), allocated at a chunk's first
-        early update and reused after."""
         self._speculated: dict[int, Speculation] = {}
         """The early updates of this window, by chunk index."""
         self.num_speculations = 0
-        self.num_restores = 0
-        """Speculative chunk updates undone from their snapshot (a triggering clip)."""
 
     def trainable_chunks(self) -> Iterator[Chunk]:
         return self.store.trainable_chunks()
-
-    def has_snapshots(self) -> bool:
-        return bool(self._snapshots)
 
     # ------------------------------------------------------------------ the sink of reduced gradients
 
@@ -145,11 +140,10 @@ class ChunkOptimizer:
     def arm(self, *, lr: float, agreed: DeviceEvent, any_nonfinite: torch.Tensor) -> None:
         """The coming backward ends the window: update offloaded chunks as their gradients arrive,
         once ``agreed`` says the ranks' all-reduce of ``any_nonfinite`` is in. A non-finite loss
-        on any rank skips the step, so then nothing is updated early. The other undo, a
-        triggering clip, needs a snapshot of what each early update changes, kept when
-        ``undo_snapshots`` says so (clipping is on). Without it an early update is final; a
-        parameter that had no gradient here but had one on another rank is simply updated at
-        the step (segments are updated independently)."""
+        on any rank skips the step, so then nothing is updated early; an early update is final
+        (windows that may be clipped never update early). A parameter that had no gradient here
+        but had one on another rank is simply updated at the step (segments are updated
+        independently)."""
         self._armed = _Armed(lr=lr, agreed=agreed, any_nonfinite=any_nonfinite)
 
     def disarm(self) -> None:
@@ -169,24 +163,14 @@ class ChunkOptimizer:
         self._norm_squares[chunk.index] = torch.linalg.vector_norm(chunk.grad_shard).double().cpu().square()
 
     def _speculate(self, chunk: Chunk, reduced: DeviceEvent, active: list[bool], armed: _Armed) -> None:
-        """On the CPU-Adam thread: wait for the chunk's reduced gradient, keep a snapshot of what
-        the update changes when it may have to be undone, update. One thread, so it does not
-        take the cores backward uses."""
+        """On the host worker: wait for the ranks' agreement and the chunk's reduced gradient,
+        update. One thread, so it does not take the cores backward uses."""
         armed.agreed.wait()
         if float(armed.any_nonfinite) > 0:
             return  # the step will be skipped on every rank
         reduced.wait()
-        optimizer = chunk.optimizer
-        if self.undo_snapshots:
-            live = (chunk.master, optimizer.exp_avg, optimizer.exp_avg_sq, optimizer.steps)
-            snapshot = self._snapshots.get(chunk.index)
-            if snapshot is None:
-                snapshot = tuple(self.store.host_like(t) for t in live[:3]) + (optimizer.steps.clone(),)
-                self._snapshots[chunk.index] = snapshot
-            for saved, tensor in zip(snapshot, live, strict=True):
-                saved.copy_(tensor)
-        optimizer.step_(chunk.grad_shard, active, lr=armed.lr)
-        self._speculated[chunk.index] = Speculation(active=active, undoable=self.undo_snapshots)
+        chunk.optimizer.step_(chunk.grad_shard, active, lr=armed.lr)
+        self._speculated[chunk.index] = Speculation(active=active)
         self.num_speculations += 1
 
     def finish_speculation(self) -> None:
@@ -196,31 +180,18 @@ class ChunkOptimizer:
         self.drain()
 
     def speculation_undoable(self) -> bool:
-        """Whether every early update of this window can still be undone (none was made, or each
-        kept its snapshot)."""
-        return all(s.undoable for s in self._speculated.values())
+        """Whether the window can still be dropped: no early update was made in it (early
+        updates keep no undo state)."""
+        return not self._speculated
 
     def discard_speculation(self) -> None:
-        """Undo every speculative update of this window (the step is skipped or clipped)."""
+        """The window's update is dropped (skipped): wait for the host worker; an early update
+        already made cannot be undone, so that is an error (the ranks' agreement on a
+        non-finite loss before the last backward keeps it from happening)."""
         self.finish_speculation()
-        for chunk in self.trainable_chunks():
-            self._restore(chunk)
-
-    def _restore(self, chunk: Chunk) -> None:
-        speculation = self._speculated.get(chunk.index)
-        if speculation is None:
-            return
-        if not speculation.undoable:
-            raise RuntimeError(
-                f"chunk {chunk.info.index} was updated early without a snapshot and cannot be undone "
-                "(early updates keep one only when gradient clipping is on)"
-            )
-        optimizer = chunk.optimizer
-        live = (chunk.master, optimizer.exp_avg, optimizer.exp_avg_sq, optimizer.steps)
-        for saved, tensor in zip(self._snapshots[chunk.index], live, strict=True):
-            tensor.copy_(saved)
-        del self._speculated[chunk.index]
-        self.num_restores += 1
+        if self._speculated:
+            chunks = sorted(self._speculated)
+            raise RuntimeError(f"chunks {chunks} were updated early and cannot be undone")
 
     # ------------------------------------------------------------------ the update
 
@@ -246,8 +217,8 @@ class ChunkOptimizer:
     def step(self, *, lr: float, active: torch.Tensor, grad_factors: tuple[float, ...] = ()) -> None:
         """AdamW on every trainable shard (``active``: per parameter, whether any rank produced a
         gradient this window), each gradient multiplied by ``grad_factors`` first (unscale,
-        clip), in that order. A chunk already updated speculatively with the same activity is
-        left as it is; otherwise it is restored and updated here. Two-phase: offloaded chunks
+        clip), in that order. A chunk updated early is updated here only in the segments another
+        rank's gradient made active. Two-phase: offloaded chunks
         are updated (and their gradients zeroed) on the host worker, in forward order."""
         self.finish_speculation()
         for chunk in self.trainable_chunks():

@@ -11,7 +11,7 @@ What a chunk holds depends on what it is, and exists by construction rather than
 fields: every chunk has its info, its segments and its master shard; a ``PersistentChunk`` has its
 full copy; an ``OffloadedChunk`` holds a slot (and the full copy in it) only while it is fetching
 or resident; a trainable chunk has ``ShardTraining`` (gradient shard, AdamW over the master), a
-frozen one none. What the optimizer keeps per chunk for one window (snapshots, speculative
+frozen one none. What the optimizer keeps per chunk for one window (early
 updates) lives in the optimizer's own side tables (optimizer.py), never on the chunk.
 
 Parameters are ordinary ``nn.Parameter`` objects whose ``.data`` points into the chunk's full
@@ -317,7 +317,6 @@ def build_store(
     device: DeviceInfo,
     dist_ctx: DistContext,
     adamw: AdamWHyper,
-    undo_snapshots: bool,
     read_param: Callable[[str], torch.Tensor] | None,
 ) -> ChunkStore:
     """Copy each parameter into its chunk; keep this rank's shard; give up the originals (the
@@ -330,7 +329,7 @@ def build_store(
         device=device,
         dist_ctx=dist_ctx,
         adamw=adamw,
-        host_arena=_build_host_arena(layout, num_offloaded, undo_snapshots=undo_snapshots, device=device),
+        host_arena=_build_host_arena(layout, num_offloaded, device=device),
         read_param=read_param,
     )
     chunks = [builder.build(info, persistent=info.index < n_persist) for info in layout.chunks]
@@ -349,17 +348,13 @@ def build_store(
     return store
 
 
-def _build_host_arena(
-    layout: ChunkLayout, num_offloaded: int, *, undo_snapshots: bool, device: DeviceInfo
-) -> MmapArena | None:
+def _build_host_arena(layout: ChunkLayout, num_offloaded: int, *, device: DeviceInfo) -> MmapArena | None:
     if not num_offloaded:
         return None
-    # fp32 master, gradient, two Adam moments and, when early updates may be undone, the
-    # snapshot of master and moments, per offloaded chunk's shard, each rounded up to a page
-    # (frozen chunks need less; unused arena is only address space, but pinned on CUDA).
+    # fp32 master, gradient and two Adam moments per offloaded chunk's shard, each rounded up to
+    # a page (frozen chunks need less; unused arena is only address space, but pinned on CUDA).
     shard_bytes = layout.shard_numel * 4 + 4096
-    per_chunk = 7 if undo_snapshots else 4
-    return MmapArena(num_offloaded * per_chunk * shard_bytes, pin=device.is_cuda)
+    return MmapArena(num_offloaded * 4 * shard_bytes, pin=device.is_cuda)
 
 
 @dataclass(eq=False)

@@ -112,8 +112,6 @@ class PlanningSettings:
     device_budget_bytes: int | None
     """Per rank; None: "auto" (measured, see ``runtime.planning.budgets``)."""
     host_budget_bytes: int | None
-    undo_snapshots: bool
-    """Gradient clipping is on, so early CPU-Adam updates keep an undo copy (the search counts it)."""
     cache_dir: Path
     """``profiler.cache_dir``, expanded."""
     warmup_steps: int
@@ -131,7 +129,6 @@ def planning_settings_from_spec(spec: Spec) -> PlanningSettings:
         ssd_path=None if memory.ssd.path is None else Path(memory.ssd.path).expanduser(),
         device_budget_bytes=_knob(memory.device_budget),
         host_budget_bytes=_knob(memory.host_budget),
-        undo_snapshots=bool(spec.gradient_clipping),
         cache_dir=Path(spec.profiler.cache_dir).expanduser(),
         warmup_steps=spec.profiler.warmup_steps,
         profile_steps=spec.profiler.profile_steps,

@@ -195,7 +195,6 @@ class Planner:
             device_budget_bytes=device_budget,
             host_budget_bytes=self.budgets[1],
             chosen=settings.chosen,
-            undo_snapshots=settings.undo_snapshots,
             ssd_available=self.profiles.hardware.ssd_write_bytes_per_s > 0 and settings.ssd_path is not None,
         )
         return plan

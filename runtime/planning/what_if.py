@@ -124,7 +124,6 @@ def plan_model(
         device_budget_bytes=machine.device_budget,
         host_budget_bytes=machine.host_budget,
         chosen=("memory.chunk_size", "memory.n_persist", "memory.n_buffer"),
-        undo_snapshots=False,
         extra_buffers=EXTRA_BUFFERS,
     )
     return plan

@@ -186,8 +186,8 @@ class Engine(EngineFacades):
         scaled = loss / self.settings.gradient_accumulation_steps
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
-        elif self.is_gradient_accumulation_boundary():
-            # fp16 gradients are still scaled and often overflow: only fp32/bf16 speculate.
+        if self.is_gradient_accumulation_boundary():
+            # Early updates (unclipped fp32/bf16) or the two-phase norms: the chunks know which.
             self.chunks.begin_last_backward(lr=self.lr, local_nonfinite=bool(self._window.nonfinite > 0))
         try:
             self.activations.begin_backward()

@@ -13,6 +13,8 @@ import torch
 import runtime
 from runtime.chunks.residency import IllegalTransition, Residency, check_move
 from runtime.config.spec_io import SpecError
+from runtime.device import DeviceInfo
+from runtime.planning.apply_plan import update_mode
 from tests.helpers import (
     assert_matches_reference,
     assert_state_close,
@@ -64,11 +66,8 @@ def test_offloaded_chunks_train_exactly_like_plain_pytorch(
     assert_state_equal(engine.state_dict(), expected)
     if n_persist < NUM_CHUNKS:
         assert engine.chunks.num_gathers > STEPS * (NUM_CHUNKS - n_persist), "slots must have been reused"
-        # Offloaded chunks were updated during backward, never undone (no clip, no skip).
+        # Offloaded chunks were updated during backward (unclipped: nothing to wait for).
         assert engine.chunks.num_speculations == STEPS * (NUM_CHUNKS - n_persist)
-        assert engine.chunks.num_restores == 0
-        # Without clipping nothing can undo them: no snapshot was taken.
-        assert not engine.chunks.optimizer.has_snapshots()
     engine.close()
 
 
@@ -147,23 +146,41 @@ def test_too_few_buffers_is_refused_before_training(tmp_path: Path) -> None:
         runtime.initialize(tiny_gpt(), config=job(tmp_path, n_persist=13))
 
 
-@pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "deferred"])
-def test_clipping_undoes_speculative_updates_and_matches(tmp_path: Path, speculative: bool) -> None:
+def test_clipped_windows_never_update_early_and_match(tmp_path: Path) -> None:
+    """A clipped window's update waits for the global norm: on CPU, where host work takes the
+    cores compute uses, every update is deferred to the step. No chunk is updated early, so
+    nothing is ever undone (and no undo copy is kept)."""
     reference = gpt_reference(steps=6, lr=1e-3, weight_decay=0.1, clip=0.05)
     config = job(tmp_path, n_persist=3, n_buffer=2)
     config["gradient_clipping"] = 0.05
     engine = runtime.initialize(tiny_gpt(), config=config)
-    engine.chunks.speculative_cpu_adam = speculative
+    assert not engine.chunks.two_phase_updates and not engine.chunks.speculative_cpu_adam
     train(engine, 6)
     # The clip coefficient is rounded differently (norm over flat shards): the key biases'
     # Adam updates amplify that, within the float64 noise floor.
     assert_matches_reference(engine.state_dict(), reference.fp32, reference.fp64)
-    offloaded = engine.plan.num_chunks - 3
-    if speculative:  # every update clips here, so every speculative update was undone and redone
-        assert engine.chunks.num_speculations == engine.chunks.num_restores == 6 * offloaded
-    else:
-        assert engine.chunks.num_speculations == engine.chunks.num_restores == 0
+    assert engine.chunks.num_speculations == 0
     engine.close()
+
+
+@pytest.mark.parametrize(
+    ("clip", "fp16", "cuda", "expected"),
+    [
+        (0.0, False, False, (True, False)),
+        (0.0, False, True, (True, False)),
+        (1.0, False, False, (False, False)),
+        (1.0, False, True, (False, True)),
+        (0.0, True, True, (False, True)),
+        (0.0, True, False, (False, False)),
+    ],
+)
+def test_update_mode_follows_the_norm_and_the_device(
+    clip: float, fp16: bool, cuda: bool, expected: tuple[bool, bool]
+) -> None:
+    """(speculative, two-phase): early updates only when no norm is needed; else two-phase
+    where host work runs beside compute (CUDA), deferred on CPU."""
+    device = DeviceInfo(torch.device("cuda" if cuda else "cpu"), "nccl" if cuda else "gloo")
+    assert update_mode(gradient_clipping=clip, loss_scaled=fp16, device=device) == expected
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
@@ -183,7 +200,6 @@ def test_two_phase_clipped_step_is_bit_exact_and_keeps_no_snapshot(tmp_path: Pat
         if mode == "two_phase":
             offloaded = range(3, engine.plan.num_chunks)
             assert all(engine.chunks.optimizer.pending_update(c) is not None for c in offloaded)
-            assert not engine.chunks.optimizer.has_snapshots()
         states[mode] = engine.state_dict()  # drains the host worker first
         engine.close()
     assert_state_equal(states["two_phase"], states["deferred"])

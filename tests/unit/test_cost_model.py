@@ -80,7 +80,6 @@ def test_hand_computed_step_time_and_memory_with_two_chunks_offloaded() -> None:
         got.peak_device_bytes - chunk + 8 * MIB
     )
     assert got.host_bytes == 2 * 4 * chunk  # master, gradient, two moments
-    assert predict(model, hw, costs, n_persist=2, n_buffer=1, undo_snapshots=True).host_bytes == 2 * 7 * chunk
 
 
 def test_prefetch_hides_fetches_behind_compute() -> None:
