@@ -221,9 +221,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--clip",
         type=float,
         default=0.0,
-        help="gradient_clipping of every engine; > 0 adds the minimum-buffer plan with the two-phase "
-        "step (offloaded updates after the norm, overlapping the next forward) beside the speculative "
-        "one (updates during backward, undone from a snapshot when the clip triggers)",
+        help="gradient_clipping of every engine (a clipped window never updates early: on CPU every "
+        "update is deferred to the step); > 0 adds the minimum-buffer plan with the two-phase step "
+        "(offloaded updates after the norm, overlapping the next forward; the default on CUDA)",
     )
     parser.add_argument(
         "--device-budget",
