@@ -369,11 +369,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             offloaded.append(two_phase)
         for engine in offloaded:
             stack.enter_context(engine)
-            label = " (minimum)" if engine is minimum else ""
-            if not engine.chunks.speculative_cpu_adam:
-                label = " (minimum), CPU Adam deferred"
+            label = " (minimum)" if engine.plan.n_buffer == minimum.plan.n_buffer else ""
             if engine.chunks.two_phase_updates:
-                label = " (minimum), two-phase"
+                label += ", two-phase"
+            elif not engine.chunks.speculative_cpu_adam:
+                label += ", CPU Adam deferred"
             name = f"offload, n_buffer={engine.plan.n_buffer}{label}"
             configs.append(Config(name, engine, ExclusiveTimer()))
         for config in configs:
