@@ -22,6 +22,12 @@ cover every chunk plan, activation mode and precision under both modes.
 
 Everything here costs nothing when chaos is off: pools read ``enabled()`` once when they are made.
 
+What each mode leaves out: forward polls its swap-outs with ``query()``, which never asks for
+lazily held work, so under ``lazy`` every swapped activation is served from memory and the
+swap-in path does not run at all; random delays reach a swap-in still on its way rarely (it is
+prefetched blocks ahead). tests/unit/test_stream_chaos_catches.py lands the swap-outs at once to
+check the swap-in's wait under lazy chaos.
+
 What chaos cannot catch on CPU waits for ``TORCH_CUDA_SANITIZER=1`` on a GPU: ordering between
 the compute stream and a side stream inside the device (on CPU compute runs on the host thread,
 which waits for real), the caching allocator handing a block to another stream while a kernel
