@@ -162,12 +162,14 @@ def assert_caught(
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("name", ["chunk-fetch", "gradient-buffer"])
+@pytest.mark.parametrize("name", ["chunk-fetch"])
 def test_random_chaos_catches_a_missing_wait_on_every_seed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chaos: Callable[..., None], name: str, seed: int
 ) -> None:
-    """Compute reaches these waits while the work is still held back: about 113 of 120 chunk
-    waits and 15 of 21 buffer reuses per run found it pending (measured over seeds 0-4)."""
+    """Compute reaches this wait while the gather is still held back: about 113 of 120 chunk
+    waits per run found it pending (measured over seeds 0-4). The gradient-buffer wait is left
+    to lazy chaos: only 15 of 21 reuses found their reduction pending, and on a loaded machine
+    (compute slower, reductions done first) seeds 3 and 4 once found none."""
     assert_caught(tmp_path, name, monkeypatch, chaos, "1", seed)
 
 
