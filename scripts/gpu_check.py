@@ -1,155 +1,144 @@
-"""Checks for the day a GPU is lent: the chunk engine with real CUDA streams, pinned memory and
-``torch.cuda`` memory statistics.
+"""The GPU acceptance run: in one command, whether ProTrain works on this GPU and how fast.
 
-    python scripts/gpu_check.py            # one table; exits 0 without CUDA (and says so)
+    python scripts/gpu_check.py [--only SECTION ...] [--out DIR] [--list] [--rehearse]
 
-1. Equivalence: a small GPT trained 10 steps in fp32 with every chunk offloaded through the
-   minimum number of buffers equals plain PyTorch (``torch.optim.AdamW(fused=True)``) within
-   DESIGN's tolerance (per tensor max|a-b| <= 1e-5 max|b|).
-2. Residency: every parameter a module reads lies in the buffer pool or a persistent chunk, and
-   ``torch.cuda.max_memory_allocated`` stays within the plan's device budget plus the measured
-   activation peak of the same model kept resident.
-3. Speed: step time with everything offloaded vs everything persistent (ratio; CUDA figures).
+Each section writes ``DIR/<section>.json`` as it goes (rewritten after every check, so a run cut
+short still reports what it did); ``DIR/report.md`` and ``DIR/summary.json`` are written at the
+end. Exit 0 when every check passed, 1 when any failed or a section raised, 2 on bad arguments.
+Without CUDA the script lists its sections and exits 0; ``--rehearse`` runs the sections'
+code on the CPU at tiny sizes instead (the suite's smoke test: it proves the script, not a GPU).
+
+Sections (``--list`` prints them with the CPU tests that check the same thing):
+    equivalence   fp32 and bf16 training vs plain PyTorch under several plans and activation
+                  modes, clipping that triggers, one case under TORCH_CUDA_SANITIZER=1
+    two_ranks     two ranks on the one GPU over gloo (NCCL refuses that), per-rank budgets
+    overlap       how much transfer and CPU-optimizer time compute hides, all chunks offloaded
+    cost_model    predicted vs measured step time and peak memory on three plans
+    capacity      Llama-shaped 1B and 3B in bf16 at seq 2048 under 24 and 78 GiB budgets
+    checkpoint    save and exact resume on the GPU
+
+Each section fits a 10-minute command on one H100 (80 GB, 16 cores, 128 GiB host). On the lent
+GPU machine (Python 3.12 with torch, transformers, accelerate, rich, PyYAML, safetensors and
+psutil, but no pydantic, and no network), bring pydantic's wheels along. Here, once, in the
+repository's root:
+
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
+        --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \\
+        -d .whl pydantic==2.14.3 pydantic_core==2.50.4 annotated-types==0.8.0 \\
+        typing-inspection==0.4.5
+
+Then, on the GPU machine (carry ``.whl``), a few commands of at most 10 minutes each:
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
+    python3 scripts/gpu_check.py --out $OUT --only equivalence two_ranks checkpoint
+    python3 scripts/gpu_check.py --out $OUT --only overlap cost_model
+    python3 scripts/gpu_check.py --out $OUT --only capacity
 """
 
 from __future__ import annotations
 
-import statistics
+import argparse
+import importlib
+import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
-from typing import Any
-
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
-import runtime  # noqa: E402
-from runtime.data import LMBatches, stdlib_text_corpus  # noqa: E402
-from runtime.models.gpt import GPT, GPTConfig  # noqa: E402
+import torch  # noqa: E402
+from gpu_checks.common import Context, Section, SectionReport, machine_facts, short_traceback, write_json  # noqa: E402
+from gpu_checks.report import markdown  # noqa: E402
 
-CONFIG = GPTConfig(vocab_size=256, seq_len=256, n_layer=6, n_head=8, d_model=512, qkv_bias=False)
-
-
-def build(seed: int = 0) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(CONFIG).cuda()
+SECTION_MODULES = ("equivalence", "two_ranks", "overlap", "cost_model", "capacity", "checkpoint")
+"""In the order a run takes them: correctness first, then speed."""
 
 
-def batches(steps: int) -> list[dict[str, torch.Tensor]]:
-    data = LMBatches(
-        tokens=stdlib_text_corpus(),
-        seq_len=CONFIG.seq_len,
-        micro_batch_size=4,
-        gradient_accumulation_steps=1,
-        world_size=1,
-        seed=1,
+def load_sections() -> dict[str, Section]:
+    sections = {}
+    for name in SECTION_MODULES:
+        section: Section = importlib.import_module(f"gpu_checks.{name}").SECTION
+        sections[section.name] = section
+    return sections
+
+
+def parse_args(argv: Sequence[str] | None, names: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", choices=names, metavar="SECTION", help=f"of: {', '.join(names)}")
+    parser.add_argument("--out", type=Path, help="report directory (default: runs/gpu_check/<time>)")
+    parser.add_argument("--list", action="store_true", help="list the sections and exit")
+    parser.add_argument(
+        "--rehearse", action="store_true", help="run the sections on the CPU at tiny sizes (a smoke test)"
     )
-    return [{k: v.cuda() for k, v in data.batch(step, 0, 0).items()} for step in range(steps)]
+    return parser.parse_args(argv)
 
 
-def spec(out: str, **memory: Any) -> dict[str, Any]:
-    return {
-        "seed": 1,
-        "micro_batch_size": 4,
-        "optimizer": {"lr": 1e-3, "weight_decay": 0.1},
-        "memory": {"chunk_size": "4MiB", **memory},
-        "output_dir": out,
-    }
+def print_sections(sections: dict[str, Section]) -> None:
+    for section in sections.values():
+        print(f"{section.name:12s} {section.title}")
+        print(f"{'':12s} CPU counterpart: {section.cpu_counterpart}")
 
 
-def check_equivalence(out: str, data: list[dict[str, torch.Tensor]]) -> tuple[bool, float]:
-    reference = build()
-    optimizer = torch.optim.AdamW(
-        reference.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, fused=True
-    )
-    engine = runtime.initialize(
-        build(), config=spec(out, n_persist=0, n_buffer=2) | {"optimizer": {"lr": 1e-3, "weight_decay": 0.0}}
-    )
-    for batch in data:
-        reference(**batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        engine.backward(engine(**batch).loss)
-        engine.step()
-    state = engine.state_dict()
-    worst = max(
-        ((state[k] - v).abs().max() / v.abs().max()).item() for k, v in reference.state_dict().items()
-    )
-    engine.close()
-    return worst <= 1e-5, worst
+def run_section(section: Section, device: torch.device, out: Path, rehearsal: bool) -> SectionReport:
+    report = SectionReport(name=section.name, title=section.title, device=str(device), rehearsal=rehearsal)
+    print(f"== {section.name}: {section.title}", flush=True)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"gpu-check-{section.name}-") as scratch:
+        ctx = Context(
+            device=device, scratch=Path(scratch), rehearsal=rehearsal, report=report,
+            json_path=out / f"{section.name}.json", out=out,
+        )
+        ctx.save()
+        try:
+            section.run(ctx)
+            report.finished = True
+        except Exception as error:  # one section's failure must not hide the others' results
+            report.error = short_traceback(error)
+            print(f"  [ERR ] {report.error.splitlines()[-1]}", flush=True)
+        finally:
+            report.seconds = time.perf_counter() - start
+            ctx.save()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return report
 
 
-def peak_and_time(
-    out: str, data: list[dict[str, torch.Tensor]], **memory: Any
-) -> tuple[int, float, int, bool]:
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    model = build()
-    engine = runtime.initialize(model, config=spec(out, **memory))
-    pool = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in engine.chunks.slots]
-    pool += [
-        (c.full.data_ptr(), c.full.data_ptr() + c.full.numel() * c.full.element_size())
-        for c in engine.chunks.chunks
-        if c.persistent and c.full is not None
-    ]
-    outside: list[str] = []
-
-    def check(module: torch.nn.Module, *_: object) -> None:
-        for name, param in module.named_parameters(recurse=False):
-            if not any(a <= param.data_ptr() < b for a, b in pool):
-                outside.append(name)
-
-    handles = [m.register_forward_pre_hook(check) for m in model.modules()]
-    times = []
-    for batch in data:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        engine.backward(engine(**batch).loss)
-        engine.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    for handle in handles:
-        handle.remove()
-    budget = engine.plan.device_budget_bytes
-    engine.close()
-    return torch.cuda.max_memory_allocated(), statistics.median(times[2:]), budget, not outside
-
-
-def main() -> int:
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here; nothing to check (exit 0).")
+def main(argv: Sequence[str] | None = None) -> int:
+    sections = load_sections()
+    args = parse_args(argv, list(sections))
+    if args.list:
+        print_sections(sections)
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    data = batches(10)
-    with tempfile.TemporaryDirectory() as out:
-        equal, worst = check_equivalence(out, data)
-        resident_peak, resident_s, _, resident_ok = peak_and_time(out, data)
-        offload_peak, offload_s, budget, offload_ok = peak_and_time(out, data, n_persist=0, n_buffer=2)
-    table = Table(title=f"ProTrain GPU check on {torch.cuda.get_device_name()}")
-    for column in ("check", "result", "detail"):
-        table.add_column(column)
-    table.add_row(
-        "fp32 equivalence, all offloaded", "ok" if equal else "FAIL", f"worst max|a-b|/max|b| = {worst:.2e}"
-    )
-    table.add_row("parameters read from the pool", "ok" if resident_ok and offload_ok else "FAIL", "")
-    table.add_row("peak allocated, resident", f"{resident_peak / 2**20:.1f} MiB", "")
-    table.add_row(
-        "peak allocated, offloaded",
-        f"{offload_peak / 2**20:.1f} MiB",
-        "ok" if offload_peak < resident_peak and offload_peak <= budget else "FAIL",
-    )
-    table.add_row(
-        "step time offloaded / resident",
-        f"{offload_s / resident_s:.2f}x",
-        f"{offload_s * 1000:.1f} ms vs {resident_s * 1000:.1f} ms",
-    )
-    Console().print(table)
-    return 0 if equal and resident_ok and offload_ok and offload_peak < resident_peak else 1
+    if not torch.cuda.is_available() and not args.rehearse:
+        print("gpu_check: no CUDA device here; the sections it would run:")
+        print_sections(sections)
+        print("(run with --rehearse to exercise them on the CPU at tiny sizes; exit 0)")
+        return 0
+    device = torch.device("cpu") if args.rehearse else torch.device("cuda", 0)
+    chosen = [sections[n] for n in (args.only or sections)]
+    if args.rehearse:
+        chosen = [s for s in chosen if not s.needs_cuda]
+    out = args.out or ROOT / "runs" / "gpu_check" / datetime.now().strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    facts = machine_facts()
+    reports = [run_section(section, device, out, args.rehearse) for section in chosen]
+    command = shlex.join(["scripts/gpu_check.py", *(sys.argv[1:] if argv is None else argv)])
+    write_json(out / "summary.json", {
+        "command": command, "machine": facts,
+        "sections": {r.name: {"failed": r.failed, "finished": r.finished, "seconds": r.seconds} for r in reports},
+        "failed": any(r.failed for r in reports),
+    })
+    (out / "report.md").write_text(markdown(reports, facts, command))
+    failed = [r.name for r in reports if r.failed]
+    print(f"gpu_check: {'FAILED: ' + ', '.join(failed) if failed else 'all checks passed'}; report in {out}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
