@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("skips_steps") is not None:
                 item.add_marker(chaos_skip)
+
+
+@pytest.fixture
+def chaos(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """``chaos(mode, seed=0)``: switch stream chaos on for what is built next (workers and pools
+    read it when they are made); the environment is restored after the test."""
+    from runtime import stream_chaos
+
+    def switch(mode: str, seed: int = 0) -> None:
+        monkeypatch.setenv(stream_chaos.ENV, mode)
+        monkeypatch.setenv(stream_chaos.SEED_ENV, str(seed))
+
+    return switch

@@ -30,17 +30,6 @@ CPU = DeviceInfo(torch.device("cpu"), "gloo")
 
 
 @pytest.fixture
-def chaos(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
-    """Switch chaos for what is built next (workers and pools read it when they are made)."""
-
-    def switch(mode: str, seed: int = 0) -> None:
-        monkeypatch.setenv(stream_chaos.ENV, mode)
-        monkeypatch.setenv(stream_chaos.SEED_ENV, str(seed))
-
-    return switch
-
-
-@pytest.fixture
 def side_stream(chaos: Callable[..., None]) -> Iterator[Callable[[str], SideStream]]:
     """Side streams built under a chaos mode, closed after the test."""
     made: list[SideStream] = []

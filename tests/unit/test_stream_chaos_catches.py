@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import runtime
-from runtime import stream_chaos
 from runtime.activations.transfers import ActivationTransfers
 from runtime.chunks.grad_buffers import GradientBufferPool
 from runtime.chunks.side_stream import CollectiveQueue
@@ -24,17 +23,6 @@ from runtime.training.update import NonFiniteLossError
 from tests.helpers import assert_matches_reference, assert_state_equal, gpt_reference, lm_batches, tiny_gpt
 
 SEEDS = range(5)
-
-
-@pytest.fixture
-def chaos(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
-    """Switch chaos for the engine built next (its workers and pools read it when made)."""
-
-    def switch(mode: str, seed: int = 0) -> None:
-        monkeypatch.setenv(stream_chaos.ENV, mode)
-        monkeypatch.setenv(stream_chaos.SEED_ENV, str(seed))
-
-    return switch
 
 
 FOUR_BLOCKS = GPTConfig(vocab_size=256, seq_len=32, n_layer=4, n_head=2, d_model=64)
