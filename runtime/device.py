@@ -246,6 +246,17 @@ class SideStream:
         self._worker.close()
 
 
+def used_on_this_stream(*tensors: torch.Tensor) -> None:
+    """In a side-stream job: the tensors, allocated on the compute stream, are used by the work
+    this job issues. On CUDA, ``record_stream`` keeps the caching allocator from handing their
+    memory to new work before that work is done, whenever the compute side lets go of them; host
+    tensors, and everything on CPU (where the job itself holds them until it is done), need
+    nothing."""
+    for tensor in tensors:
+        if tensor.is_cuda:
+            tensor.record_stream(torch.cuda.current_stream(tensor.device))
+
+
 class HostWorker:
     """A thread for host arithmetic beside training (the same on both devices): jobs run in
     submission order, on ``threads`` intra-op threads so they do not take the cores compute

@@ -40,7 +40,7 @@ from runtime import stream_chaos
 from runtime.activations.host_pool import HostActivationPool
 from runtime.activations.records import ActivationStats, StoredStorage
 from runtime.activations.ssd_store import ActivationFileStore
-from runtime.device import DeviceEvent, DeviceInfo, SideStream
+from runtime.device import DeviceEvent, DeviceInfo, SideStream, used_on_this_stream
 
 
 class ActivationTransfers:
@@ -238,7 +238,5 @@ def _copy_on_side_stream(destination: torch.Tensor, source: torch.Tensor) -> Non
     one on the compute stream): on CUDA, record this stream's use of them (see the module
     docstring); a host tensor needs nothing, nor does anything on CPU, where the job itself
     holds them until the copy is done."""
-    for tensor in (destination, source):
-        if tensor.is_cuda:
-            tensor.record_stream(torch.cuda.current_stream(tensor.device))
+    used_on_this_stream(destination, source)
     destination.copy_(source, non_blocking=True)

@@ -31,7 +31,7 @@ from runtime.chunks.grad_buffers import GradientBufferPool
 from runtime.chunks.side_stream import CollectiveQueue
 from runtime.chunks.staging import Staged, StagingRing
 from runtime.chunks.store import Chunk, ChunkStore
-from runtime.device import DeviceEvent
+from runtime.device import DeviceEvent, used_on_this_stream
 from runtime.distributed import reduce_scatter_flat_
 
 
@@ -234,10 +234,7 @@ class GradientReducer:
     def _reduce_part(self, buffer: torch.Tensor) -> torch.Tensor:
         """On the side stream: this rank's part of the buffer summed over ranks and divided by
         their number, in the compute dtype on the device."""
-        if buffer.is_cuda:
-            # Allocated on the compute stream, used here on the side stream: keep the caching
-            # allocator from handing it out again before this work is done.
-            buffer.record_stream(torch.cuda.current_stream(buffer.device))
+        used_on_this_stream(buffer)  # allocated on the compute stream (grad_buffers.py)
         world = self.store.dist_ctx.world_size
         if world == 1:
             return buffer
