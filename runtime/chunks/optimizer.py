@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.chunks.store import Chunk, ChunkStore
+from runtime.chunks.trace_labels import job_label
 from runtime.chunks.waits import ExposedWaits
 from runtime.device import DeviceEvent, HostWorker
 from runtime.distributed import DistContext, all_reduce_sum_
@@ -98,7 +99,7 @@ class ChunkOptimizer:
     ) -> DeviceEvent:
         def add() -> None:
             copied.wait()  # the copy into the staging buffer has landed
-            with torch.no_grad():
+            with torch.no_grad(), job_label("host_add", chunk.index):
                 chunk.grad_shard.add_(staged)
             release()
 
@@ -160,7 +161,9 @@ class ChunkOptimizer:
     @torch.no_grad()
     def _take_norm(self, chunk: Chunk) -> None:
         # The same fp32 pass and float64 square as ``grad_norm`` takes on the main thread.
-        self._norm_squares[chunk.index] = torch.linalg.vector_norm(chunk.grad_shard).double().cpu().square()
+        with job_label("norm", chunk.index):
+            square = torch.linalg.vector_norm(chunk.grad_shard).double().cpu().square()
+        self._norm_squares[chunk.index] = square
 
     def _speculate(self, chunk: Chunk, reduced: DeviceEvent, active: list[bool], armed: _Armed) -> None:
         """On the host worker: wait for the ranks' agreement and the chunk's reduced gradient,
@@ -169,7 +172,8 @@ class ChunkOptimizer:
         if float(armed.any_nonfinite) > 0:
             return  # the step will be skipped on every rank
         reduced.wait()
-        chunk.optimizer.step_(chunk.grad_shard, active, lr=armed.lr)
+        with job_label("adam", chunk.index):
+            chunk.optimizer.step_(chunk.grad_shard, active, lr=armed.lr)
         self._speculated[chunk.index] = Speculation(active=active)
         self.num_speculations += 1
 
@@ -243,11 +247,12 @@ class ChunkOptimizer:
     ) -> Callable[[], None]:
         @torch.no_grad()
         def update() -> None:
-            for factor in grad_factors:
-                chunk.grad_shard.mul_(factor)
-            chunk.optimizer.step_(chunk.grad_shard, wanted, lr=lr)
-            if zero:
-                chunk.grad_shard.zero_()
+            with job_label("adam", chunk.index):
+                for factor in grad_factors:
+                    chunk.grad_shard.mul_(factor)
+                chunk.optimizer.step_(chunk.grad_shard, wanted, lr=lr)
+                if zero:
+                    chunk.grad_shard.zero_()
 
         return update
 

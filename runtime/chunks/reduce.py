@@ -31,6 +31,7 @@ from runtime.chunks.grad_buffers import GradientBufferPool
 from runtime.chunks.side_stream import CollectiveQueue
 from runtime.chunks.staging import Staged, StagingRing
 from runtime.chunks.store import Chunk, ChunkStore
+from runtime.chunks.trace_labels import job_label
 from runtime.device import DeviceEvent, used_on_this_stream
 from runtime.distributed import reduce_scatter_flat_
 
@@ -210,13 +211,23 @@ class GradientReducer:
         """The reduction's jobs; the event that fires once the gradient is in the shard."""
         grad_shard = chunk.grad_shard
         if chunk.persistent:
-            reduced = self.queue.submit(lambda: grad_shard.add_(self._reduce_part(buffer)))
+
+            def add_on_device() -> None:
+                with job_label("reduce", chunk.index):
+                    grad_shard.add_(self._reduce_part(buffer))
+
+            reduced = self.queue.submit(add_on_device)
             self.grad_pool.reducing(buffer, reduced)
             return reduced
         ring = self.staging
         assert ring is not None, "an offloaded trainable chunk has a staging ring"
         staged = ring.assign()
-        copied = self.queue.submit(lambda: self._copy_to_host(buffer, staged))
+
+        def copy_to_host() -> None:
+            with job_label("reduce", chunk.index):
+                self._copy_to_host(buffer, staged)
+
+        copied = self.queue.submit(copy_to_host)
         self.grad_pool.reducing(buffer, copied)
         in_shard = self.sink.add_staged(chunk, staged.buffer, copied, lambda: ring.released(staged))
         ring.released_by(staged, in_shard)

@@ -40,6 +40,7 @@ from torch import nn
 
 from runtime import stream_chaos
 from runtime.chunks.staging import Staged, StagingRing
+from runtime.chunks.trace_labels import job_label
 from runtime.device import DeviceEvent, synchronize
 from runtime.distributed import all_gather_flat
 
@@ -225,7 +226,8 @@ class ChunkResidency:
         def fetch() -> None:
             if updated is not None:
                 updated.wait()  # the chunk's two-phase update on the host worker has landed
-            self.gather_shard(master, full, staged=staged)
+            with job_label("gather", chunk.index):
+                self.gather_shard(master, full, staged=staged)
 
         fetched = self.queue.submit(fetch)
         if staged is not None:
