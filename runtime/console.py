@@ -7,15 +7,22 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from profiler.plan import Plan
+from runtime.config.settings import OptimizerSettings
+
+if TYPE_CHECKING:  # the launcher imports this module (plan_table) and must not import torch
+    from torch import nn
+
+    from runtime.chunks.layout import ParamInfo
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,6 +72,36 @@ def plan_table(plan: Plan, *, title: str = "ProTrain plan") -> Table:
     return table
 
 
+def groups_table(model: nn.Module, params: Sequence[ParamInfo], optimizer: OptimizerSettings) -> Table | None:
+    """When the spec sets ``optimizer.groups``, one row per parameter group: its patterns, its
+    values and what it took (trainable parameters and their elements: a pattern that matched
+    nothing shows 0); None otherwise."""
+    if not optimizer.groups:
+        return None
+    from runtime.param_groups import resolve_param_hyper  # imports torch (see the imports above)
+
+    trainable = [p for p in params if p.trainable]
+    hyper = resolve_param_hyper(model, [(p.name, *p.aliases) for p in trainable], optimizer)
+    table = Table(title="Optimizer groups (the first match wins)", title_justify="left")
+    for column in ("group", "match", "lr", "weight_decay", "betas", "params", "elements"):
+        # Patterns are what a user checks: folded, never cut short.
+        table.add_column(column, justify="left" if column == "match" else "right", overflow="fold")
+    for group in hyper.groups:
+        members = [p.numel for p, g in zip(trainable, hyper.group_of_param, strict=True) if g == group.index]
+        table.add_row(
+            str(group.index),
+            ", ".join(group.match) or "(the rest: top level)",
+            f"{group.lr:g}",
+            f"{group.weight_decay:g}",
+            f"{group.betas[0]:g}, {group.betas[1]:g}",
+            str(len(members)),
+            f"{sum(members):,}",
+        )
+    table.caption = "lr: the peak, scaled by the scheduler; biases and norms (no_decay) take no weight decay"
+    table.caption_justify = "left"
+    return table
+
+
 class MetricsFile:
     """Appends one JSON object per line; flushed per line so a crash loses nothing committed."""
 
@@ -105,9 +142,12 @@ class ProgressReporter:
         self._task: Any = None
         self._line_every = max(1, (total_steps or 100) // 20)
 
-    def show_plan(self, plan: Plan) -> None:
+    def show_plan(self, plan: Plan, groups: Table | None = None) -> None:
+        """The plan's table, and (when the spec sets ``optimizer.groups``) the groups' table."""
         if self.enabled:
             self.console.print(plan_table(plan))
+            if groups is not None:
+                self.console.print(groups)
 
     def print(self, text: str) -> None:
         if self.enabled:

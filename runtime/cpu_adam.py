@@ -20,18 +20,26 @@ COPY_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class Segment(NamedTuple):
-    """One parameter's place in a flat shard: elements ``[start, start + numel)``."""
+    """One parameter's place in a flat shard: elements ``[start, start + numel)``, its weight
+    decay, and its parameter group (``optimizer.groups``: whose learning rate and betas it takes;
+    0 is the top-level values)."""
 
     start: int
     numel: int
     weight_decay: float
+    group: int = 0
+
+
+GroupValues = float | Sequence[float]
+"""A learning rate for every group, or one per group (indexed by ``Segment.group``)."""
 
 
 class ShardAdamW:
     """``torch.optim.AdamW(fused=True)`` over the parameters that live in one flat fp32 shard.
 
     Semantics are exactly those of ``torch.optim.AdamW`` on separate parameters, segment by
-    segment: each segment has its own weight decay and its own step count, and a segment marked
+    segment: each segment has its own weight decay and its own step count, takes the learning
+    rate and betas of its parameter group (torch's param groups), and a segment marked
     inactive in a step (its parameter got no gradient) is skipped the way torch skips a
     parameter whose ``.grad is None``: no decay, no step-count increment, moments untouched.
     Segments may be listed in any order and need not cover the shard (padding is never touched);
@@ -43,12 +51,12 @@ class ShardAdamW:
       the flat master, so it shares the master's storage: the fused kernel's in-place writes land
       in the flat tensor the chunk engine owns (checked at construction).
     * One ``torch.optim.AdamW(fused=True)`` holds those parameters, one param group per distinct
-      weight decay. Its per-parameter state is pre-seeded before the first step: ``exp_avg`` and
-      ``exp_avg_sq`` are views of two flat moment tensors laid out like the master, ``step`` is a
-      0-d view of one float32 ``steps`` vector. torch initialises state lazily only when a
-      parameter's state is empty, so it keeps using these tensors (the unit tests check it), and
-      a shard's optimizer state stays three contiguous tensors that can be snapshotted, restored
-      or saved with one copy each.
+      (parameter group, weight decay). Its per-parameter state is pre-seeded before the first
+      step: ``exp_avg`` and ``exp_avg_sq`` are views of two flat moment tensors laid out like
+      the master, ``step`` is a 0-d view of one float32 ``steps`` vector. torch initialises
+      state lazily only when a parameter's state is empty, so it keeps using these tensors (the
+      unit tests check it), and a shard's optimizer state stays three contiguous tensors that
+      can be snapshotted, restored or saved with one copy each.
     * Each step, active segments get ``.grad`` = a view of the flat gradient, inactive ones
       ``None``; the grads are cleared again afterwards so no reference to the engine's gradient
       buffer outlives the step.
@@ -90,20 +98,25 @@ class ShardAdamW:
     def __init__(
         self,
         master: torch.Tensor,  # (numel,) fp32, contiguous: updated in place
-        segments: Sequence[tuple[int, int, float]],
+        segments: Sequence[tuple[int, int, float] | tuple[int, int, float, int]],
         *,
-        lr: float,
-        betas: tuple[float, float] = (0.9, 0.999),
+        lr: GroupValues,
+        betas: tuple[float, float] | Sequence[tuple[float, float]] = (0.9, 0.999),
         eps: float = 1e-8,
         moments: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """``moments``: zero-filled (exp_avg, exp_avg_sq) shaped like ``master`` when the caller
-        owns their memory (the chunk engine puts offloaded shards' moments in its host arena)."""
+        """``lr`` and ``betas``: one value for every segment, or one per parameter group
+        (``Segment.group`` indexes them). ``moments``: zero-filled (exp_avg, exp_avg_sq) shaped
+        like ``master`` when the caller owns their memory (the chunk engine puts offloaded
+        shards' moments in its host arena)."""
         _check_master(master)
         self.segments: tuple[Segment, ...] = _check_segments(segments, numel=master.numel())
-        _check_hyperparameters(lr=lr, betas=betas, eps=eps)
+        num_groups = 1 + max((s.group for s in self.segments), default=0)
+        self.lr = _per_group(lr, num_groups, "lr")
+        self.betas = _per_group_betas(betas, num_groups)
+        for group_lr, group_betas in zip(self.lr, self.betas, strict=True):
+            _check_hyperparameters(lr=group_lr, betas=group_betas, eps=eps)
         self.master = master
-        self.lr = lr
         if moments is None:
             moments = (torch.zeros_like(master), torch.zeros_like(master))
         for moment in moments:
@@ -116,9 +129,7 @@ class ShardAdamW:
         self._params = [_alias(master, segment) for segment in self.segments]
         self._split_sizes, self._piece_of_segment = _split_plan(self.segments, numel=master.numel())
         # A rank's shard can be all padding (no segment); torch refuses an empty optimizer.
-        self._optimizer = (
-            _build_optimizer(self._params, self, betas=betas, eps=eps) if self.segments else None
-        )
+        self._optimizer = _build_optimizer(self._params, self, eps=eps) if self.segments else None
 
     @property
     def num_segments(self) -> int:
@@ -133,27 +144,33 @@ class ShardAdamW:
         self,
         grad_flat: torch.Tensor,  # (numel,) fp32, same device as the master; read only
         active: Sequence[bool],  # (num_segments,): False = the parameter got no gradient
-        lr: float | None = None,
+        lr: GroupValues | None = None,
         *,
         copy_out: torch.Tensor | None = None,  # (numel,) bf16/fp16/fp32, overwritten
     ) -> None:
         """One AdamW step of the active segments, in place on the master and the moments.
 
-        ``lr`` applies to this step only (a scheduler's value); ``None`` uses the constructor's.
+        ``lr`` (one for all groups, or one per group) applies to this step only (a scheduler's
+        values); ``None`` uses the constructor's.
         ``copy_out``, when given, is set to ``master.to(copy_out.dtype)`` after the update, over
         the whole shard, so it always mirrors the master (inactive segments included).
         """
         self._check_step_inputs(grad_flat, active, lr, copy_out)
         if self._optimizer is not None:
-            self._update(self._optimizer, grad_flat, active, self.lr if lr is None else lr)
+            lrs = self.lr if lr is None else _per_group(lr, len(self.lr), "lr")
+            self._update(self._optimizer, grad_flat, active, lrs)
         if copy_out is not None:
             copy_out.copy_(self.master)
 
     def _update(
-        self, optimizer: torch.optim.AdamW, grad_flat: torch.Tensor, active: Sequence[bool], lr: float
+        self,
+        optimizer: torch.optim.AdamW,
+        grad_flat: torch.Tensor,
+        active: Sequence[bool],
+        lrs: Sequence[float],
     ) -> None:
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lrs[group["protrain_group"]]
         # One split call makes every segment's gradient view (a narrow per segment costs ~5x more).
         pieces = grad_flat.split_with_sizes(self._split_sizes)
         for param, piece, is_active in zip(self._params, self._piece_of_segment, active, strict=True):
@@ -179,6 +196,7 @@ class ShardAdamW:
                     "start": segment.start,
                     "numel": segment.numel,
                     "weight_decay": segment.weight_decay,
+                    "group": segment.group,
                     "step": steps[index],
                     "exp_avg": self.exp_avg.narrow(0, segment.start, segment.numel),
                     "exp_avg_sq": self.exp_avg_sq.narrow(0, segment.start, segment.numel),
@@ -196,7 +214,12 @@ class ShardAdamW:
                 "state saved from the same chunk layout"
             )
         for index, (entry, segment) in enumerate(zip(entries, self.segments, strict=True)):
-            saved = Segment(int(entry["start"]), int(entry["numel"]), float(entry["weight_decay"]))
+            saved = Segment(
+                int(entry["start"]),
+                int(entry["numel"]),
+                float(entry["weight_decay"]),
+                int(entry.get("group", 0)),
+            )
             if saved != segment:
                 raise ValueError(
                     f"segment {index}: state has {saved}, this shard {segment}: load the state "
@@ -225,8 +248,10 @@ class ShardAdamW:
             raise ValueError(f"grad_flat must be contiguous on {master.device}, like the master")
         if len(active) != len(self.segments):
             raise ValueError(f"active has {len(active)} flags for {len(self.segments)} segments")
-        if lr is not None and not lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
+        if lr is not None:
+            for group_lr in _per_group(lr, len(self.lr), "lr"):
+                if not group_lr >= 0.0:
+                    raise ValueError(f"lr must be >= 0, got {lr}")
         if copy_out is not None and (copy_out.shape != master.shape or copy_out.dtype not in COPY_OUT_DTYPES):
             raise ValueError(
                 f"copy_out must have shape {tuple(master.shape)} and a dtype in {COPY_OUT_DTYPES}, "
@@ -244,14 +269,21 @@ def _check_master(master: torch.Tensor) -> None:
         raise ValueError("the master must not require grad: pass master.detach()")
 
 
-def _check_segments(segments: Sequence[tuple[int, int, float]], *, numel: int) -> tuple[Segment, ...]:
+def _check_segments(
+    segments: Sequence[tuple[int, int, float] | tuple[int, int, float, int]], *, numel: int
+) -> tuple[Segment, ...]:
     """Segments as given (any order), validated: inside the shard, non-empty, not overlapping."""
-    checked = tuple(Segment(int(start), int(size), float(decay)) for start, size, decay in segments)
+    checked = tuple(
+        Segment(int(entry[0]), int(entry[1]), float(entry[2]), int(entry[3]) if len(entry) > 3 else 0)
+        for entry in segments
+    )
     for segment in checked:
         if segment.numel <= 0 or segment.start < 0 or segment.start + segment.numel > numel:
             raise ValueError(f"{segment} does not lie inside the shard of {numel} elements")
         if segment.weight_decay < 0.0:
             raise ValueError(f"{segment}: weight_decay must be >= 0")
+        if segment.group < 0:
+            raise ValueError(f"{segment}: group must be >= 0")
     ordered = sorted(checked)
     for left, right in zip(ordered, ordered[1:], strict=False):
         if left.start + left.numel > right.start:
@@ -275,6 +307,29 @@ def _split_plan(segments: Sequence[Segment], *, numel: int) -> tuple[list[int], 
     return sizes, piece_of_segment
 
 
+def _per_group(value: GroupValues, num_groups: int, name: str) -> tuple[float, ...]:
+    """One value per group from one value or a sequence of at least ``num_groups`` (a shard may
+    hold no parameter of the last groups)."""
+    if isinstance(value, int | float):
+        return (float(value),) * num_groups
+    values = tuple(float(v) for v in value)
+    if len(values) < num_groups:
+        raise ValueError(f"{name} has {len(values)} values for {num_groups} parameter groups")
+    return values
+
+
+def _per_group_betas(
+    betas: tuple[float, float] | Sequence[tuple[float, float]], num_groups: int
+) -> tuple[tuple[float, float], ...]:
+    if len(betas) == 2 and all(isinstance(b, int | float) for b in betas):
+        pair = (float(betas[0]), float(betas[1]))  # type: ignore[arg-type]
+        return (pair,) * num_groups
+    pairs = tuple((float(b[0]), float(b[1])) for b in betas)  # type: ignore[index]
+    if len(pairs) < num_groups:
+        raise ValueError(f"betas has {len(pairs)} pairs for {num_groups} parameter groups")
+    return pairs
+
+
 def _check_hyperparameters(*, lr: float, betas: tuple[float, float], eps: float) -> None:
     if not lr >= 0.0:
         raise ValueError(f"lr must be >= 0, got {lr}")
@@ -296,16 +351,23 @@ def _alias(flat: torch.Tensor, segment: Segment) -> nn.Parameter:
     return param
 
 
-def _build_optimizer(
-    params: list[nn.Parameter], shard: ShardAdamW, *, betas: tuple[float, float], eps: float
-) -> torch.optim.AdamW:
-    """One fused AdamW over the aliasing parameters, its state pre-seeded with views of the
-    shard's flat moments and step vector."""
-    by_decay: dict[float, list[nn.Parameter]] = {}
+def _build_optimizer(params: list[nn.Parameter], shard: ShardAdamW, *, eps: float) -> torch.optim.AdamW:
+    """One fused AdamW over the aliasing parameters (a torch param group per parameter group and
+    weight decay), its state pre-seeded with views of the shard's flat moments and step vector."""
+    by_group: dict[tuple[int, float], list[nn.Parameter]] = {}
     for param, segment in zip(params, shard.segments, strict=True):
-        by_decay.setdefault(segment.weight_decay, []).append(param)
-    groups = [{"params": params, "weight_decay": decay} for decay, params in by_decay.items()]
-    optimizer = torch.optim.AdamW(groups, lr=shard.lr, betas=betas, eps=eps, fused=True)
+        by_group.setdefault((segment.group, segment.weight_decay), []).append(param)
+    groups = [
+        {
+            "params": members,
+            "weight_decay": decay,
+            "lr": shard.lr[group],
+            "betas": shard.betas[group],
+            "protrain_group": group,
+        }
+        for (group, decay), members in by_group.items()
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=shard.lr[0], eps=eps, fused=True)
     for index, (param, segment) in enumerate(zip(params, shard.segments, strict=True)):
         # Non-empty state: torch skips its lazy initialisation and updates these views.
         optimizer.state[param] = {

@@ -34,7 +34,7 @@ from runtime.config.spec_io import (
     read_resolved,
     validate_spec,
 )
-from runtime.console import MetricsFile, ProgressReporter, plan_table
+from runtime.console import MetricsFile, ProgressReporter, groups_table, plan_table
 from runtime.device import DeviceInfo, select_device
 from runtime.distributed import (
     DistContext,
@@ -245,7 +245,7 @@ def _build_engine(
         enabled=dist_ctx.is_main,
         name=None if reseed else f"engine {claim.label}",
     )
-    reporter.show_plan(plan)
+    reporter.show_plan(plan, groups_table(model, params, training.optimizer))
     if metrics is not None:
         metrics.write({"event": "plan", "plan": plan.to_dict()})
     engine = Engine(

@@ -60,10 +60,7 @@ class ChunkManager:
         compute_dtype: torch.dtype,
         device: DeviceInfo,
         dist_ctx: DistContext,
-        weight_decay: Sequence[float],
-        betas: tuple[float, float],
-        eps: float,
-        lr: float,
+        adamw: AdamWHyper,
         read_param: Callable[[str], torch.Tensor] | None = None,
     ) -> None:
         """``read_param(name)``, when given, supplies each parameter's value while its chunk is
@@ -82,7 +79,7 @@ class ChunkManager:
             compute_dtype=compute_dtype,
             device=device,
             dist_ctx=dist_ctx,
-            adamw=AdamWHyper(weight_decay=weight_decay, betas=betas, eps=eps, lr=lr),
+            adamw=adamw,
             read_param=read_param,
         )
         self.collectives = CollectiveQueue(device)

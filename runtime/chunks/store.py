@@ -303,9 +303,13 @@ class AdamWHyper:
 
     weight_decay: Sequence[float]
     """Per parameter (by layout index)."""
-    betas: tuple[float, float]
+    group: Sequence[int]
+    """Per parameter (by layout index): its parameter group (runtime/param_groups.py)."""
+    lrs: Sequence[float]
+    """Per parameter group, the peak learning rate."""
+    betas: Sequence[tuple[float, float]]
+    """Per parameter group."""
     eps: float
-    lr: float
 
 
 def build_store(
@@ -420,8 +424,11 @@ class _ChunkBuilder:
         )
         optimizer = ShardAdamW(
             master,
-            [(s.shard_offset, s.numel, self.adamw.weight_decay[s.param]) for s in segments],
-            lr=self.adamw.lr,
+            [
+                (s.shard_offset, s.numel, self.adamw.weight_decay[s.param], self.adamw.group[s.param])
+                for s in segments
+            ],
+            lr=self.adamw.lrs,
             betas=self.adamw.betas,
             eps=self.adamw.eps,
             moments=moments,

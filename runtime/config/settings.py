@@ -21,6 +21,7 @@ from runtime.config.spec import (
     Spec,
     auto_fields,
 )
+from runtime.config.spec_types import ParamGroup
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,6 +31,8 @@ class OptimizerSettings:
     eps: float
     weight_decay: float
     no_decay: tuple[str, ...]
+    groups: tuple[ParamGroup, ...] = ()
+    """``optimizer.groups`` in order (runtime/param_groups.py resolves them per parameter)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,6 +80,7 @@ def settings_from_spec(spec: Spec) -> TrainingSettings:
             eps=spec.optimizer.eps,
             weight_decay=spec.optimizer.weight_decay,
             no_decay=spec.optimizer.no_decay,
+            groups=spec.optimizer.groups,
         ),
         schedule=ScheduleSettings(
             kind=spec.scheduler.type,

@@ -29,6 +29,7 @@ from runtime.config.spec_types import (
     Fraction,
     NonNegFloat,
     NonNegInt,
+    ParamGroups,
     Port,
     PositiveFloat,
     PositiveInt,
@@ -111,6 +112,12 @@ class OptimizerSpec(SpecModel):
     no_decay: TextList = ("bias", "norm")
     """Patterns exempt from weight decay: a parameter matches when a pattern occurs in its
     lower-cased name or in the lower-cased class name of the module that owns it."""
+    groups: ParamGroups = ()
+    """Parameter groups, in order: [{match: ["*lora_*"], lr: 1.0e-4, weight_decay: 0.0, betas:
+    [0.9, 0.99]}, ...]. A parameter takes the first entry one of whose shell-style patterns
+    matches its whole name (``*`` crosses dots), the others the top-level lr, weight_decay and
+    betas; an entry's lr is scaled by the scheduler like the top-level one, and no_decay still
+    exempts biases and norms from its weight_decay. An entry may match nothing."""
 
 
 DEFAULT_MIN_LR_RATIO = 0.1

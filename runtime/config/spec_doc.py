@@ -85,7 +85,7 @@ def readme_with_reference(readme: str) -> str:
 
 def main(argv: list[str]) -> int:
     if argv == ["--write"]:
-        readme = Path(__file__).resolve().parents[1] / "README.md"
+        readme = Path(__file__).resolve().parents[2] / "README.md"
         readme.write_text(readme_with_reference(readme.read_text()))
         return 0
     sys.stdout.write(reference_markdown())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from decimal import Decimal
 from enum import Enum
 from typing import Annotated, Any, Callable, Literal, Union
@@ -236,6 +237,86 @@ BlockModes = Annotated[
     )
 ]
 Resume = Annotated[(str, *_leaf(_str_check, '"auto", "never", or the path of a checkpoint directory'))]
+
+
+@dataclass(frozen=True, slots=True)
+class ParamGroup:
+    """One entry of ``optimizer.groups``: the parameters whose names match one of ``match``
+    (shell-style patterns over the whole dotted name, ``*`` crossing dots) take the values set
+    here; a value left out is the top-level one."""
+
+    match: tuple[str, ...]
+    lr: float | None = None
+    weight_decay: float | None = None
+    betas: tuple[float, float] | None = None
+
+    def as_plain(self) -> dict[str, Any]:
+        plain: dict[str, Any] = {"match": list(self.match)}
+        for key in ("lr", "weight_decay", "betas"):
+            value = getattr(self, key)
+            if value is not None:
+                plain[key] = list(value) if isinstance(value, tuple) else value
+        return plain
+
+
+_GROUP_KEYS = ("match", "lr", "weight_decay", "betas")
+_GROUPS_TEXT = (
+    "a list of {match: [patterns], lr, weight_decay, betas} entries (match required; the first "
+    "entry that matches a parameter's name wins)"
+)
+
+
+def _group_entry(index: int, entry: Any) -> ParamGroup:
+    """One entry, or an error naming the entry's key (``optimizer.groups.<index>.<key>``)."""
+    if not isinstance(entry, dict):
+        raise cross_field_error(str(index), f"got {entry!r}; allowed: {_GROUPS_TEXT}")
+    for key in entry:
+        if key not in _GROUP_KEYS:
+            raise cross_field_error(
+                f"{index}.{key}", f"unknown key {key!r}; allowed keys here: {', '.join(_GROUP_KEYS)}"
+            )
+    if "match" not in entry:
+        raise cross_field_error(f"{index}.match", "required key is missing (the patterns of names it takes)")
+    checks: dict[str, tuple[Callable[[Any], Any], str]] = {
+        "match": (_nonempty_text_list_check, "a non-empty list of non-empty strings"),
+        "lr": (_float_check(0.0, open_min=True), "a number > 0"),
+        "weight_decay": (_float_check(0.0), "a number >= 0"),
+        "betas": (_betas_check, "a list of two numbers in [0, 1)"),
+    }
+    values: dict[str, Any] = {}
+    for key, value in entry.items():
+        check, allowed = checks[key]
+        try:
+            values[key] = check(value)
+        except (ValueError, TypeError):
+            raise cross_field_error(f"{index}.{key}", f"got {value!r}; allowed: {allowed}") from None
+    return ParamGroup(**values)
+
+
+def _groups_check(value: Any) -> tuple[ParamGroup, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise _reject(_GROUPS_TEXT)
+    return tuple(
+        entry if isinstance(entry, ParamGroup) else _group_entry(index, entry)
+        for index, entry in enumerate(value)
+    )
+
+
+def _nonempty_text_list_check(value: Any) -> tuple[str, ...]:
+    checked = _text_list_check(value)
+    if not checked:
+        raise ValueError
+    return checked
+
+
+ParamGroups = Annotated[
+    (
+        tuple[ParamGroup, ...],
+        PlainValidator(_groups_check),
+        PlainSerializer(lambda groups: [group.as_plain() for group in groups]),
+        Allowed(_GROUPS_TEXT),
+    )
+]
 
 
 def cross_field_error(key: str, message: str) -> PydanticCustomError:

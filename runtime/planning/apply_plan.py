@@ -24,11 +24,12 @@ from runtime.activations.manager import ActivationManager
 from runtime.activations.ssd_store import ActivationFileStore
 from runtime.chunks.layout import ParamInfo, layout_from_params
 from runtime.chunks.manager import ChunkManager
+from runtime.chunks.store import AdamWHyper
 from runtime.config.settings import PlanningSettings, TrainingSettings
 from runtime.config.spec_io import SpecError
 from runtime.device import DeviceInfo
 from runtime.distributed import DistContext
-from runtime.param_groups import split_decay
+from runtime.param_groups import resolve_param_hyper
 from runtime.planning.model_facts import COMPUTE_DTYPES, compute_element_size, model_blocks
 from runtime.planning.plan_switch import move_state
 from runtime.weights import WeightReader
@@ -90,9 +91,7 @@ def _build_chunks(
     )
     assert layout.num_chunks == plan.num_chunks, "the plan and the layout pack the same parameters"
     optimizer = settings.optimizer
-    decay, _ = split_decay(model, optimizer.no_decay)
-    decayed = {entry.name for entry in decay}
-    weight_decay = [optimizer.weight_decay if info.name in decayed else 0.0 for info in target.params]
+    hyper = resolve_param_hyper(model, [(info.name, *info.aliases) for info in target.params], optimizer)
     try:
         chunks = ChunkManager(
             model=model,
@@ -102,10 +101,13 @@ def _build_chunks(
             compute_dtype=COMPUTE_DTYPES[settings.precision],
             device=target.device,
             dist_ctx=target.dist_ctx,
-            weight_decay=weight_decay,
-            betas=optimizer.betas,
-            eps=optimizer.eps,
-            lr=optimizer.lr,
+            adamw=AdamWHyper(
+                weight_decay=hyper.weight_decay,
+                group=hyper.group_of_param,
+                lrs=hyper.lrs,
+                betas=hyper.betas,
+                eps=optimizer.eps,
+            ),
             read_param=read_param,
         )
     except ValueError as err:

@@ -45,7 +45,6 @@ from runtime.planning.replanner import Replanner, same_layout
 from runtime.training.engine_facades import EngineFacades
 from runtime.training.live_engines import EngineClaim
 from runtime.training.loss_scale import DynamicLossScaler
-from runtime.training.schedule import lr_factor
 from runtime.training.stop import StopRequest, TrainingStopped
 from runtime.training.update import sum_window, update_shards
 from runtime.training.window import Window
@@ -116,11 +115,6 @@ class Engine(EngineFacades):
         """Plans switched to because the measured peak exceeded the prediction."""
         return 0 if self._replanner is None else self._replanner.replans
 
-    @property
-    def lr(self) -> float:
-        """The learning rate of the next update."""
-        return self.settings.optimizer.lr * lr_factor(self.global_step, self.settings.schedule)
-
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next ``step()`` call will update the parameters."""
         return (self.micro_step + 1) % self.settings.gradient_accumulation_steps == 0
@@ -188,7 +182,7 @@ class Engine(EngineFacades):
             scaled = scaled * self.loss_scaler.scale
         if self.is_gradient_accumulation_boundary():
             # Early updates (unclipped fp32/bf16) or the two-phase norms: the chunks know which.
-            self.chunks.begin_last_backward(lr=self.lr, local_nonfinite=bool(self._window.nonfinite > 0))
+            self.chunks.begin_last_backward(lr=self.group_lrs, local_nonfinite=bool(self._window.nonfinite > 0))
         try:
             self.activations.begin_backward()
             try:
@@ -249,13 +243,13 @@ class Engine(EngineFacades):
         window_start = self._window.start_s or time.perf_counter()
         self._window = Window()
         losses_in_window = accumulation * self.dist_ctx.world_size
-        lr = self.lr
+        lr, group_lrs = self.lr, self.group_lrs
         updated, grad_norm = update_shards(
             totals,
             chunks=self.chunks,
             settings=self.settings,
             loss_scaler=self.loss_scaler,
-            lr=lr,
+            lr=group_lrs,
             update_number=self.global_step + 1,
             losses_in_window=losses_in_window,
         )

@@ -24,8 +24,10 @@ from runtime.console import ProgressReporter
 from runtime.device import DeviceInfo
 from runtime.distributed import DistContext
 from runtime.loaders import DataPosition
+from runtime.param_groups import optimizer_groups
 from runtime.sampler import ShardedSampler
 from runtime.training.loss_scale import DynamicLossScaler
+from runtime.training.schedule import lr_factor
 
 _E = TypeVar("_E", bound="EngineFacades")
 
@@ -75,6 +77,18 @@ class EngineFacades:
     @property
     def gradient_accumulation_steps(self) -> int:
         return self.settings.gradient_accumulation_steps
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next update (the top-level one; ``group_lrs`` has each)."""
+        return self.group_lrs[0]
+
+    @property
+    def group_lrs(self) -> tuple[float, ...]:
+        """Each parameter group's learning rate for the next update: the top level first, then
+        ``optimizer.groups`` in order, every peak scaled by the scheduler alike."""
+        factor = lr_factor(self.global_step, self.settings.schedule)
+        return tuple(group.lr * factor for group in optimizer_groups(self.settings.optimizer))
 
     # ---------------------------------------------------------------- using the model
 

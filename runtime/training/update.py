@@ -15,6 +15,7 @@ non-finite loss or an overflow.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,7 +69,7 @@ def update_shards(
     chunks: ChunkManager,
     settings: TrainingSettings,
     loss_scaler: DynamicLossScaler | None,
-    lr: float,
+    lr: Sequence[float],
     update_number: int,
     losses_in_window: int,
 ) -> tuple[bool, float | None]:
