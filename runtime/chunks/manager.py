@@ -41,6 +41,7 @@ from runtime.chunks.reduce import GradientReducer
 from runtime.chunks.residency import ChunkResidency, SavedAlias, check_buffers
 from runtime.chunks.side_stream import CollectiveQueue
 from runtime.chunks.store import AdamWHyper, Chunk, Segment, build_store, shard_segments
+from runtime.cpu_adam import GroupValues
 from runtime.device import DeviceInfo, MmapArena, SideStream, synchronize
 from runtime.distributed import DistContext, all_reduce_sum_
 
@@ -241,7 +242,7 @@ class ChunkManager:
             self.optimizer.disarm()
             self.reset_backward()
 
-    def begin_last_backward(self, *, lr: float, local_nonfinite: bool) -> None:
+    def begin_last_backward(self, *, lr: GroupValues, local_nonfinite: bool) -> None:
         """The coming backward ends the accumulation window: update offloaded chunks as their
         gradients arrive, overlapping the rest of backward (the engine calls this). The ranks
         first agree whether any saw a non-finite loss: one tiny all-reduce, queued ahead of the
@@ -283,10 +284,10 @@ class ChunkManager:
         self.drain()  # the host worker may still be adding reduced gradients into the shards
         self.optimizer.scale_grads_(factor)
 
-    def step(self, *, lr: float, active: torch.Tensor, grad_factors: tuple[float, ...] = ()) -> None:
-        """AdamW on every trainable shard (``active``: per parameter, whether any rank produced a
-        gradient this window; gradients multiplied by ``grad_factors`` first), then refresh the
-        device copies."""
+    def step(self, *, lr: GroupValues, active: torch.Tensor, grad_factors: tuple[float, ...] = ()) -> None:
+        """AdamW on every trainable shard at ``lr`` (one per parameter group, or one for all;
+        ``active``: per parameter, whether any rank produced a gradient this window; gradients
+        multiplied by ``grad_factors`` first), then refresh the device copies."""
         self.optimizer.step(lr=lr, active=active, grad_factors=grad_factors)
         self.refresh_full_copies()
 
