@@ -37,6 +37,7 @@ import torch
 from runtime.chunks.store import Chunk, ChunkStore
 from runtime.chunks.trace_labels import job_label
 from runtime.chunks.waits import ExposedWaits
+from runtime.cpu_adam import GroupValues
 from runtime.device import DeviceEvent, HostWorker
 from runtime.distributed import DistContext, all_reduce_sum_
 
@@ -53,7 +54,7 @@ class _Armed:
     """This window's last backward updates early: at ``lr``, once the ranks agreed (``agreed``)
     that none had a non-finite loss (``any_nonfinite`` > 0 otherwise)."""
 
-    lr: float
+    lr: GroupValues
     agreed: DeviceEvent
     any_nonfinite: torch.Tensor
 
@@ -138,7 +139,7 @@ class ChunkOptimizer:
         """Whether an offloaded trainable chunk can be updated early at all."""
         return self.speculative and any(not c.persistent for c in self.trainable_chunks())
 
-    def arm(self, *, lr: float, agreed: DeviceEvent, any_nonfinite: torch.Tensor) -> None:
+    def arm(self, *, lr: GroupValues, agreed: DeviceEvent, any_nonfinite: torch.Tensor) -> None:
         """The coming backward ends the window: update offloaded chunks as their gradients arrive,
         once ``agreed`` says the ranks' all-reduce of ``any_nonfinite`` is in. A non-finite loss
         on any rank skips the step, so then nothing is updated early; an early update is final
@@ -218,7 +219,7 @@ class ChunkOptimizer:
         for chunk in self.trainable_chunks():
             chunk.grad_shard.mul_(factor)
 
-    def step(self, *, lr: float, active: torch.Tensor, grad_factors: tuple[float, ...] = ()) -> None:
+    def step(self, *, lr: GroupValues, active: torch.Tensor, grad_factors: tuple[float, ...] = ()) -> None:
         """AdamW on every trainable shard (``active``: per parameter, whether any rank produced a
         gradient this window), each gradient multiplied by ``grad_factors`` first (unscale,
         clip), in that order. A chunk updated early is updated here only in the segments another
@@ -243,7 +244,7 @@ class ChunkOptimizer:
 
     @staticmethod
     def _updater(
-        chunk: Chunk, wanted: list[bool], lr: float, grad_factors: tuple[float, ...], *, zero: bool
+        chunk: Chunk, wanted: list[bool], lr: GroupValues, grad_factors: tuple[float, ...], *, zero: bool
     ) -> Callable[[], None]:
         @torch.no_grad()
         def update() -> None:
