@@ -187,6 +187,8 @@ def reduce_scatter_flat_(flat: torch.Tensor, group: dist.ProcessGroup | None = N
     size = flat.numel() // world
     if _is_gloo(group):
         _check_flat(flat, flat, size * world)
+        if flat.is_cuda:
+            return reduce_scatter_by_all_reduce_(flat, group)
         # As for the all-gather: gloo's flat reduce-scatter stages through temporaries on its
         # own threads (about 64 MiB kept per rank for 8 MiB), while one in-place reduce per
         # destination rank needs none and took half the time (8.5 vs 16 ms).
@@ -197,6 +199,24 @@ def reduce_scatter_flat_(flat: torch.Tensor, group: dist.ProcessGroup | None = N
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     scatter(output, flat, group=group)
     return output
+
+
+def reduce_scatter_by_all_reduce_(
+    flat: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """``reduce_scatter_flat_`` through one all-reduce of the whole of ``flat``: this rank's slice
+    of the sum (a view of ``flat``, which is scratch).
+
+    gloo over CUDA tensors: torch documents only broadcast and all-reduce for gloo on CUDA (its
+    source has a staged CUDA reduce too, but that is not promised), and this path only serves
+    several ranks sharing one GPU, where NCCL refuses (scripts/gpu_checks/two_ranks.py). Every
+    rank receives the whole sum, twice the bytes of the reduces, which no real run pays: ranks
+    on their own GPUs use NCCL's reduce-scatter. Two ranks' sums agree bit for bit either way."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    size = flat.numel() // world
+    _check_flat(flat, flat, size * world)
+    dist.all_reduce(flat, group=group)
+    return flat[rank * size :][:size]
 
 
 def _check_flat(flat: torch.Tensor, part: torch.Tensor, numel: int) -> None:
