@@ -68,8 +68,25 @@ def assert_matches_reference(
     (a tensor whose gradient is cancellation noise, e.g. an attention key bias), max|a - fp64| <=
     noise_factor * max|fp32 - fp64|: the engine is no farther from the exact run than PyTorch is.
     A well-conditioned tensor has a float64 floor far below rtol, so a real error fails both."""
+    problems = reference_mismatches(actual, fp32, fp64, rtol=rtol, noise_factor=noise_factor)
+    assert not problems, problems[0]
+
+
+def reference_mismatches(
+    actual: Mapping[str, torch.Tensor],
+    fp32: Mapping[str, torch.Tensor],
+    fp64: Mapping[str, torch.Tensor],
+    *,
+    rtol: float = RELATIVE_TOLERANCE,
+    noise_factor: float = NOISE_FLOOR_FACTOR,
+) -> list[str]:
+    """``assert_matches_reference``'s verdict without raising (for scripts that report every
+    result, e.g. scripts/gpu_check.py): one line per tensor the oracle refuses, empty when all
+    pass."""
     names = set(fp32)
-    assert set(actual) == names == set(fp64), f"names differ: {(set(actual) ^ names) | (names ^ set(fp64))}"
+    if not set(actual) == names == set(fp64):
+        return [f"names differ: {(set(actual) ^ names) | (names ^ set(fp64))}"]
+    problems = []
     for name, ref in fp32.items():
         got = actual[name].to(ref.dtype)
         diff = (got - ref).abs().max().item()
@@ -79,11 +96,13 @@ def assert_matches_reference(
         exact = fp64[name]
         floor = (ref.to(exact.dtype) - exact).abs().max().item()
         distance = (actual[name].to(exact.dtype) - exact).abs().max().item()
-        assert distance <= noise_factor * floor, (
-            f"{name}: max|a-b| = {diff:.3e} > {bound:.3e} (rtol {rtol:g}), and the float64 run does "
-            f"not explain it: max|a-fp64| = {distance:.3e} > {noise_factor:g} x {floor:.3e} (plain "
-            "fp32 PyTorch's distance from float64)"
-        )
+        if distance > noise_factor * floor:
+            problems.append(
+                f"{name}: max|a-b| = {diff:.3e} > {bound:.3e} (rtol {rtol:g}), and the float64 run does "
+                f"not explain it: max|a-fp64| = {distance:.3e} > {noise_factor:g} x {floor:.3e} (plain "
+                "fp32 PyTorch's distance from float64)"
+            )
+    return problems
 
 
 def assert_state_equal(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> None:
