@@ -198,7 +198,7 @@ def job_spec(
     return {
         "seed": SEED,
         "micro_batch_size": args.batch,
-        "precision": "fp32",
+        "precision": getattr(args, "precision", "fp32"),  # the GPU check runs these in bf16
         "optimizer": {"lr": LR, "weight_decay": WEIGHT_DECAY},
         "memory": memory,
         "profiler": {"cache_dir": cache_dir},

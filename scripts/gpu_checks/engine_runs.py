@@ -1,0 +1,100 @@
+"""What the speed sections (overlap, cost_model, capacity) share: engines built quietly, models
+built on the meta device and filled chunk by chunk, the device's peak memory over a span of steps,
+the waits an engine reports, and memory handed back between engines."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import io
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+SEED = 1234
+GIB = 1 << 30
+
+
+def quiet_initialize(model: nn.Module, spec: dict[str, Any], **kwargs: Any) -> Any:
+    """``runtime.initialize`` with its plan table and progress lines kept off the report's
+    output (the engine's console binds stdout when it is built)."""
+    import runtime
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        return runtime.initialize(model, config=spec, **kwargs)
+
+
+def meta_model(build: Callable[[], nn.Module]) -> tuple[nn.Module, Any]:
+    """``build()`` on the meta device, and the weights source that gives each parameter its
+    constructor's initial value as the engine fills its chunk (``runtime.weights.ModelInit``):
+    the model never exists whole in host memory, let alone twice (DESIGN section 4)."""
+    from accelerate import init_empty_weights
+
+    from runtime.weights import ModelInit
+
+    with init_empty_weights():
+        model = build()
+    return model, ModelInit(model, seed=SEED)
+
+
+def free_memory(device: torch.device) -> None:
+    """Collect garbage and hand freed memory back (heap pages; CUDA's cached blocks), so that
+    the next engine starts from a quiet device."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def allocated_bytes(device: torch.device) -> int:
+    """The device tier's bytes now: CUDA's allocator, or the C heap on CPU."""
+    from runtime.device import DeviceInfo, device_allocated_bytes
+
+    return device_allocated_bytes(DeviceInfo(device, "nccl" if device.type == "cuda" else "gloo"))
+
+
+@contextlib.contextmanager
+def device_peak(device: torch.device, model: nn.Module) -> Iterator[Callable[[], int]]:
+    """The highest device allocation while the block runs (read the result after it), through
+    the runtime's one memory counter (``runtime.memory_counter``): on CUDA the allocator's
+    ``max_memory_allocated``, which the engine's own plan check reads and resets at its hooks,
+    so only a ``PeakWindow`` sees every peak; read at every module's forward and every
+    gradient, as the engine reads it, and once more at the end (the optimizer step). On CPU
+    the C heap at the same hooks."""
+    from runtime.device import DeviceInfo
+    from runtime.memory_counter import PeakWindow, device_peak_since_last_sample, sample_at_hooks
+
+    info = DeviceInfo(device, "nccl" if device.type == "cuda" else "gloo")
+    window = PeakWindow(info)
+
+    def sample() -> None:  # returns nothing: a forward hook's return value replaces the output
+        device_peak_since_last_sample(info)
+
+    handles = sample_at_hooks(model, after_forward=sample, after_gradient=lambda _: sample())
+    highest: list[int] = []
+    window.open()
+    try:
+        yield lambda: highest[0]
+    finally:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        highest.append(window.close())
+        for handle in handles:
+            handle.remove()
+
+
+def update_records(output_dir: Path) -> list[dict[str, Any]]:
+    """The per-update records an engine wrote under ``output_dir`` (its metrics.jsonl; one
+    engine per directory): loss, step time, the exposed pipeline waits."""
+    paths = sorted(output_dir.glob("*/metrics.jsonl"))
+    if len(paths) != 1:
+        raise RuntimeError(f"expected one engine's metrics.jsonl under {output_dir}, found {len(paths)}")
+    lines = paths[0].read_text().splitlines()
+    return [record for record in map(json.loads, lines) if "step" in record and "waits" in record]
