@@ -10,6 +10,7 @@ Plain PyTorch is the suite's oracle (tests/helpers.py); this module only moves i
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
 from collections.abc import Iterator, Mapping
@@ -221,6 +222,7 @@ def device_peak(device: torch.device) -> Iterator[list[int]]:
     receives every reading, so none is lost). On CUDA the allocator's absolute peak
     (``max_memory_allocated``, everything allocated counts); on CPU the C heap's growth at the
     readings taken (a figure only: the heap is not a device). The list holds it afterwards."""
+    gc.collect()  # what earlier runs left in reference cycles must not count here
     info = DeviceInfo(device, "nccl" if device.type == "cuda" else "gloo")
     window = PeakWindow(info)
     result: list[int] = []
