@@ -406,16 +406,20 @@ def _sanitized(ctx: Context, size: Sizes, memory: dict[str, Any], reference: Ref
         ctx.check(
             "TORCH_CUDA_SANITIZER=1", None, "skipped: torch refuses it without CUDA", sanitizer="skipped"
         )
-    verdict, tail = run_in_child(job | {"out": str(out)}, sanitize=ctx.is_cuda, timeout_s=SANITIZER_TIMEOUT_S)
+    log = ctx.out / "equivalence-child.log"
+    verdict = run_in_child(
+        job | {"out": str(out)}, sanitize=ctx.is_cuda, timeout_s=SANITIZER_TIMEOUT_S, log=log
+    )
     name = (
         "one run under TORCH_CUDA_SANITIZER=1" if ctx.is_cuda else "one run in a child process (no sanitizer)"
     )
     if not (verdict.get("ok") is True and verdict.get("sanitizer") == ctx.is_cuda):
-        error = verdict.get("error", "").strip().splitlines()[-1:] or [tail]
+        error = (verdict.get("error") or "no verdict").strip().splitlines()[-1]
         ctx.check(
             name,
             False,
-            f"child exit {verdict.get('exit_code')}: {error[0]}",
+            f"child exit {verdict.get('exit_code')}, sanitizer on: {verdict.get('sanitizer')}: {error} "
+            f"(its output: {log.name})",
             sanitizer=verdict.get("sanitizer"),
         )
         return

@@ -64,27 +64,40 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_in_child(job: dict[str, Any], *, sanitize: bool, timeout_s: float) -> tuple[dict[str, Any], str]:
+def run_in_child(job: dict[str, Any], *, sanitize: bool, timeout_s: float, log: Path) -> dict[str, Any]:
     """Write ``job`` into its ``out``, run this file on it in a child process (with
     ``TORCH_CUDA_SANITIZER=1`` when ``sanitize``); the child's verdict (empty if it wrote none)
-    and the tail of its output."""
+    with its exit code. Its whole output goes to ``log`` (a sanitizer report is printed there,
+    with the stacks of both accesses), and the error, if any, after it."""
     out = Path(job["out"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "job.json").write_text(json.dumps(job))
     env = {key: value for key, value in os.environ.items() if key != "TORCH_CUDA_SANITIZER"}
     if sanitize:
         env["TORCH_CUDA_SANITIZER"] = "1"
-    child = subprocess.run(
-        [sys.executable, str(Path(__file__)), str(out / "job.json")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
+    try:
+        child = subprocess.run(
+            [sys.executable, str(Path(__file__)), str(out / "job.json")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        output, code = child.stdout + child.stderr, child.returncode
+    except subprocess.TimeoutExpired as expired:  # subprocess.run killed it
+        # What it printed so far (bytes here, whatever ``text`` says).
+        output = "".join(
+            part.decode(errors="replace") if isinstance(part, bytes) else part or ""
+            for part in (expired.stdout, expired.stderr)
+        )
+        code = None
     verdict_path = out / "verdict.json"
     verdict = json.loads(verdict_path.read_text()) if verdict_path.exists() else {}
-    verdict["exit_code"] = child.returncode
-    return verdict, (child.stderr or child.stdout or "")[-600:]
+    verdict["exit_code"] = code
+    log.write_text(
+        output + "\n" + verdict.get("error", "" if code is not None else f"killed after {timeout_s} s")
+    )
+    return verdict
 
 
 def main(argv: list[str]) -> int:
