@@ -45,8 +45,10 @@ def refuse_foreign_activation_handling(model: nn.Module, blocks: list[nn.Module]
     """Activation modes wrap the blocks' forwards and hook every saved tensor: a model that
     already recomputes its blocks itself or was compiled as a whole would bypass or break that,
     so it is refused with what to do instead."""
-    # Hugging Face marks the modules that recompute with a gradient_checkpointing attribute.
-    if any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):
+    # Hugging Face marks the modules that recompute with a gradient_checkpointing attribute of
+    # their own (read from the instance: a wrapper such as a PeftModel forwards unknown
+    # attributes to the model inside, through properties that warn).
+    if any(vars(module).get("gradient_checkpointing") is True for module in model.modules()):
         raise ValueError(
             "the model has Hugging Face gradient checkpointing enabled; call "
             "model.gradient_checkpointing_disable() and let ProTrain recompute blocks instead "

@@ -102,6 +102,21 @@ def groups_table(model: nn.Module, params: Sequence[ParamInfo], optimizer: Optim
     return table
 
 
+def frozen_note(params: Sequence[ParamInfo], compute_element_size: int) -> str | None:
+    """What frozen parameters (a LoRA base, say) save, when the model has any: they sit in
+    frozen chunks with their compute copy only, no fp32 master, gradient or Adam moments."""
+    frozen = sum(p.numel for p in params if not p.trainable)
+    if not frozen:
+        return None
+    total = sum(p.numel for p in params)
+    saved = frozen * (16 - compute_element_size)  # fp32 master, gradient, two moments vs one copy
+    return (
+        f"frozen: {frozen:,} of {total:,} parameters ({100 * frozen / total:.1f}%) in frozen chunks, "
+        f"with no gradient or optimizer state: {saved / 2**20:,.1f} MiB less than training them "
+        f"({16 - compute_element_size} bytes per parameter)"
+    )
+
+
 class MetricsFile:
     """Appends one JSON object per line; flushed per line so a crash loses nothing committed."""
 
@@ -142,12 +157,14 @@ class ProgressReporter:
         self._task: Any = None
         self._line_every = max(1, (total_steps or 100) // 20)
 
-    def show_plan(self, plan: Plan, groups: Table | None = None) -> None:
-        """The plan's table, and (when the spec sets ``optimizer.groups``) the groups' table."""
+    def show_plan(self, plan: Plan, extras: Sequence[Table | str | None] = ()) -> None:
+        """The plan's table, then what else describes the run (the optimizer groups' table, the
+        frozen parameters' line; None entries are skipped)."""
         if self.enabled:
             self.console.print(plan_table(plan))
-            if groups is not None:
-                self.console.print(groups)
+            for extra in extras:
+                if extra is not None:
+                    self.console.print(extra)
 
     def print(self, text: str) -> None:
         if self.enabled:

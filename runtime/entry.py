@@ -34,7 +34,7 @@ from runtime.config.spec_io import (
     read_resolved,
     validate_spec,
 )
-from runtime.console import MetricsFile, ProgressReporter, groups_table, plan_table
+from runtime.console import MetricsFile, ProgressReporter, frozen_note, groups_table, plan_table
 from runtime.device import DeviceInfo, select_device
 from runtime.distributed import (
     DistContext,
@@ -46,7 +46,7 @@ from runtime.distributed import (
 )
 from runtime.planning.apply_plan import PlanTarget, apply_plan
 from runtime.planning.budgets import auto_device_budget, resolve_budgets
-from runtime.planning.model_facts import check_supported, model_blocks
+from runtime.planning.model_facts import check_supported, compute_element_size, model_blocks
 from runtime.planning.planner import Profilers, build_planner
 from runtime.planning.replanner import Replanner
 from runtime.training import live_engines
@@ -245,7 +245,11 @@ def _build_engine(
         enabled=dist_ctx.is_main,
         name=None if reseed else f"engine {claim.label}",
     )
-    reporter.show_plan(plan, groups_table(model, params, training.optimizer))
+    extras = (
+        groups_table(model, params, training.optimizer),
+        frozen_note(params, compute_element_size(training.precision)),
+    )
+    reporter.show_plan(plan, extras)
     if metrics is not None:
         metrics.write({"event": "plan", "plan": plan.to_dict()})
     engine = Engine(

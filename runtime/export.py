@@ -17,6 +17,10 @@ module writes that state in the two forms people load elsewhere:
 - ``export_hf``: a Hugging Face directory (``config.json``, ``model.safetensors``, the generation
   config) for a ``transformers.PreTrainedModel``, written by transformers' own ``save_pretrained``
   so its tie handling and name conventions apply; ``from_pretrained`` re-ties on load.
+- ``export_adapter``: a PEFT adapter directory (``adapter_config.json``,
+  ``adapter_model.safetensors``) for a ``peft.PeftModel``, written by PEFT's own
+  ``save_pretrained`` from our state dict, so it holds exactly what PEFT saves (the adapters and
+  ``modules_to_save``, by PEFT's names) and ``PeftModel.from_pretrained(base, path)`` loads it.
 
 Values come only from the state dict passed in: the live model inside an engine may hold
 placeholders (one NaN element seen through stride-0 views), so its parameters are never read;
@@ -212,6 +216,52 @@ def _write_atomically(tensors: dict[str, torch.Tensor], path: Path, header: dict
     fsync_path(path.parent)
 
 
+# ------------------------------------------------------------------------- a PEFT adapter directory
+
+
+def export_adapter(
+    model: nn.Module,
+    state_dict: Mapping[str, torch.Tensor],
+    directory: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write the adapters of a ``peft.PeftModel`` as PEFT saves them (every adapter of the model;
+    one other than "default" in a subdirectory of its name, as PEFT does); returns the path.
+    Values come from ``state_dict`` (the model's full names), PEFT picks the adapter entries and
+    renames them. ``dtype`` casts floating tensors; ``overwrite`` as for ``export_hf``."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise TypeError("adapter_only export needs peft installed and a peft.PeftModel") from None
+    if not isinstance(model, PeftModel):
+        raise TypeError(
+            f"adapter_only export needs a peft.PeftModel, got {type(model).__name__}; export the "
+            "whole model instead (hf=True or a safetensors file)"
+        )
+    _check_dtype(dtype)
+    target = Path(directory)
+    _check_target(target, overwrite)
+    _refuse_placeholders(state_dict)
+    tensors = {name: _prepared(value, dtype) for name, value in state_dict.items()}
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
+    try:
+        model.save_pretrained(str(tmp), state_dict=tensors, is_main_process=True)
+        written = sorted(tmp.rglob("adapter_model.safetensors"))
+        if not written:
+            raise RuntimeError(f"PEFT's save_pretrained wrote no adapter weights into {tmp}")
+        for path in sorted(tmp.rglob("*")):
+            if path.is_file():
+                fsync_path(path)
+        _move_into_place(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_path(target.parent)
+    return target
+
+
 # ---------------------------------------------------------------------- a Hugging Face directory
 
 
@@ -358,14 +408,18 @@ def export_from_main_rank(
     hf: bool,
     dtype: torch.dtype | None,
     dist_ctx: DistContext,
+    adapter_only: bool = False,
 ) -> None:
-    """Rank 0 writes ``state`` (a safetensors file, or with ``hf`` a Hugging Face directory);
+    """Rank 0 writes ``state`` (a safetensors file, with ``hf`` a Hugging Face directory, with
+    ``adapter_only`` a PEFT adapter directory);
     every rank calls it and learns how rank 0 did (none returns before the file exists, none
     waits forever on a rank 0 that failed), and fails alike."""
     failure: BaseException | None = None
     if dist_ctx.is_main:
         try:
-            if hf:
+            if adapter_only:
+                export_adapter(module, state, target, dtype=dtype)
+            elif hf:
                 export_hf(module, state, target, dtype=dtype)
             else:
                 export_safetensors(state, target, model=module, dtype=dtype)

@@ -110,18 +110,30 @@ class EngineFacades:
         return result
 
     def export(
-        self, path: str | os.PathLike[str], *, hf: bool = False, dtype: torch.dtype | None = None
+        self,
+        path: str | os.PathLike[str],
+        *,
+        hf: bool = False,
+        adapter_only: bool = False,
+        dtype: torch.dtype | None = None,
     ) -> Path:
         """Write the trained weights for use without ProTrain (every rank calls it; rank 0
         writes): one consolidated safetensors file at ``path`` (tied weights stored once, see
-        ``runtime.export``), or with ``hf=True`` a Hugging Face directory for a transformers
-        model. ``dtype`` casts floating tensors (e.g. ``torch.bfloat16``); default fp32."""
+        ``runtime.export``), with ``hf=True`` a Hugging Face directory for a transformers model,
+        with ``adapter_only=True`` the PEFT adapter directory of a ``peft.PeftModel`` (what
+        ``PeftModel.from_pretrained(base, path)`` loads). ``dtype`` casts floating tensors (e.g.
+        ``torch.bfloat16``); default: as trained (fp32 masters)."""
         from runtime.export import export_from_main_rank
 
+        if hf and adapter_only:
+            raise ValueError("export: hf=True and adapter_only=True exclude each other; choose one")
         state = self.state_dict()  # a collective: every rank takes part in the gathers
         target = Path(path)
-        export_from_main_rank(self.module, state, target, hf=hf, dtype=dtype, dist_ctx=self.dist_ctx)
-        self.log(f"exported {'Hugging Face directory' if hf else 'safetensors'} {target}")
+        export_from_main_rank(
+            self.module, state, target, hf=hf, adapter_only=adapter_only, dtype=dtype, dist_ctx=self.dist_ctx
+        )
+        kind = "PEFT adapter directory" if adapter_only else "Hugging Face directory" if hf else "safetensors"
+        self.log(f"exported {kind} {target}")
         return target
 
     # ---------------------------------------------------------------- data
