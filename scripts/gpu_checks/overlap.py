@@ -315,7 +315,7 @@ def run(ctx: Context) -> None:
     )
     parts = parse_trace(trace, cuda=ctx.is_cuda, main_tid=threading.main_thread().native_id)
     shares = trace_overlap(parts)
-    report_labels(ctx, shares, run_plan.num_chunks)
+    report_labels(ctx, parts, shares, run_plan.num_chunks)
     report_shares(ctx, shares, parts.compute_source, parts.unlabelled_copy_s)
     profile = run_profile if run_profile is not None else record["model"][0]
     report_chunks(ctx, shares, profile, hardware, run_plan.chunk_size, choice.micro_batch)

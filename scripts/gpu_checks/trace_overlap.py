@@ -105,6 +105,8 @@ class TraceParts:
     """(kind, chunk) -> the intervals of that work."""
     unlabelled_copy_s: float = 0.0
     """Device copies no label claims (the batch's upload, the loss read back), seconds."""
+    labels: int = 0
+    """Job labels in the trace (on CUDA, a transfer label claims work only through its copies)."""
 
 
 def _events(trace: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -145,7 +147,8 @@ def parse_trace(trace: Mapping[str, Any], *, cuda: bool, main_tid: int) -> Trace
             if kind in TRANSFER_KINDS:
                 work[(kind, chunk)].append(span)
         compute = [_span(e) for e in events if _category(e) == "cpu_op" and e.get("tid") == main_tid]
-        return TraceParts(compute=union(compute), compute_source=f"main thread {main_tid}", work=dict(work))
+        source = f"main thread {main_tid}"
+        return TraceParts(compute=union(compute), compute_source=source, work=dict(work), labels=len(labels))
     stream_time: dict[Any, float] = defaultdict(float)
     for event in events:
         if _category(event) == "kernel":
@@ -167,6 +170,7 @@ def parse_trace(trace: Mapping[str, Any], *, cuda: bool, main_tid: int) -> Trace
         compute_source=f"CUDA stream {compute_stream}",
         work=dict(work),
         unlabelled_copy_s=unlabelled * 1e-6,
+        labels=len(labels),
     )
 
 
