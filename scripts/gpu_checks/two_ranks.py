@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 from dataclasses import asdict
 from datetime import timedelta
@@ -132,8 +133,9 @@ def _spawn(job: dict[str, Any]) -> list[dict[str, Any]]:
     ranks = [context.Process(target=_rank_main, args=(rank, job), daemon=True) for rank in range(WORLD)]
     for process in ranks:
         process.start()
+    deadline = time.monotonic() + DEADLINE_S
     for process in ranks:
-        process.join(DEADLINE_S)
+        process.join(max(0.0, deadline - time.monotonic()))
     hung = [rank for rank, process in enumerate(ranks) if process.is_alive()]
     for rank in hung:
         ranks[rank].kill()
