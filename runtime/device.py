@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -50,6 +51,20 @@ def select_device(local_rank: int) -> DeviceInfo:
         torch.cuda.set_device(index)
         return DeviceInfo(torch.device("cuda", index), "nccl")
     return DeviceInfo(torch.device("cpu"), "gloo")
+
+
+def host_worker_threads(info: DeviceInfo) -> int:
+    """Intra-op threads for the host worker's arithmetic (CPU Adam, gradient adds, norms). On CPU
+    compute runs on the same cores, so one: the worker must not take them from backward. On CUDA
+    compute runs on the GPU, and the host's cores are free but for the main thread issuing
+    kernels and the side-stream thread: this rank's share of the cores the process may use
+    (``LOCAL_WORLD_SIZE`` ranks per node), less those two. CPU Adam over a few billion
+    parameters on one thread would take seconds per update and could not hide behind a step."""
+    if not info.is_cuda:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    return max(1, cores // ranks_here - 2)
 
 
 def cuda_device_count() -> int:

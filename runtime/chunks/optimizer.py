@@ -38,7 +38,7 @@ from runtime.chunks.store import Chunk, ChunkStore
 from runtime.chunks.trace_labels import job_label
 from runtime.chunks.waits import ExposedWaits
 from runtime.cpu_adam import GroupValues
-from runtime.device import DeviceEvent, HostWorker
+from runtime.device import DeviceEvent, HostWorker, host_worker_threads
 from runtime.distributed import DistContext, all_reduce_sum_
 
 
@@ -82,7 +82,7 @@ class ChunkOptimizer:
         worker as the window's last backward ended for it."""
         self._pending_updates: dict[int, DeviceEvent] = {}
         """Two-phase: the host worker's update of each offloaded chunk since the last drain."""
-        self._worker = HostWorker("protrain-host-worker")
+        self._worker = HostWorker("protrain-host-worker", threads=host_worker_threads(store.device))
         self._armed: _Armed | None = None
         self._last_job: DeviceEvent | None = None
         """The last job queued on the host worker (every job runs in order)."""

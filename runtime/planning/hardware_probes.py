@@ -24,7 +24,7 @@ import torch
 from profiler.profile import HardwareProfile, cache_key
 from runtime.activations.ssd_store import measure_disk_rates
 from runtime.cpu_adam import ShardAdamW
-from runtime.device import DeviceInfo, release_free_memory, synchronize
+from runtime.device import DeviceInfo, host_worker_threads, release_free_memory, synchronize
 from runtime.distributed import (
     DistContext,
     all_gather_flat,
@@ -71,7 +71,9 @@ def hardware_profile(
 
 def measure_hardware(device: DeviceInfo, dist_ctx: DistContext | None, *, world_size: int) -> HardwareProfile:
     h2d, d2h = _copy_rates(device)
-    cpu_adam, cpu_segment = _in_thread(lambda: _adam_rate(torch.device("cpu"), threads=1))
+    # With the host worker's thread count: its rate is what the cost model's host term needs.
+    threads = host_worker_threads(device)
+    cpu_adam, cpu_segment = _in_thread(lambda: _adam_rate(torch.device("cpu"), threads=threads))
     device_adam, device_segment = _adam_rate(device.device, threads=None)
     if world_size == 1:
         gather = scatter = float("inf")

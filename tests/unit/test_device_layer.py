@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import pytest
 import torch
 
-from runtime.device import PAGE_BYTES, DeviceInfo, MmapArena, SideStream, malloc_in_use_bytes
+from runtime.device import (
+    PAGE_BYTES,
+    DeviceInfo,
+    MmapArena,
+    SideStream,
+    host_worker_threads,
+    malloc_in_use_bytes,
+)
 
 CPU = DeviceInfo(torch.device("cpu"), "gloo")
 
@@ -105,3 +113,20 @@ def test_freed_heap_pages_go_back_to_the_os() -> None:
     release_free_memory(DeviceInfo(torch.device("cpu"), "gloo"))
     assert before - resident_mib() > 100, "about 200 MiB of freed heap should be returned"
     assert float(keep_last.sum()) == 16 * 1024
+
+
+def test_the_host_worker_takes_one_core_on_cpu_and_the_free_cores_beside_a_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CPU, backward computes on the cores the host worker would take; beside a GPU they are
+    free but for the main and side-stream threads, shared among this node's ranks."""
+    cpu = DeviceInfo(torch.device("cpu"), "gloo")
+    gpu = DeviceInfo(torch.device("cuda", 0), "nccl")  # only its kind is read: no GPU needed
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert host_worker_threads(cpu) == 1
+    assert host_worker_threads(gpu) == 14
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert host_worker_threads(gpu) == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert host_worker_threads(gpu) == 1
