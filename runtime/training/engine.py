@@ -100,6 +100,7 @@ class Engine(EngineFacades):
         """This rank's resumable sampler (see ``data_sampler``), saved with checkpoints."""
         self._stop_done = False
         self._window = Window()
+        self._window_steps, self._boundary, self._backward_closes, self._step_applied = 0, None, None, False
         self._closed = False
         self._torn: str | None = None
         """Why training cannot go on (a failed backward left early updates half applied)."""
@@ -114,10 +115,6 @@ class Engine(EngineFacades):
     def replans(self) -> int:
         """Plans switched to because the measured peak exceeded the prediction."""
         return 0 if self._replanner is None else self._replanner.replans
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the next ``step()`` call will update the parameters."""
-        return (self.micro_step + 1) % self.settings.gradient_accumulation_steps == 0
 
     # ---------------------------------------------------------------- the call protocol
 
@@ -170,17 +167,21 @@ class Engine(EngineFacades):
     def _training(self) -> bool:
         return self.module.training and torch.is_grad_enabled()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale). If it
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
+        """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale);
+        ``scale_wrt_gas=False``: of ``loss`` itself, which the caller normalised over the window
+        (as a Trainer does), and the window's reported loss is then the sum of its losses. If it
         raises, the accumulation window's gradients are dropped (see ``_abandon_window``)."""
         self._refuse_if_torn()
         if loss.dim() != 0:
             raise ValueError(f"backward expects a scalar loss, got shape {tuple(loss.shape)}")
         self._window.add_loss(loss)
-        scaled = loss / self.settings.gradient_accumulation_steps
+        self._window.normalised = not scale_wrt_gas
+        scaled = loss / self.settings.gradient_accumulation_steps if scale_wrt_gas else loss
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
-        if self.is_gradient_accumulation_boundary():
+        self._backward_closes = self.is_gradient_accumulation_boundary()
+        if self._backward_closes:
             # Early updates (unclipped fp32/bf16) or the two-phase norms: the chunks know which.
             self.chunks.begin_last_backward(lr=self.group_lrs, local_nonfinite=bool(self._window.nonfinite > 0))
         try:
@@ -215,8 +216,8 @@ class Engine(EngineFacades):
                 "to go on"
             )
         self.chunks.zero_grad()
-        self.micro_step -= self.micro_step % self.settings.gradient_accumulation_steps
-        self._window = Window()
+        self.micro_step -= self._window_steps
+        self._window, self._window_steps, self._backward_closes = Window(), 0, None
         self.log("backward failed: this accumulation window's gradients were dropped")
 
     def _refuse_if_torn(self) -> None:
@@ -227,22 +228,25 @@ class Engine(EngineFacades):
         """Count one micro-batch; at the accumulation boundary, update. Returns whether the
         parameters changed."""
         self._refuse_if_torn()
+        closes = self._closes_window()
         self.micro_step += 1
-        if self.micro_step % self.settings.gradient_accumulation_steps != 0:
-            return False
-        return self._finish_window()
+        self._window_steps += 1
+        self._backward_closes = None
+        return self._finish_window() if closes else False
 
     # ---------------------------------------------------------------- the update
 
     def _finish_window(self) -> bool:
-        accumulation = self.settings.gradient_accumulation_steps
+        micro_batches, normalised = self._window_steps, self._window.normalised
         stop = self._stop is not None and self._stop.requested
         totals = sum_window(self._window, self.chunks, self.dist_ctx, stop=stop)
         self.samples_consumed += totals.samples
-        self.data_position.consume_window(accumulation)
+        self.data_position.consume_window(micro_batches)
         window_start = self._window.start_s or time.perf_counter()
-        self._window = Window()
-        losses_in_window = accumulation * self.dist_ctx.world_size
+        self._window, self._window_steps = Window(), 0
+        losses_in_window = micro_batches * self.dist_ctx.world_size
+        # A caller-normalised window's losses add up to its loss (one sum per rank to average).
+        loss_divisor = self.dist_ctx.world_size if normalised else losses_in_window
         lr, group_lrs = self.lr, self.group_lrs
         updated, grad_norm = update_shards(
             totals,
@@ -253,16 +257,18 @@ class Engine(EngineFacades):
             update_number=self.global_step + 1,
             losses_in_window=losses_in_window,
         )
+        self._step_applied, self._global_grad_norm = updated, grad_norm
         if updated:
             self.global_step += 1
         else:
             self.skipped_steps += 1
+        self._lrs_updated()
         synchronize(self.device_info)
         elapsed = time.perf_counter() - window_start
         self._report(
             StepRecord(
                 step=self.global_step + self.skipped_steps,
-                loss=totals.loss_sum / losses_in_window if not totals.nonfinite else float("nan"),
+                loss=float("nan") if totals.nonfinite else totals.loss_sum / loss_divisor,
                 lr=lr,
                 grad_norm=grad_norm,
                 step_time_s=elapsed,
@@ -317,7 +323,7 @@ class Engine(EngineFacades):
         ``runtime.planning.plan_switch``). Every rank calls it, between updates."""
         if self._replanner is None:
             raise RuntimeError("this engine cannot switch plans (it was not built by runtime.initialize)")
-        if self.micro_step % self.settings.gradient_accumulation_steps != 0:
+        if self._window_steps != 0:
             raise RuntimeError("switch_plan in the middle of an accumulation window")
         self.checkpointer.wait()
         # The old activation manager goes first: the new one may reuse its file directory.

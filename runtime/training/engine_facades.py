@@ -9,6 +9,7 @@ protocol (forward, backward, step) and the plan in force.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,6 +28,7 @@ from runtime.loaders import DataPosition
 from runtime.param_groups import optimizer_groups
 from runtime.sampler import ShardedSampler
 from runtime.training.loss_scale import DynamicLossScaler
+from runtime.training.optimizer_facade import EngineOptimizer, build_engine_optimizer
 from runtime.training.schedule import lr_factor
 
 _E = TypeVar("_E", bound="EngineFacades")
@@ -49,6 +51,21 @@ class EngineFacades:
     micro_step: int
     resumed_from: Path | None
     _torn: str | None
+    _window_steps: int
+    """Micro-batches ``step()`` counted in the window in progress."""
+    _boundary: bool | None
+    """The caller's end-of-window signal (``set_gradient_accumulation_boundary``)."""
+    _backward_closes: bool | None
+    """Whether the last backward was its window's last (it started the early updates); None
+    once its ``step()`` counted it."""
+    _step_applied: bool
+    _global_grad_norm: float | None = None
+
+    lr_from_optimizer: bool = False
+    """True: the learning rates are the ``lr`` of ``engine.optimizer``'s param groups, which a
+    scheduler of the caller's writes (a Trainer's); the spec's schedule no longer applies, and
+    checkpoints leave the learning rate to that scheduler's own state."""
+    _optimizer: EngineOptimizer | None = None
 
     _reporter: ProgressReporter
 
@@ -86,11 +103,88 @@ class EngineFacades:
     @property
     def group_lrs(self) -> tuple[float, ...]:
         """Each parameter group's learning rate for the next update: the top level first, then
-        ``optimizer.groups`` in order, every peak scaled by the scheduler alike."""
+        ``optimizer.groups`` in order, every peak scaled by the scheduler alike; with
+        ``lr_from_optimizer``, the ``lr`` of ``engine.optimizer``'s groups."""
+        if self.lr_from_optimizer:
+            return self.optimizer.lrs()
+        return self._scheduled_lrs()
+
+    def _scheduled_lrs(self) -> tuple[float, ...]:
         factor = lr_factor(self.global_step, self.settings.schedule)
         return tuple(group.lr * factor for group in optimizer_groups(self.settings.optimizer))
 
+    @property
+    def optimizer(self) -> EngineOptimizer:
+        """The optimizer as ``torch.optim`` code sees it: one param group per optimizer group
+        (see ``runtime.training.optimizer_facade``); made on first use."""
+        if self._optimizer is None:
+            self._optimizer = build_engine_optimizer(
+                self.module,
+                self.settings.optimizer,
+                lrs=self._scheduled_lrs(),
+                step_applied=self.was_step_applied,
+            )
+        return self._optimizer
+
+    def _lrs_updated(self) -> None:
+        """After an update: the facade shows the spec schedule's next learning rates (unless a
+        scheduler of the caller's owns them)."""
+        if self._optimizer is not None and not self.lr_from_optimizer:
+            self._optimizer.set_lrs(self._scheduled_lrs())
+
+    # ---------------------------------------------------------------- the accumulation window
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next ``step()`` call will update the parameters: the caller's signal
+        when it gave one, else at every gradient_accumulation_steps-th micro-batch."""
+        if self._boundary is not None:
+            return self._boundary
+        return self._window_steps + 1 >= self.settings.gradient_accumulation_steps
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """DeepSpeed's end-of-window signal: True, the coming micro-batch ends the window whatever
+        its length (a Trainer's last window of an epoch can be short); False, it does not; None,
+        count gradient_accumulation_steps again. It holds until changed; set it before the
+        micro-batch's backward (the window's last backward starts its early updates)."""
+        self._boundary = is_boundary
+
+    def _closes_window(self) -> bool:
+        """Whether the ``step()`` being made ends the window, as its backward was told."""
+        closes = self.is_gradient_accumulation_boundary()
+        if self._backward_closes is not None and closes != self._backward_closes:
+            raise RuntimeError(
+                "the accumulation boundary changed between backward and step: call "
+                "set_gradient_accumulation_boundary before the micro-batch's backward"
+            )
+        return closes
+
+    def was_step_applied(self) -> bool:
+        """Whether the last update changed the parameters (False: skipped for a non-finite loss
+        or an fp16 overflow, or no update yet), as DeepSpeed's ``was_step_applied``."""
+        return self._step_applied
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm of the last update, before clipping (DeepSpeed's name);
+        None when it was not taken (no clipping, no fp16 loss scaling: it costs a pass)."""
+        return self._global_grad_norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do between windows (each update drops its window's gradients), where
+        training loops call it; in the middle of a window it raises rather than drop part of it."""
+        if self._window_steps != 0 or self._backward_closes is not None:
+            raise RuntimeError(
+                "zero_grad in the middle of an accumulation window: the engine drops a window's "
+                "gradients itself after its update"
+            )
+
     # ---------------------------------------------------------------- using the model
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The model's parameters (chunk-managed: one not on the device may be empty)."""
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(prefix, recurse)
 
     def train(self: _E, mode: bool = True) -> _E:
         self.module.train(mode)
@@ -162,7 +256,7 @@ class EngineFacades:
         root = Path(directory) if directory is not None else self.checkpointer.settings.dir
         if root is None:
             raise ValueError("save_checkpoint needs a directory: pass one or set checkpoint.dir")
-        if self.micro_step % self.settings.gradient_accumulation_steps != 0:
+        if self._window_steps != 0:
             raise RuntimeError(
                 "save_checkpoint in the middle of an accumulation window: call it after engine.step() "
                 "has updated the parameters"
@@ -202,7 +296,7 @@ class EngineFacades:
         return None if found is None else self._load(found)
 
     def _load(self, checkpoint: Checkpoint) -> Path:
-        if self.micro_step % self.settings.gradient_accumulation_steps != 0:
+        if self._window_steps != 0:
             raise RuntimeError("load_checkpoint in the middle of an accumulation window")
         manifest = self.checkpointer.load(checkpoint, log=self.log)
         self._torn = None  # every parameter and moment comes from the checkpoint again

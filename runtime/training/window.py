@@ -27,6 +27,8 @@ class Window:
     """How many of its losses were not finite."""
     tokens: int = 0
     samples: int = 0
+    normalised: bool = False
+    """Its losses came normalised over the window by the caller (``backward(scale_wrt_gas=False)``)."""
 
     def count_batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.tokens += count_tokens(args, kwargs)
