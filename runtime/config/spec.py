@@ -274,6 +274,37 @@ class CheckpointSpec(SpecModel):
         return self
 
 
+class WandbSpec(SpecModel):
+    """Weights & Biases, used only when its package is installed."""
+
+    project: Text
+    """The W&B project the run goes to."""
+    name: Text | None = None
+    """The run's name (null: W&B picks one)."""
+
+
+class TraceSpec(SpecModel):
+    """A profiler trace of a few updates (Chrome JSON per rank under the run folder)."""
+
+    start_step: PositiveInt
+    """The first optimizer update traced (1: the first)."""
+    steps: PositiveInt = 2
+    """Updates traced from there."""
+
+
+class LoggingSpec(SpecModel):
+    """Where the training metrics go besides metrics.jsonl and the console (rank 0 only)."""
+
+    every_steps: PositiveInt = 1
+    """Write the metrics to the trackers every this many optimizer updates."""
+    tensorboard: Bool = False
+    """TensorBoard event files under the run folder (needs the tensorboard package)."""
+    wandb: WandbSpec | None = None
+    """Weights & Biases: {project, name}; null: off."""
+    trace: TraceSpec | None = None
+    """A profiler trace of updates start_step .. start_step + steps - 1; null: off."""
+
+
 class Spec(SpecModel):
     """A ProTrain job."""
 
@@ -303,6 +334,8 @@ class Spec(SpecModel):
     """protrain-run's launch settings."""
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     """Checkpoints and resume."""
+    logging: LoggingSpec = Field(default_factory=LoggingSpec)
+    """Metrics trackers and profiler traces."""
     output_dir: Text = "runs"
     """Each launch writes its resolved spec and metrics.jsonl under a new folder here."""
 

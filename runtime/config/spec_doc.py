@@ -39,6 +39,8 @@ def _default_text(model: type[BaseModel], name: str) -> str:
     info = model.model_fields[name]
     if info.default_factory is not None:
         return "(section)"
+    if info.is_required():
+        return "(required)"
     value = info.default
     if isinstance(value, Enum):
         value = value.value
@@ -65,7 +67,7 @@ def reference_rows(model: type[BaseModel] = Spec, prefix: tuple[str, ...] = ()) 
 
 
 def _markdown_row(row: ReferenceRow) -> str:
-    default = row.default if row.default == "(section)" else f"`{row.default}`"
+    default = row.default if row.default in ("(section)", "(required)") else f"`{row.default}`"
     cells = (f"`{row.key}`", row.allowed.replace("|", "\\|"), default, row.meaning.replace("|", "\\|"))
     return "| " + " | ".join(cells) + " |"
 
