@@ -7,6 +7,13 @@ Time (one micro-batch; PAPERS.md "Cost models"), with chunks in execution order 
 
     step     = forward + max(backward + device_adam, host) + update   # the host worker overlaps backward
     host     = offloaded shards' CPU Adam + the adds of their reduced gradients into the fp32 shards
+
+A window whose update needs the global gradient norm first (gradient clipping, fp16's overflow
+check: ``updates_after_norm``) updates no chunk early; where host work overlaps compute it takes
+the two-phase step, whose CPU Adam runs beside the next forward (each chunk's gather waiting for
+its update) while the adds still run beside backward::
+
+    step     = max(forward, cpu adam) + max(backward + device_adam, adds) + update
     device_adam = persistent shards' update (per element + per parameter segment)
                   + (world > 1) the all-gather refreshing their full copy
     update   = the gradient norm's read and the zeroing write over every trainable shard
@@ -46,8 +53,7 @@ Block modes other than keep (profiler/activation_cost.py) add their exposed tran
 recompute time to forward and backward, replace the saved activations by their own peak, and add
 swapped blocks to host memory.
 
-Host memory: the offloaded chunks' fp32 master, gradient and moment shards (plus a snapshot of
-master and moments when early CPU Adam updates may be undone, i.e. with gradient clipping).
+Host memory: the offloaded chunks' fp32 master, gradient and moment shards.
 Every formula is O(1) per plan: per chunk size, ``chunk_costs`` builds prefix sums once.
 """
 
@@ -110,6 +116,11 @@ class Prediction:
     device_adam_s: float
     cpu_adam_s: float
     """The host worker's time: offloaded shards' CPU Adam and the adds of their gradients."""
+    host_adds_s: float
+    """Of ``cpu_adam_s``, the adds of reduced gradients into the fp32 shards (they run beside
+    backward in every update mode)."""
+    updates_after_norm: bool
+    """The update waits for the global norm (clipping, fp16): the two-phase step's timing."""
     peak_device_bytes: int
     host_bytes: int
     persistent_bytes: int
@@ -252,9 +263,11 @@ def predict(
     n_persist: int,
     n_buffer: int,
     activations: ActivationCost | None = None,
+    updates_after_norm: bool = False,
 ) -> Prediction:
     """Step time and memory of the plan (``costs.chunk_size``, ``n_persist``, ``n_buffer``), with
-    the block modes' ``activations`` cost (profiler.activation_cost; None: every block keeps)."""
+    the block modes' ``activations`` cost (profiler.activation_cost; None: every block keeps).
+    ``updates_after_norm``: clipping or fp16 (see the module docstring)."""
     n = costs.num_chunks
     p = n_persist
     if not 0 <= p <= n:
@@ -278,9 +291,11 @@ def predict(
     device_adam += _span(costs.adam_segments, 0, p) * segment + _span(costs.refresh, 0, p)
     cpu_adam = _span(costs.adam_params, p, n) / hardware.cpu_adam_params_per_s
     cpu_adam += _span(costs.adam_segments, p, n) * segment
-    cpu_adam += _span(costs.host_adds, p, n)  # the same host worker, in order
+    host_adds = _span(costs.host_adds, p, n)
+    cpu_adam += host_adds  # the same host worker, in order
     update = _span(costs.update_passes, 0, n)
-    step = _step_s(hardware, forward, backward, device_adam, cpu_adam, update)
+    times = _Times(forward, backward, device_adam, cpu_adam, host_adds, update)
+    step = _step_s(hardware, times, after_norm=updates_after_norm)
 
     chunk_bytes = costs.chunk_numel * costs.element_size
     persistent = int(_span(costs.persistent_bytes, 0, p))
@@ -297,6 +312,8 @@ def predict(
         backward_s=backward,
         device_adam_s=device_adam,
         cpu_adam_s=cpu_adam,
+        host_adds_s=host_adds,
+        updates_after_norm=updates_after_norm,
         peak_device_bytes=peak,
         host_bytes=host,
         persistent_bytes=persistent,
@@ -329,7 +346,11 @@ def with_activations(kept: Prediction, activations: ActivationCost, hardware: Ha
     peak, host = memory_with_activations(kept, activations)
     return dataclasses.replace(
         kept,
-        step_s=_step_s(hardware, forward, backward, kept.device_adam_s, kept.cpu_adam_s, kept.update_s),
+        step_s=_step_s(
+            hardware,
+            _Times(forward, backward, kept.device_adam_s, kept.cpu_adam_s, kept.host_adds_s, kept.update_s),
+            after_norm=kept.updates_after_norm,
+        ),
         forward_s=forward,
         backward_s=backward,
         peak_device_bytes=peak,
@@ -339,15 +360,23 @@ def with_activations(kept: Prediction, activations: ActivationCost, hardware: Ha
     )
 
 
-def _step_s(
-    hardware: HardwareProfile,
-    forward: float,
-    backward: float,
-    device_adam: float,
-    cpu_adam: float,
-    update: float,
-) -> float:
-    if hardware.copies_overlap_compute:
-        return forward + max(backward + device_adam, cpu_adam) + update
-    # The CPU-Adam thread takes cores backward would use.
-    return forward + backward + device_adam + cpu_adam + update
+@dataclass(frozen=True, slots=True)
+class _Times:
+    forward: float
+    backward: float
+    device_adam: float
+    host: float
+    """CPU Adam and the adds (the host worker's whole time)."""
+    adds: float
+    update: float
+
+
+def _step_s(hardware: HardwareProfile, t: _Times, *, after_norm: bool) -> float:
+    if not hardware.copies_overlap_compute:
+        # The host worker takes cores compute would use (and a window that needs the norm
+        # defers its updates to the step there: the same sum).
+        return t.forward + t.backward + t.device_adam + t.host + t.update
+    if after_norm:
+        # Two-phase: CPU Adam beside the next forward, the adds beside backward.
+        return max(t.forward, t.host - t.adds) + max(t.backward + t.device_adam, t.adds) + t.update
+    return t.forward + max(t.backward + t.device_adam, t.host) + t.update

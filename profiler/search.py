@@ -87,12 +87,15 @@ def search(
     extra_buffers: int | None = None,
     block_modes: Sequence[str] | None = None,
     activation_layouts: Sequence[ActivationOption] | None = None,
+    updates_after_norm: bool = False,
 ) -> SearchResult:
     """The fastest plan that fits ``device_budget`` and ``host_budget`` (bytes per rank);
     ``chunk_size``/``n_persist``/``n_buffer``, when given, are fixed. ``extra_buffers`` caps the
     buffers tried beyond the fewest that work (for models of hundreds of chunks; None: all).
     Activations: ``activation_layouts`` to choose from (``activation_options``), or one fixed
-    ``block_modes``, or neither (every block keeps)."""
+    ``block_modes``, or neither (every block keeps). ``updates_after_norm``: the update waits
+    for the gradient norm (clipping, fp16), which times the step differently
+    (profiler.cost_model)."""
     started = time.perf_counter()
     layouts: list[Layout]
     if activation_layouts is not None:
@@ -137,7 +140,7 @@ def search(
         )
 
     def kept_prediction(costs: ChunkCosts, p: int, b: int) -> Prediction:
-        return predict(model, hardware, costs, n_persist=p, n_buffer=b)
+        return predict(model, hardware, costs, n_persist=p, n_buffer=b, updates_after_norm=updates_after_norm)
 
     def layout_fits(kept: Prediction, cost: ActivationCost | None) -> bool:
         if cost is None:

@@ -120,6 +120,9 @@ class PlanningSettings:
     """``profiler.cache_dir``, expanded."""
     warmup_steps: int
     profile_steps: int
+    updates_after_norm: bool = False
+    """Gradient clipping or fp16: no chunk is updated before the global norm is known, which
+    the cost model times differently (profiler.cost_model)."""
 
 
 def planning_settings_from_spec(spec: Spec) -> PlanningSettings:
@@ -136,6 +139,7 @@ def planning_settings_from_spec(spec: Spec) -> PlanningSettings:
         cache_dir=Path(spec.profiler.cache_dir).expanduser(),
         warmup_steps=spec.profiler.warmup_steps,
         profile_steps=spec.profiler.profile_steps,
+        updates_after_norm=bool(spec.gradient_clipping) or spec.precision is Precision.FP16,
     )
 
 

@@ -196,6 +196,7 @@ class Planner:
             host_budget_bytes=self.budgets[1],
             chosen=settings.chosen,
             ssd_available=self.profiles.hardware.ssd_write_bytes_per_s > 0 and settings.ssd_path is not None,
+            updates_after_norm=settings.updates_after_norm,
         )
         return plan
 

@@ -334,3 +334,57 @@ def test_the_host_worker_adds_and_the_upload_downcast_are_counted() -> None:
     cpu = hardware(copies_overlap_compute=False, memory_bytes_per_s=1e10)
     direct = predict(fp32, cpu, chunk_costs(fp32, cpu, 4 * MIB), n_persist=2, n_buffer=1)
     assert direct.cpu_adam_s == pytest.approx(2 * shard / 1e9)
+
+
+def test_a_clipped_window_on_a_gpu_is_timed_as_the_two_phase_step() -> None:
+    """Clipping (or fp16) makes the update wait for the global norm: beside a GPU, CPU Adam then
+    runs beside the next forward, and only the adds of reduced gradients beside backward; on
+    shared cores everything adds up either way."""
+    fp32 = four_blocks()
+    model = ModelProfile(
+        **{**{f: getattr(fp32, f) for f in fp32.__dataclass_fields__}, "precision": "bf16", "element_size": 2}
+    )
+    slow_adam = hardware(memory_bytes_per_s=1e10, cpu_adam_params_per_s=2e8)  # Adam > forward
+    costs = chunk_costs(model, slow_adam, 2 * MIB)
+    early = predict(model, slow_adam, costs, n_persist=1, n_buffer=2)
+    clipped = predict(model, slow_adam, costs, n_persist=1, n_buffer=2, updates_after_norm=True)
+    assert clipped.forward_s == early.forward_s and clipped.cpu_adam_s == early.cpu_adam_s
+    adds = 3 * (1 << 20) * (2 + 8) / 1e10  # three offloaded chunks' bf16 staging adds
+    assert clipped.host_adds_s == pytest.approx(adds)
+    adam = clipped.cpu_adam_s - adds
+    assert adam > clipped.forward_s  # the case where the two formulas differ
+    assert early.step_s == pytest.approx(
+        early.forward_s + max(early.backward_s + early.device_adam_s, early.cpu_adam_s) + early.update_s
+    )
+    two_phase = max(clipped.forward_s, adam) + max(clipped.backward_s + clipped.device_adam_s, adds)
+    assert clipped.step_s == pytest.approx(two_phase + clipped.update_s)
+    cpu = hardware(copies_overlap_compute=False, memory_bytes_per_s=1e10, cpu_adam_params_per_s=2e8)
+    cpu_costs = chunk_costs(model, cpu, 2 * MIB)
+    deferred = predict(model, cpu, cpu_costs, n_persist=1, n_buffer=2, updates_after_norm=True)
+    assert deferred.step_s == pytest.approx(predict(model, cpu, cpu_costs, n_persist=1, n_buffer=2).step_s)
+    # The search times its candidates the same way.
+    best = search(
+        model,
+        slow_adam,
+        device_budget=1 << 40,
+        host_budget=1 << 40,
+        chunk_size=2 * MIB,
+        n_persist=1,
+        updates_after_norm=True,
+    ).best
+    again = predict(
+        model,
+        slow_adam,
+        chunk_costs(model, slow_adam, best.chunk_size),
+        n_persist=best.n_persist,
+        n_buffer=best.n_buffer,
+        updates_after_norm=True,
+    )
+    early_best = predict(
+        model,
+        slow_adam,
+        chunk_costs(model, slow_adam, best.chunk_size),
+        n_persist=best.n_persist,
+        n_buffer=best.n_buffer,
+    )
+    assert best.prediction.step_s == pytest.approx(again.step_s) != early_best.step_s
