@@ -1,0 +1,73 @@
+"""``ProTrainTrainer`` on two gloo ranks against a plain ``Trainer`` (DDP through accelerate) with
+the same TrainingArguments: logged losses, gradient norms and learning rates, the eval loss and
+the logits of the model ``save_model`` gathered and rank 0 wrote are the Trainer's within
+rounding; a run resumed from a ``checkpoint-N`` on two ranks ends bit-identical to the
+uninterrupted one. Runs are ``tests.hf_trainer_runs.run_trainer`` on every rank."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.pool import RankPool
+from tests.helpers import assert_state_equal
+from tests.hf_trainer_runs import run_trainer
+
+RTOL = 1e-5
+
+
+def test_two_ranks_train_what_the_trainer_trains_with_ddp(rank_pool: RankPool, tmp_path: Path) -> None:
+    plain = rank_pool.run(
+        run_trainer,
+        kind="llama",
+        protrain=False,
+        output_dir=str(tmp_path / "plain"),
+        save_to=str(tmp_path / "p"),
+    )
+    ours = rank_pool.run(
+        run_trainer,
+        kind="llama",
+        protrain=True,
+        output_dir=str(tmp_path / "ours"),
+        save_to=str(tmp_path / "o"),
+    )
+    for rank in (0, 1):  # the Trainer logs the mean over ranks: every rank logs the same
+        assert ours[rank]["losses"] == pytest.approx(plain[0]["losses"], rel=RTOL)
+        assert ours[rank]["eval_loss"] == pytest.approx(plain[0]["eval_loss"], rel=RTOL)
+    reference, result = plain[0], ours[0]
+    assert reference["world_size"] == result["world_size"] == 2 and len(result["losses"]) == 20
+    assert result["grad_norms"] == pytest.approx(reference["grad_norms"], rel=RTOL)
+    assert result["lrs"] == reference["lrs"]
+    bound = RTOL * reference["logits"].abs().max().item()
+    assert (result["logits"] - reference["logits"]).abs().max().item() <= bound
+    assert_state_equal(ours[1]["state"], ours[0]["state"])  # both ranks read what rank 0 wrote
+
+
+def test_two_ranks_resume_from_a_checkpoint_bit_identical(rank_pool: RankPool, tmp_path: Path) -> None:
+    saving = {"save_strategy": "steps", "save_steps": 10}
+    whole = rank_pool.run(
+        run_trainer,
+        kind="gpt2",
+        protrain=True,
+        output_dir=str(tmp_path / "whole"),
+        save_to=str(tmp_path / "w"),
+        **saving,
+    )
+    stopped = tmp_path / "resumed"
+    stopped.mkdir()
+    shutil.copytree(tmp_path / "whole" / "checkpoint-10", stopped / "checkpoint-10")
+    resumed = rank_pool.run(
+        run_trainer,
+        kind="gpt2",
+        protrain=True,
+        output_dir=str(stopped),
+        save_to=str(tmp_path / "r"),
+        resume=True,
+        **saving,
+    )
+    for rank in (0, 1):
+        assert resumed[rank]["resumed_from"] is not None and resumed[rank]["global_step"] == 20
+        assert resumed[rank]["losses"] == whole[rank]["losses"]
+    assert_state_equal(resumed[0]["state"], whole[0]["state"])

@@ -1,0 +1,203 @@
+"""``ProTrainTrainer`` against a plain ``transformers.Trainer`` given the same TrainingArguments.
+
+Tiny Llama (no biases) and GPT-2 (dropout 0.1: the random streams must advance alike), fp32,
+20 updates of 2 micro-batches with an epoch's short last window every 7 updates, some chunks
+offloaded: the logged losses, gradient norms and learning rates, the eval loss and the logits of
+the model ``save_model`` wrote (reloaded with ``from_pretrained``) are the Trainer's within
+rounding. A run resumed from a ``checkpoint-N`` ends bit-identical to the uninterrupted one. The
+spec and the TrainingArguments hold one value per setting: a disagreement is refused naming both,
+and Trainer options that clash with the engine are refused naming the ProTrain way.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from runtime.integrations.hf_spec import reconcile, user_spec, with_decay_groups
+from tests.helpers import assert_state_equal
+from tests.hf_trainer_runs import MEMORY, CausalWindows, run_trainer, tiny_model, training_args
+
+RTOL = 1e-5
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_protrain_trainer_trains_what_the_trainer_trains(tmp_path: Path, kind: str) -> None:
+    plain = run_trainer(
+        kind=kind, protrain=False, output_dir=str(tmp_path / "plain"), save_to=str(tmp_path / "p")
+    )
+    ours = run_trainer(
+        kind=kind, protrain=True, output_dir=str(tmp_path / "ours"), save_to=str(tmp_path / "o")
+    )
+    assert len(ours["losses"]) == len(plain["losses"]) == 20
+    assert ours["losses"] == pytest.approx(plain["losses"], rel=RTOL)
+    # The engine's norm sums squares over flat shards, torch's over per-tensor norms: rounding.
+    assert ours["grad_norms"] == pytest.approx(plain["grad_norms"], rel=RTOL)
+    assert ours["lrs"] == plain["lrs"]  # the Trainer's scheduler owns them, through the facade
+    assert ours["eval_loss"] == pytest.approx(plain["eval_loss"], rel=RTOL)
+    bound = RTOL * plain["logits"].abs().max().item()
+    assert (ours["logits"] - plain["logits"]).abs().max().item() <= bound
+    assert set(ours["state"]) == set(plain["state"])
+
+
+def test_a_run_resumed_from_a_checkpoint_ends_bit_identical(tmp_path: Path) -> None:
+    saving = {"save_strategy": "steps", "save_steps": 10}
+    whole = run_trainer(
+        kind="gpt2", protrain=True, output_dir=str(tmp_path / "whole"), save_to=str(tmp_path / "w"), **saving
+    )
+    stopped = tmp_path / "resumed"
+    stopped.mkdir()
+    shutil.copytree(tmp_path / "whole" / "checkpoint-10", stopped / "checkpoint-10")
+    assert (stopped / "checkpoint-10" / "protrain").is_dir()  # the engine's checkpoint rides along
+    resumed = run_trainer(
+        kind="gpt2",
+        protrain=True,
+        output_dir=str(stopped),
+        save_to=str(tmp_path / "r"),
+        resume=True,
+        **saving,
+    )
+    # The first 10 records come back with the checkpoint's trainer state, the last 10 are new.
+    assert resumed["resumed_from"] == str(stopped / "checkpoint-10" / "protrain" / "step-00000010")
+    assert resumed["global_step"] == 20 and len(resumed["losses"]) == 20
+    assert resumed["losses"] == whole["losses"] and resumed["grad_norms"] == whole["grad_norms"]
+    assert resumed["lrs"] == whole["lrs"]
+    assert_state_equal(resumed["state"], whole["state"])
+
+
+def test_a_spec_schedule_runs_as_the_trainers_scheduler(tmp_path: Path) -> None:
+    spec = {**MEMORY, "scheduler": {"type": "warmup_cosine", "warmup_steps": 2, "total_steps": 6}}
+    # The Trainer's own schedule left at its defaults (linear, no warmup): the spec's runs.
+    unset = {"warmup_steps": 0, "lr_scheduler_type": "linear"}
+    ours = run_trainer(kind="llama", protrain=True, output_dir=str(tmp_path), spec=spec, max_steps=6, **unset)
+    # Warmup from lr/2, then a half cosine down to 0.1 x lr at update 6 (runtime/training/schedule.py).
+    factors = [0.5, 1.0] + [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)]
+    assert ours["lrs"] == pytest.approx([2e-3 * factor for factor in factors])
+
+
+# ------------------------------------------------------------------------------ one value per setting
+
+
+def test_a_value_set_differently_in_both_places_is_refused_naming_both(tmp_path: Path) -> None:
+    spec = user_spec({"optimizer": {"lr": 1e-4}})
+    with pytest.raises(ValueError, match=r"optimizer.lr=0.0001 in the ProTrain spec and learning_rate=0.002"):
+        reconcile(spec, training_args(tmp_path))
+    spec = user_spec({"optimizer": {"betas": [0.9, 0.95]}})
+    with pytest.raises(ValueError, match="adam_beta1=0.9, adam_beta2=0.99 in TrainingArguments"):
+        reconcile(spec, training_args(tmp_path, adam_beta2=0.99))
+    with pytest.raises(ValueError, match="sets scheduler and TrainingArguments set lr_scheduler_type"):
+        reconcile(user_spec({"scheduler": {"type": "constant"}}), training_args(tmp_path))
+    with pytest.raises(ValueError, match="checkpoint.resume in the ProTrain spec does not apply"):
+        reconcile(user_spec({"checkpoint": {"resume": "never"}}), training_args(tmp_path))
+
+
+def test_each_side_fills_what_the_other_left_unset(tmp_path: Path) -> None:
+    args = training_args(tmp_path)  # learning_rate, weight_decay, batch... set; adam_epsilon default
+    spec = user_spec({"optimizer": {"eps": 1e-6}, "gradient_clipping": 0.5, "precision": "fp32", **MEMORY})
+    settled = reconcile(spec, args)
+    engine_spec = settled.spec
+    assert engine_spec.optimizer.lr == 2e-3 and engine_spec.optimizer.weight_decay == 0.1
+    assert engine_spec.optimizer.betas == (0.9, 0.999) and engine_spec.seed == 7  # Trainer's defaults too
+    assert engine_spec.micro_batch_size == 2 and engine_spec.gradient_accumulation_steps == 2
+    assert engine_spec.gradient_clipping == 0.5 and engine_spec.memory.chunk_size == 64 * 1024
+    assert engine_spec.checkpoint.dir is None and engine_spec.checkpoint.resume == "never"
+    assert engine_spec.output_dir == str(tmp_path / "protrain")
+    # The spec's epsilon goes to the Trainer; equal values set in both places are fine.
+    assert settled.args_updates == {"adam_epsilon": 1e-6}
+    assert args.adam_epsilon == 1e-8  # the caller's arguments are left as they were
+
+
+def test_evaluation_batches_stay_within_the_planned_training_batch(tmp_path: Path) -> None:
+    # Left at its default (8), the eval batch takes the training batch (2); set larger, refused.
+    settled = reconcile(user_spec(None), training_args(tmp_path, per_device_eval_batch_size=8))
+    assert settled.args_updates == {"per_device_eval_batch_size": 2}
+    with pytest.raises(ValueError, match="per_device_eval_batch_size=4 is larger than the training batch"):
+        reconcile(user_spec(None), training_args(tmp_path, per_device_eval_batch_size=4))
+
+
+def test_the_trainers_decay_split_becomes_the_spec_groups() -> None:
+    spec = with_decay_groups(user_spec(None), ["model.norm.weight", "a*b?[c]"])
+    assert spec.optimizer.no_decay == ()
+    (group,) = spec.optimizer.groups
+    assert group.weight_decay == 0.0 and group.lr is None  # the rest: the top level's
+    assert group.match == ("a[*]b[?][[]c]", "model.norm.weight")  # each name exactly, nothing else
+    assert fnmatchcase("a*b?[c]", group.match[0]) and not fnmatchcase("axbx[c]", group.match[0])
+    own = with_decay_groups(user_spec({"optimizer": {"no_decay": ["bias"]}}), ["model.norm.weight"])
+    assert own.optimizer.groups == () and own.optimizer.no_decay == ("bias",)
+
+
+def test_the_engine_optimizer_holds_the_trainers_param_groups(tmp_path: Path) -> None:
+    from transformers import Trainer
+
+    from runtime.integrations.hf import ProTrainTrainer
+
+    plain = Trainer(
+        model=tiny_model("gpt2"), args=training_args(tmp_path / "p"), train_dataset=CausalWindows(4)
+    )
+    ours = ProTrainTrainer(
+        model=tiny_model("gpt2"),
+        args=training_args(tmp_path / "o"),
+        train_dataset=CausalWindows(4),
+        protrain=MEMORY,
+    )
+    try:
+        expected, got = plain.create_optimizer(), ours.create_optimizer()
+        assert got is ours.protrain_engine.optimizer
+
+        def names(trainer: Any, group: dict[str, Any]) -> set[str]:
+            return {
+                name for name, p in trainer.model.named_parameters() if any(p is q for q in group["params"])
+            }
+
+        assert len(got.param_groups) == len(expected.param_groups) == 2
+        for mine, theirs in zip(got.param_groups, expected.param_groups, strict=True):
+            assert (
+                names(ours, mine) == names(plain, theirs) and mine["weight_decay"] == theirs["weight_decay"]
+            )
+            assert (mine["lr"], mine["betas"], mine["eps"]) == (theirs["lr"], theirs["betas"], theirs["eps"])
+    finally:
+        ours.end()
+    assert ours.protrain_engine is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        # Set after construction: TrainingArguments would import DeepSpeed or need FSDP's ranks first.
+        ({"deepspeed": "ds_zero3.json"}, "deepspeed: ProTrain shards and offloads"),
+        ({"fsdp": "full_shard"}, "fsdp: ProTrain shards the model state across ranks itself"),
+        ({"gradient_checkpointing": True}, "leave memory.n_checkpoint auto or set it in the spec"),
+        ({"torch_compile": True}, "torch_compile: the engine's chunk and activation hooks"),
+        ({"optim": "sgd"}, "optim='sgd': ProTrain runs torch's AdamW update"),
+        ({"load_best_model_at_end": True}, "load_best_model_at_end: not supported under ProTrain yet"),
+    ],
+)
+def test_clashing_trainer_options_are_refused_naming_the_protrain_way(
+    tmp_path: Path, extra: dict[str, Any], message: str
+) -> None:
+    from runtime.integrations.hf import ProTrainTrainer
+
+    args = training_args(tmp_path)
+    for name, value in extra.items():
+        setattr(args, name, value)
+    with pytest.raises(ValueError, match=message):
+        ProTrainTrainer(model=tiny_model("llama"), args=args, train_dataset=CausalWindows(4))
+
+
+def test_an_optimizer_of_the_callers_own_is_refused(tmp_path: Path) -> None:
+    from runtime.integrations.hf import ProTrainTrainer
+
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="optimizers=/optimizer_cls_and_kwargs="):
+        ProTrainTrainer(
+            model=model,
+            args=training_args(tmp_path),
+            train_dataset=CausalWindows(4),
+            optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None),
+        )
