@@ -48,6 +48,24 @@ def tiny_model(kind: str) -> torch.nn.Module:
     return GPT2LMHeadModel(config)
 
 
+def lora_model(kind: str) -> torch.nn.Module:
+    """LoRA on the attention projections of ``tiny_model(kind)``, the head trained whole
+    (``modules_to_save``), the adapters drawn with seed 1."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "v_proj"] if kind == "llama" else ["c_attn"]
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, modules_to_save=["lm_head"])
+    model = tiny_model(kind)
+    torch.manual_seed(1)
+    return get_peft_model(model, config)
+
+
+def reload_lora(kind: str, path: str) -> torch.nn.Module:
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(tiny_model(kind), path)
+
+
 def training_args(output_dir: str | Path, **extra: Any) -> Any:
     """26 samples in micro-batches of 2 make 13 per epoch: with accumulation 2, each epoch ends
     in a window of one micro-batch (the short window the engine is told about)."""
@@ -85,18 +103,20 @@ def run_trainer(
     spec: dict[str, Any] | None = None,
     resume: bool = False,
     save_to: str | None = None,
+    lora: bool = False,
     **extra: Any,
 ) -> dict[str, Any]:
     """Train ``tiny_model(kind)`` with a plain ``Trainer`` or a ``ProTrainTrainer`` (``spec``:
     its ``protrain=``, MEMORY by default), evaluate, and with ``save_to`` save the model there
-    and reload it with ``from_pretrained``. Returns the logged training records, the eval loss,
+    and reload it with ``from_pretrained`` (``lora``: a PEFT LoRA model, its adapter saved and
+    reloaded with ``PeftModel.from_pretrained``). Returns the logged training records, the eval loss,
     the reloaded model's logits on an eval batch, and the final parameters."""
     from transformers import AutoModelForCausalLM, Trainer
 
     from runtime.integrations.hf import ProTrainTrainer
 
     kwargs: dict[str, Any] = {
-        "model": tiny_model(kind),
+        "model": lora_model(kind) if lora else tiny_model(kind),
         "args": training_args(output_dir, **extra),
         "train_dataset": CausalWindows(26),
         "eval_dataset": CausalWindows(6, start=26),
@@ -120,7 +140,9 @@ def run_trainer(
             trainer.save_model(save_to)
             if torch.distributed.is_initialized():
                 torch.distributed.barrier()  # rank 0 writes; every rank reads it back
-            reloaded = AutoModelForCausalLM.from_pretrained(save_to).eval()
+            reloaded = (
+                reload_lora(kind, save_to) if lora else AutoModelForCausalLM.from_pretrained(save_to)
+            ).eval()
             with torch.no_grad():
                 batch = CausalWindows(2, start=26)[0]["input_ids"][None]
                 result["logits"] = reloaded(input_ids=batch).logits

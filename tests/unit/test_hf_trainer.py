@@ -46,6 +46,29 @@ def test_protrain_trainer_trains_what_the_trainer_trains(tmp_path: Path, kind: s
     assert set(ours["state"]) == set(plain["state"])
 
 
+def test_a_lora_model_trains_and_saves_its_adapter_as_under_the_trainer(tmp_path: Path) -> None:
+    """PEFT LoRA (frozen base in frozen chunks, adapters and the whole head trained): save_model
+    writes the adapter directory that PeftModel.from_pretrained loads."""
+    runs = {
+        name: run_trainer(
+            kind="llama",
+            protrain=name == "ours",
+            output_dir=str(tmp_path / name),
+            save_to=str(tmp_path / name / "a"),
+            lora=True,
+            max_steps=8,
+        )
+        for name in ("plain", "ours")
+    }
+    plain, ours = runs["plain"], runs["ours"]
+    assert (tmp_path / "ours" / "a" / "adapter_model.safetensors").is_file()
+    assert not (tmp_path / "ours" / "a" / "model.safetensors").exists()  # the adapter only
+    assert ours["losses"] == pytest.approx(plain["losses"], rel=RTOL)
+    assert ours["eval_loss"] == pytest.approx(plain["eval_loss"], rel=RTOL)
+    bound = RTOL * plain["logits"].abs().max().item()
+    assert (ours["logits"] - plain["logits"]).abs().max().item() <= bound
+
+
 def test_a_run_resumed_from_a_checkpoint_ends_bit_identical(tmp_path: Path) -> None:
     saving = {"save_strategy": "steps", "save_steps": 10}
     whole = run_trainer(
