@@ -34,7 +34,8 @@ def refuse_clashing_args(args: Any) -> None:
                 or getattr(args, "activation_checkpointing", False)
             ),
             "gradient_checkpointing: ProTrain recomputes blocks by its plan; leave memory.n_checkpoint "
-            "auto or set it in the spec, and drop the Trainer option",
+            "auto or set it in the spec, and set gradient_checkpointing=False (TRL's configs turn it on "
+            "by default)",
         ),
         (
             bool(args.torch_compile),
