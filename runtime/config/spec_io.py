@@ -371,6 +371,9 @@ class ResolvedSpec:
             "dry_run": self.dry_run,
             "world_size": self.world_size,
             "spec": self.spec.model_dump(mode="json"),
+            # The keys the user wrote (file and --set): what a value "left at its default" means to
+            # whoever reads the spec on the ranks (ProTrainTrainer reconciles TrainingArguments by it).
+            "written": self.spec.model_dump(mode="json", exclude_unset=True),
         }
         return json.dumps(body, indent=2) + "\n"
 
@@ -381,7 +384,8 @@ class ResolvedSpec:
             raise SpecError(
                 f"{path}: resolved spec version {body.get('version')!r}, expected {RESOLVED_SPEC_VERSION}"
             )
-        spec = validate_spec(body["spec"], source=path)
+        # From the written keys, the defaults filled alike: the same spec, knowing what was set.
+        spec = validate_spec(body.get("written", body["spec"]), source=path)
         return cls(
             spec=spec,
             source=str(body["source"]),

@@ -48,6 +48,7 @@ from transformers import Trainer
 from transformers.trainer_utils import enable_full_determinism, set_seed
 
 import runtime
+from runtime.config.spec_io import SpecError
 from runtime.integrations.hf_checks import refuse_clashing_args, refuse_own_optimizer
 from runtime.integrations.hf_spec import (
     Reconciled,
@@ -199,7 +200,7 @@ class ProTrainMixin:
         """Nothing yet (the Trainer calls this before the engine exists): the engine loads its
         checkpoint in ``_load_optimizer_and_scheduler``. A folder without one is refused now."""
         if not (Path(resume_from_checkpoint) / ENGINE_CHECKPOINT).is_dir():
-            raise ValueError(
+            raise SpecError(
                 f"{resume_from_checkpoint} holds no ProTrain checkpoint ({ENGINE_CHECKPOINT}/): it was "
                 "saved by a plain Trainer or with save_only_model=True; start from its weights with "
                 "from_pretrained instead"

@@ -2,7 +2,7 @@
 
 Trainer options that would fight the engine over the same job (sharding, recompute, compiling,
 the optimizer), or that need what the engine does not offer yet, stop the run before anything
-is built, as a ``ValueError`` naming the option.
+is built, as a ``SpecError`` (a ``ValueError``; exit 2 through protrain-run) naming the option.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from runtime.config.spec_io import SpecError
 
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 """Trainer's ``optim`` values that are torch's AdamW update, the one the engine runs."""
@@ -70,10 +72,10 @@ def refuse_clashing_args(args: Any) -> None:
     ]
     for clash, message in clashes:
         if clash:
-            raise ValueError(f"ProTrainTrainer: {message}")
+            raise SpecError(f"ProTrainTrainer: {message}")
     engine_device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device.type != engine_device:
-        raise ValueError(
+        raise SpecError(
             f"ProTrainTrainer: TrainingArguments place the batches on {args.device.type}, the engine "
             f"trains on {engine_device}; remove use_cpu=True (or hide the GPUs: CUDA_VISIBLE_DEVICES=)"
         )
@@ -82,12 +84,12 @@ def refuse_clashing_args(args: Any) -> None:
 def refuse_own_optimizer(trainer: Any) -> None:
     """The engine's optimizer is the only one: a Trainer given its own is refused."""
     if trainer.optimizer is not None or getattr(trainer, "optimizer_cls_and_kwargs", None) is not None:
-        raise ValueError(
+        raise SpecError(
             "ProTrainTrainer: optimizers=/optimizer_cls_and_kwargs=: the engine runs AdamW on its "
             "chunks; set its values in TrainingArguments or the spec's optimizer section"
         )
     if trainer.lr_scheduler is not None:
-        raise ValueError(
+        raise SpecError(
             "ProTrainTrainer: optimizers=(None, scheduler): a scheduler must be built over the engine's "
             "optimizer; set lr_scheduler_type in TrainingArguments or the spec's scheduler section, or "
             "override create_scheduler"

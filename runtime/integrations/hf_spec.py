@@ -7,7 +7,7 @@ directory, the save interval and how many are kept) are reconciled per setting:
 
 - set in the spec (a key the user wrote: pydantic's ``model_fields_set``; ``"auto"`` counts as
   unset) and in TrainingArguments (a value other than the field's default), to different values:
-  refused, naming both (``ValueError``);
+  refused, naming both (``SpecError``, a ``ValueError``: exit 2 through protrain-run);
 - set in the spec only: the Trainer takes the spec's value (on its own copy of the arguments);
 - otherwise the spec takes the TrainingArguments value, defaults included, so that a
   ``ProTrainTrainer`` trains what a plain ``Trainer`` with the same arguments trains.
@@ -32,7 +32,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from runtime.config.spec import AUTO, Spec
-from runtime.config.spec_io import RESOLVED_SPEC_ENV, load_spec, validate_spec
+from runtime.config.spec_io import RESOLVED_SPEC_ENV, SpecError, load_spec, validate_spec
 
 SpecSource = str | os.PathLike[str] | dict[str, Any] | Spec | None
 """A spec file's path, a mapping of spec keys, a ``Spec``; None: protrain-run's spec when it
@@ -158,14 +158,14 @@ def reconcile(spec: Spec, args: Any) -> Reconciled:
     written = set_paths(spec)
     for key, instead in NOT_UNDER_TRAINER.items():
         if key in written:
-            raise ValueError(f"{key} in the ProTrain spec does not apply under a Trainer: {instead}")
+            raise SpecError(f"{key} in the ProTrain spec does not apply under a Trainer: {instead}")
     data = spec.model_dump(mode="json", exclude_unset=True)
     updates: dict[str, Any] = {}
     for pair in PAIRS:
         ours, theirs = _normalised(pair.key, _get(spec, pair.key)), pair.read(args)
         if pair.key in written and _args_set(args, pair.fields):
             if ours != theirs:
-                raise ValueError(_conflict(pair.key, ours, args, pair.fields))
+                raise SpecError(_conflict(pair.key, ours, args, pair.fields))
         elif pair.key in written:
             adopted = pair.write(ours)
             updates.update({name: value for name, value in adopted.items() if getattr(args, name) != value})
@@ -178,7 +178,7 @@ def reconcile(spec: Spec, args: Any) -> Reconciled:
     if spec_schedule and _args_set(args, SCHEDULE_FIELDS):
         named = [name for name in SCHEDULE_FIELDS if _args_set(args, (name,))]
         set_fields = ", ".join(f"{name}={getattr(args, name)!r}" for name in named)
-        raise ValueError(
+        raise SpecError(
             f"the ProTrain spec sets scheduler and TrainingArguments set {set_fields}: set the learning-rate "
             "schedule in one place"
         )
@@ -199,7 +199,7 @@ def _eval_batch(args: Any, *, micro_batch: int) -> dict[str, Any]:
     if args.per_device_eval_batch_size <= micro_batch:
         return {}
     if _args_set(args, ("per_device_eval_batch_size",)):
-        raise ValueError(
+        raise SpecError(
             f"per_device_eval_batch_size={args.per_device_eval_batch_size} is larger than the training "
             f"batch ({micro_batch}) the engine's memory plan is made for; make it at most that"
         )

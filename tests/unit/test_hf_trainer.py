@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.integrations.hf_spec import reconcile, user_spec, with_decay_groups
+from runtime.integrations.hf_spec import reconcile, set_paths, user_spec, with_decay_groups
 from tests.helpers import assert_state_equal
 from tests.hf_trainer_runs import MEMORY, CausalWindows, run_trainer, tiny_model, training_args
 
@@ -134,6 +134,21 @@ def test_each_side_fills_what_the_other_left_unset(tmp_path: Path) -> None:
     # The spec's epsilon goes to the Trainer; equal values set in both places are fine.
     assert settled.args_updates == {"adam_epsilon": 1e-6}
     assert args.adam_epsilon == 1e-8  # the caller's arguments are left as they were
+
+
+def test_the_spec_protrain_run_hands_over_knows_which_keys_were_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from runtime.config.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, validate_spec, write_resolved
+
+    written = validate_spec({"optimizer": {"lr": 2e-3}, "memory": {"n_persist": "auto"}}, source="job.yaml")
+    path = tmp_path / "spec.json"
+    write_resolved(ResolvedSpec.of(written, source="job.yaml"), path)
+    monkeypatch.setenv(RESOLVED_SPEC_ENV, str(path))
+    spec = user_spec(None)  # protrain=None under protrain-run: the launcher's spec
+    assert spec == written and set_paths(spec) == {"optimizer", "optimizer.lr", "memory"}
+    # weight_decay was not written: TrainingArguments' 0.1 fills it, no disagreement.
+    assert reconcile(spec, training_args(tmp_path)).spec.optimizer.weight_decay == 0.1
 
 
 def test_evaluation_batches_stay_within_the_planned_training_batch(tmp_path: Path) -> None:
