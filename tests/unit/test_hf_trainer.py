@@ -46,6 +46,43 @@ def test_protrain_trainer_trains_what_the_trainer_trains(tmp_path: Path, kind: s
     assert set(ours["state"]) == set(plain["state"])
 
 
+def test_bf16_is_the_engines_autocast_as_the_trainers(tmp_path: Path) -> None:
+    """bf16=True: the engine autocasts (the Accelerator does not, twice); bf16 rounding differs
+    with the order of operations, hence the looser, stated tolerance."""
+    plain = run_trainer(kind="llama", protrain=False, output_dir=str(tmp_path / "p"), bf16=True, max_steps=8)
+    ours = run_trainer(kind="llama", protrain=True, output_dir=str(tmp_path / "o"), bf16=True, max_steps=8)
+    assert ours["losses"] == pytest.approx(plain["losses"], rel=2e-3)
+    assert ours["eval_loss"] == pytest.approx(plain["eval_loss"], rel=2e-3)
+
+
+@pytest.mark.skips_steps
+def test_a_skipped_update_holds_the_trainers_scheduler(tmp_path: Path) -> None:
+    """A non-finite loss under on_nonfinite_loss: skip: the engine skips the update and the
+    Trainer, reading step_was_skipped off the engine's optimizer, does not step its scheduler."""
+    from runtime.integrations.hf import ProTrainTrainer
+
+    class NanAtUpdateTwo(ProTrainTrainer):
+        def compute_loss(self, model: Any, inputs: Any, **kwargs: Any) -> Any:
+            loss = super().compute_loss(model, inputs, **kwargs)
+            return loss * float("nan") if self.state.global_step == 2 else loss
+
+    trainer = NanAtUpdateTwo(
+        model=tiny_model("llama"),
+        args=training_args(tmp_path, max_steps=5, logging_nan_inf_filter=False),
+        train_dataset=CausalWindows(26),
+        protrain={**MEMORY, "on_nonfinite_loss": "skip"},
+    )
+    try:
+        trainer.train()
+        engine = trainer.protrain_engine
+        assert engine is not None and engine.skipped_steps == 1 and engine.global_step == 4
+        lrs = [record["learning_rate"] for record in trainer.state.log_history if "loss" in record]
+        # Update 3 was skipped: update 4 runs at update 3's learning rate, and so on.
+        assert lrs[2] == lrs[3] and len(set(lrs)) == 4
+    finally:
+        trainer.end()
+
+
 def test_a_lora_model_trains_and_saves_its_adapter_as_under_the_trainer(tmp_path: Path) -> None:
     """PEFT LoRA (frozen base in frozen chunks, adapters and the whole head trained): save_model
     writes the adapter directory that PeftModel.from_pretrained loads."""
