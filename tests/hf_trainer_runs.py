@@ -107,7 +107,7 @@ def run_trainer(
     **extra: Any,
 ) -> dict[str, Any]:
     """Train ``tiny_model(kind)`` with a plain ``Trainer`` or a ``ProTrainTrainer`` (``spec``:
-    its ``protrain=``, MEMORY by default), evaluate, and with ``save_to`` save the model there
+    its ``protrain=``, MEMORY by default), evaluate and predict, and with ``save_to`` save the model there
     and reload it with ``from_pretrained`` (``lora``: a PEFT LoRA model, its adapter saved and
     reloaded with ``PeftModel.from_pretrained``). Returns the logged training records, the eval loss,
     the reloaded model's logits on an eval batch, and the final parameters."""
@@ -130,6 +130,7 @@ def run_trainer(
             "grad_norms": [r["grad_norm"] for r in records],
             "lrs": [r["learning_rate"] for r in records],
             "eval_loss": trainer.evaluate()["eval_loss"],
+            "predict_loss": trainer.predict(CausalWindows(4, start=26)).metrics["test_loss"],
             "global_step": trainer.state.global_step,
             "world_size": trainer.args.world_size,
         }

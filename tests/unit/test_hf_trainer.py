@@ -2,11 +2,13 @@
 
 Tiny Llama (no biases) and GPT-2 (dropout 0.1: the random streams must advance alike), fp32,
 20 updates of 2 micro-batches with an epoch's short last window every 7 updates, some chunks
-offloaded: the logged losses, gradient norms and learning rates, the eval loss and the logits of
-the model ``save_model`` wrote (reloaded with ``from_pretrained``) are the Trainer's within
-rounding. A run resumed from a ``checkpoint-N`` ends bit-identical to the uninterrupted one. The
-spec and the TrainingArguments hold one value per setting: a disagreement is refused naming both,
-and Trainer options that clash with the engine are refused naming the ProTrain way.
+offloaded: the logged losses, gradient norms and learning rates, the eval and predict losses and
+the logits of the model ``save_model`` wrote (reloaded with ``from_pretrained``) are the
+Trainer's within rounding; so are a PEFT LoRA run (its adapter saved) and a bf16 one (looser). A
+run resumed from a ``checkpoint-N`` ends bit-identical to the uninterrupted one; a skipped update
+holds the scheduler. The spec and the TrainingArguments hold one value per setting: a
+disagreement is refused naming both, and Trainer options that clash with the engine are refused
+naming the ProTrain way.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def test_protrain_trainer_trains_what_the_trainer_trains(tmp_path: Path, kind: s
     assert ours["grad_norms"] == pytest.approx(plain["grad_norms"], rel=RTOL)
     assert ours["lrs"] == plain["lrs"]  # the Trainer's scheduler owns them, through the facade
     assert ours["eval_loss"] == pytest.approx(plain["eval_loss"], rel=RTOL)
+    assert ours["predict_loss"] == pytest.approx(plain["predict_loss"], rel=RTOL)
     bound = RTOL * plain["logits"].abs().max().item()
     assert (ours["logits"] - plain["logits"]).abs().max().item() <= bound
     assert set(ours["state"]) == set(plain["state"])
