@@ -71,3 +71,29 @@ def test_two_ranks_resume_from_a_checkpoint_bit_identical(rank_pool: RankPool, t
         assert resumed[rank]["resumed_from"] is not None and resumed[rank]["global_step"] == 20
         assert resumed[rank]["losses"] == whole[rank]["losses"]
     assert_state_equal(resumed[0]["state"], whole[0]["state"])
+
+
+def test_two_ranks_save_the_trained_lora_adapter(rank_pool: RankPool, tmp_path: Path) -> None:
+    """The ZeRO-3 trap (peft#2500, trl#4416: an empty adapter file): every rank gathers, rank 0
+    writes the adapter that PeftModel.from_pretrained loads with the plain Trainer's logits."""
+    runs = {
+        name: rank_pool.run(
+            run_trainer,
+            kind="llama",
+            protrain=name == "ours",
+            output_dir=str(tmp_path / name),
+            save_to=str(tmp_path / name / "adapter"),
+            lora=True,
+            max_steps=8,
+        )
+        for name in ("plain", "ours")
+    }
+    plain, ours = runs["plain"][0], runs["ours"][0]
+    assert ours["losses"] == pytest.approx(plain["losses"], rel=RTOL)
+    bound = RTOL * plain["logits"].abs().max().item()
+    assert (ours["logits"] - plain["logits"]).abs().max().item() <= bound
+    adapter = tmp_path / "ours" / "adapter" / "adapter_model.safetensors"
+    assert (
+        adapter.stat().st_size
+        == (tmp_path / "plain" / "adapter" / "adapter_model.safetensors").stat().st_size
+    )
