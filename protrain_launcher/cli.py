@@ -3,10 +3,14 @@
     protrain-run [--nproc-per-node N|auto] [--nnodes N] [--node-rank R] [--master-addr A]
                  [--master-port P] [--max-restarts K] [--dry-run]
                  train.py [script args] --config job.yaml [--set key.path=value ...] [-- args]
+    protrain-run --what-if HARDWARE.yaml (--model-config CONFIG.json | --largest) [...]
+    protrain-run --report [--config job.yaml] [--ssd-path DIR] [--json]
 
 ``--config`` and ``--set`` are taken wherever they appear before ``--``; everything after ``--``
 goes to the script untouched (a script's own ``--config`` goes there). Launcher options come
 before the script path; they override the spec's ``launcher`` section, which overrides defaults.
+``--what-if`` (the memory estimator, ``what_if_cli``) and ``--report`` (the environment report,
+``report_cli``) take no script: either one before the script path picks that command.
 
 Exit codes: 0 success; 1 a rank failed; 2 bad input (found before any rank started, or by the
 ranks while planning: hand-set knobs no plan can honour); 130 interrupted.
@@ -38,6 +42,13 @@ LAUNCHER_OPTIONS: dict[str, str] = {
 }
 
 
+COMMANDS = ("--what-if", "--report")
+"""Options that pick a command without a script, when they come before the script path."""
+FLAGS = frozenset({"-h", "--help", "--dry-run", "--largest", "--ssd", "--report", "--json"})
+"""Options of protrain-run and its commands that take no value: every other option before the
+script path is followed by its value (unless written ``--option=value``)."""
+
+
 class UsageError(SpecError):
     """Bad command line."""
 
@@ -61,6 +72,21 @@ def build_parser() -> argparse.ArgumentParser:
         parser.add_argument(option, dest=key, metavar=key.upper(), help=f"overrides launcher.{key}")
     parser.add_argument(
         "--dry-run", action="store_true", help="validate, plan in one local process, print, exit"
+    )
+    # Listed for --help; main() hands either one, before the script path, to its own command.
+    commands = parser.add_argument_group("commands without a script (each has its own --help)")
+    commands.add_argument(
+        "--what-if",
+        metavar="HARDWARE.yaml",
+        help="the memory estimator: device, host and SSD bytes and predicted step time of each "
+        "placement of a model (--model-config CONFIG.json or a name) on a hardware file, and the "
+        "plan the search picks; or --largest: the largest GPT-family model that fits",
+    )
+    commands.add_argument(
+        "--report",
+        action="store_true",
+        help="the environment report for a bug report: versions, GPUs, CPU, memory limits, "
+        "--ssd-path rates, profile cache (--json for a file to attach)",
     )
     parser.add_argument("script", help="the training script each rank runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -128,13 +154,16 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         build_parser().print_help()
         return EXIT_OK
-    if "--what-if" in argv:
-        # Planning for absent hardware: no script, no ranks, no torch. Imported only here: the
-        # planner and its tables cost every other command line ~0.3 s before it is checked.
-        from protrain_launcher.what_if_cli import main as what_if
-
+    command = script_free_command(argv)
+    if command is not None:
+        # No script, no ranks. Imported only here: the planner and its tables cost every other
+        # command line ~0.3 s before it is checked, and the report loads torch.
+        if command == "--what-if":
+            from protrain_launcher.what_if_cli import main as run_command
+        else:
+            from protrain_launcher.report_cli import main as run_command
         try:
-            return what_if(argv)
+            return run_command(argv)
         except SpecError as err:
             print(f"protrain-run: error: {err}", file=sys.stderr)
             return EXIT_BAD_INPUT
@@ -148,6 +177,23 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     # launch imports torch only now, once the input is known to be good.
     return launch(request, spec)
+
+
+def script_free_command(argv: list[str]) -> str | None:
+    """``--what-if`` or ``--report`` when one comes before the script path (and before ``--``);
+    None for a launch, whose script may take options of those names itself."""
+    index = 0
+    while index < len(argv):
+        arg = argv[index]
+        name, eq, _ = arg.partition("=")
+        if arg == "--" or not arg.startswith("-"):
+            return None  # the script path (or the script's own arguments) from here on
+        if name in COMMANDS:
+            return name
+        if not eq and name not in FLAGS:
+            index += 1  # the option's value, which may look like anything
+        index += 1
+    return None
 
 
 def resolve_spec(request: LaunchRequest) -> Spec:

@@ -1,13 +1,16 @@
-"""What-if planning: plan and predict for hardware that is not here, from a hardware file and a
-model configuration alone (an analytic profile: no weights, no torch).
+"""What-if planning, the memory estimator: plan and predict for hardware that is not here, from a
+hardware file and a model configuration alone (an analytic profile: no weights, no torch).
 
     protrain-run --what-if configs/hardware/a100-80gb.yaml --model-config config.json
     protrain-run --what-if configs/hardware/a100-80gb.yaml --largest
 
-``--largest`` walks a GPT-3-shaped family from 1.3B to 175B parameters and reports, for each,
-the fastest plan or what keeps it from fitting, then the largest that fits and the resource
-that binds the next one. Every block keeps its activations (swap, recompute and SSD offload join
-the search with the activation engine), so the device must hold one micro-batch's activations.
+``--model-config`` prints what each placement of model state and activations needs (device, host
+and SSD bytes per rank, predicted step time: ``memory_estimate``), then the plan the search picks
+with its runners-up. ``--largest`` walks a GPT-3-shaped family from 1.3B to 175B parameters and
+reports, for each, the fastest plan or what keeps it from fitting, then the largest that fits and
+the resource that binds the next one. The search places activations as the runtime's does (keep,
+swap, recompute); SSD joins it with ``ssd`` (as ``memory.ssd.path`` does at run time), at the
+hardware file's disk rates.
 
 The command line is read by ``protrain_launcher/what_if_cli.py``; this module plans and prints.
 """
@@ -18,17 +21,19 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from profiler.analytic import KNOWN_CONFIGS, TransformerShape, analytic_profile, shape_from_config
 from profiler.plan import Plan
 from profiler.plan_builder import KnobRequest, searched_plan
-from profiler.profile import HardwareProfile
+from profiler.profile import HardwareProfile, ModelProfile
 from profiler.search import NoPlanFitsError
 from runtime.config.hardware_spec import HardwareFile, load_hardware
 from runtime.config.spec_io import SpecError
 from runtime.console import plan_table
+from runtime.planning.memory_estimate import Budgets, estimate_rows, estimate_table, needs_summary
 
 DEVICE_RESERVE_FRACTION = 0.05
 """As runtime/planning/budgets.py: kept free on a CUDA device for the context, NCCL and allocator slack."""
@@ -36,6 +41,9 @@ HOST_RESERVE_BYTES = 2 << 30
 EXTRA_BUFFERS = 8
 """Buffers tried beyond the fewest that work: beyond a few, more only helps the first backward
 chunks, and models of hundreds of chunks would otherwise mean millions of plans."""
+
+MODEL_NAMES: tuple[str, ...] = tuple(KNOWN_CONFIGS)
+"""Names ``--model-config`` takes in place of a file."""
 
 # (name, layers, hidden, heads): GPT-3's shapes (Brown et al. 2020, table 2.1) and steps between.
 GPT_FAMILY: tuple[tuple[str, int, int, int], ...] = (
@@ -62,11 +70,13 @@ class WhatIfRequest:
     hardware: str
     """The hardware file, as the user wrote it (errors name it so)."""
     model_config: str | None
-    """A config.json path or a known config name; None with ``largest``."""
+    """A config.json path, a directory holding one, or a known config name; None with ``largest``."""
     largest: bool
     micro_batch_size: int
     seq_len: int
     precision: str
+    ssd: bool = False
+    """Let the search put activations on the hardware file's disk (it must describe one)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +105,8 @@ def machine_from_file(spec: HardwareFile) -> Machine:
         adam_segment_s=10e-6,  # a fused multi-tensor kernel launch per few parameters
         memory_bytes_per_s=float(gpu.memory_bandwidth) / 2,  # a copy reads and writes
         copies_overlap_compute=True,
+        ssd_write_bytes_per_s=float(spec.ssd.write_bandwidth) if spec.ssd else 0.0,
+        ssd_read_bytes_per_s=float(spec.ssd.read_bandwidth) if spec.ssd else 0.0,
     )
     return Machine(
         hardware=hardware,
@@ -104,17 +116,36 @@ def machine_from_file(spec: HardwareFile) -> Machine:
     )
 
 
-def plan_model(
+def profile_model(
     shape: TransformerShape, machine: Machine, *, micro_batch_size: int, seq_len: int, precision: str
-) -> Plan:
-    """The fastest plan that fits, or NoPlanFitsError saying why."""
-    profile = analytic_profile(
+) -> ModelProfile:
+    """The analytic profile of one micro-batch at the machine's sustained rate; ValueError for a
+    sequence longer than the model's learned positions."""
+    return analytic_profile(
         shape,
         micro_batch_size=micro_batch_size,
         seq_len=seq_len,
         precision=precision,
         sustained_flops=machine.sustained_flops,
     )
+
+
+def plan_model(
+    shape: TransformerShape,
+    machine: Machine,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: str,
+    ssd: bool = False,
+    profile: ModelProfile | None = None,
+) -> Plan:
+    """The fastest plan that fits, or NoPlanFitsError saying why; ``ssd``: activations may go to
+    the machine's disk (its rates must be known)."""
+    if profile is None:
+        profile = profile_model(
+            shape, machine, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision
+        )
     plan, _ = searched_plan(
         request=KnobRequest(),
         model=profile,
@@ -125,6 +156,7 @@ def plan_model(
         host_budget_bytes=machine.host_budget,
         chosen=("memory.chunk_size", "memory.n_persist", "memory.n_buffer"),
         extra_buffers=EXTRA_BUFFERS,
+        ssd_available=ssd,
     )
     return plan
 
@@ -149,52 +181,100 @@ def family_shape(name: str, layers: int, hidden: int, heads: int, seq_len: int) 
 
 def run_what_if(request: WhatIfRequest) -> int:
     """Plan and print; returns protrain-run's exit code (1 when nothing fits). Bad input (a
-    hardware file or model config that cannot be read) raises SpecError."""
+    hardware file or model config that cannot be read, ``ssd`` without a disk) raises SpecError."""
     hardware_file = load_hardware(request.hardware)
+    if request.ssd and hardware_file.ssd is None:
+        raise SpecError(f"{request.hardware}: --ssd needs the hardware file's ssd section (its disk rates)")
     machine = machine_from_file(hardware_file)
     console = Console(highlight=False)
     name = hardware_file.name
     if request.largest:
         return _largest(console, machine, name, request)
     assert request.model_config is not None, "the launcher requires --model-config or --largest"
-    config_path = Path(request.model_config)
+    shape = _model_shape(request.model_config)
     try:
-        if not config_path.exists() and request.model_config in KNOWN_CONFIGS:
-            shape = shape_from_config(KNOWN_CONFIGS[request.model_config], name=request.model_config)
-        else:
-            shape = shape_from_config(_read_model_config(config_path), name=config_path.stem)
-    except ValueError as err:
-        raise SpecError(f"{config_path}: {err}") from None
+        profile = profile_model(
+            shape,
+            machine,
+            micro_batch_size=request.micro_batch_size,
+            seq_len=request.seq_len,
+            precision=request.precision,
+        )
+    except ValueError as err:  # a sequence longer than the model's learned positions
+        raise SpecError(f"--seq-len: {err}") from None
+    title = f"{shape.name} ({shape.parameters / 1e9:.2f}B parameters) on {name}"
+    plan: Plan | None = None
+    failure = ""
     try:
-        plan = _plan_for(shape, machine, request)
+        plan = _plan_for(shape, machine, request, profile)
     except NoPlanFitsError as err:
-        console.print(f"[red]{shape.name} ({shape.parameters / 1e9:.2f}B) does not fit {name}:[/red] {err}")
-        return 1
+        failure = str(err)
+    budgets = Budgets(device=machine.device_budget, host=machine.host_budget)
+    rows = estimate_rows(profile, machine.hardware)
     console.print(
-        plan_table(
-            plan, title=f"What-if plan: {shape.name} ({shape.parameters / 1e9:.2f}B parameters) on {name}"
+        estimate_table(
+            rows,
+            plan,
+            budgets,
+            title=f"Memory estimate: {title}, batch {request.micro_batch_size} x {request.seq_len}, "
+            f"{request.precision}; GiB per rank, budgets {_gib(budgets.device)} device, "
+            f"{_gib(budgets.host)} host",
         )
     )
+    console.print(needs_summary(rows, profile, shape.parameters))
+    if plan is None:
+        console.print(
+            f"[red]{shape.name} ({shape.parameters / 1e9:.2f}B) does not fit {name}:[/red] {failure}"
+        )
+        return 1
+    console.print(plan_table(plan, title=f"What-if plan: {title}"))
     return 0
 
 
-def _plan_for(shape: TransformerShape, machine: Machine, request: WhatIfRequest) -> Plan:
+def _model_shape(model_config: str) -> TransformerShape:
+    """The shape of a config.json, a directory holding one, or a known config's name."""
+    path = Path(model_config)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.exists() and model_config in KNOWN_CONFIGS:
+        config, name = KNOWN_CONFIGS[model_config], model_config
+    else:
+        config = _read_model_config(path)
+        name = path.parent.name if path.name == "config.json" and path.parent.name else path.stem
+    try:
+        return shape_from_config(config, name=name)
+    except ValueError as err:
+        raise SpecError(f"{path}: {err}") from None
+
+
+def _plan_for(
+    shape: TransformerShape, machine: Machine, request: WhatIfRequest, profile: ModelProfile | None = None
+) -> Plan:
     return plan_model(
         shape,
         machine,
         micro_batch_size=request.micro_batch_size,
         seq_len=request.seq_len,
         precision=request.precision,
+        ssd=request.ssd,
+        profile=profile,
     )
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.1f} GiB"
 
 
 def _largest(console: Console, machine: Machine, name: str, request: WhatIfRequest) -> int:
     table = Table(
         title=f"What-if: GPT-family models on {name}, batch {request.micro_batch_size} x "
-        f"{request.seq_len}, {request.precision}, every block keeping its activations"
+        f"{request.seq_len}, {request.precision}, activations placed by the search; GiB per rank",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
     )
-    for column in ("model", "params", "fits", "step", "tokens/s", "device", "host", "binds"):
-        table.add_column(column, no_wrap=True)
+    for column in ("model", "params", "fits", "step s", "tokens/s", "device", "host", "binds"):
+        table.add_column(column, no_wrap=True, justify="left" if column in ("model", "binds") else "right")
     largest: tuple[str, int] | None = None
     first_miss: str | None = None
     for family_name, layers, hidden, heads in GPT_FAMILY:
@@ -212,11 +292,11 @@ def _largest(console: Console, machine: Machine, name: str, request: WhatIfReque
             family_name,
             size,
             "yes",
-            f"{step:.2f} s",
+            f"{step:.2f}",
             f"{request.micro_batch_size * request.seq_len / step:,.0f}" if step else "",
-            f"{(plan.predicted_peak_device_bytes or 0) / 2**30:.1f} GiB",
-            f"{(plan.predicted_peak_host_bytes or 0) / 2**30:.0f} GiB",
-            plan.rule.split("; ", 1)[-1].split(":")[0],
+            f"{(plan.predicted_peak_device_bytes or 0) / 2**30:.1f}",
+            f"{(plan.predicted_peak_host_bytes or 0) / 2**30:.0f}",
+            plan.rule.rsplit("; ", 1)[-1].split(":")[0],  # the binding, after the layout words
         )
         largest = (family_name, shape.parameters)
     console.print(table)

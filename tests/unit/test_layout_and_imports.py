@@ -40,12 +40,18 @@ def test_imports_point_one_way(package: str) -> None:
 
 
 def test_launcher_only_uses_the_spec_from_runtime() -> None:
-    """The spec, and the what-if planning command (which plans from files, without torch)."""
+    """The spec, the what-if planning command (which plans from files, without torch) and the
+    environment report's probes (which import torch only when they run)."""
     for path in (ROOT / "protrain_launcher").rglob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("runtime"):
-                assert node.module in ("runtime.config.spec", "runtime.config.spec_io", "runtime.planning.what_if"), (
+                assert node.module in (
+                    "runtime.config.spec",
+                    "runtime.config.spec_io",
+                    "runtime.planning.what_if",
+                    "runtime.env_report",
+                ), (
                     f"{path.name} imports {node.module}"
                 )
 
@@ -119,6 +125,7 @@ def test_profiler_does_not_import_torch() -> None:
 def test_spec_and_launcher_cli_do_not_import_torch() -> None:
     code = (
         "import sys, runtime.config.spec, runtime.config.spec_io, protrain_launcher.cli, protrain_launcher.what_if_cli\n"
+        "import protrain_launcher.report_cli\n"
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
