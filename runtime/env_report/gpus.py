@@ -11,6 +11,7 @@ NVML numbers GPUs its own way and ignores ``CUDA_VISIBLE_DEVICES``; the bus id t
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -162,7 +163,7 @@ def facts_row(facts: GpuFacts) -> Row:
     return Row(facts.label, ", ".join(parts), value, status)
 
 
-def _read(facts: GpuFacts, what: str, read: Any) -> None:
+def _read(facts: GpuFacts, what: str, read: Callable[[], None]) -> None:
     """Run one NVML query; a failure is noted on the GPU's row, the rest is still read."""
     try:
         read()
