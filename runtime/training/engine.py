@@ -36,15 +36,12 @@ from runtime.device import DeviceInfo, synchronize
 from runtime.distributed import DistContext, release
 from runtime.loaders import DataPosition
 from runtime.model_cache import TrainingCaches, refuse_cache_with_recompute
-from runtime.planning.memory_probe import PeakMemoryProbe
 from runtime.planning.model_facts import AUTOCAST_DTYPES
-from runtime.planning.plan_check import PlanCheck
-from runtime.planning.plan_check import describe as describe_plan_check
-from runtime.planning.plan_check import judge as judge_plan_check
 from runtime.planning.replanner import Replanner, same_layout
 from runtime.training.engine_facades import EngineFacades
 from runtime.training.live_engines import EngineClaim
 from runtime.training.loss_scale import DynamicLossScaler
+from runtime.training.reporting import UpdateReports
 from runtime.training.stop import StopRequest, TrainingStopped
 from runtime.training.update import sum_window, update_shards
 from runtime.training.window import Window
@@ -80,7 +77,6 @@ class Engine(EngineFacades):
         self.device_info = device
         self.loss_fn = loss_fn
         self._reporter = reporter
-        self._metrics = metrics
         self.chunks = chunks
         self.activations = activations
         self.checkpointer = checkpointer
@@ -105,8 +101,16 @@ class Engine(EngineFacades):
         self._torn: str | None = None
         """Why training cannot go on (a failed backward left early updates half applied)."""
         self._replanner = replanner
-        self._plan_check = PlanCheck(plan, accumulation=settings.gradient_accumulation_steps)
-        self._peak_probe = PeakMemoryProbe(module, device, static_device_bytes=chunks.device_state_bytes())
+        self._reports = UpdateReports(
+            module=module,
+            device=device,
+            reporter=reporter,
+            metrics=metrics,
+            plan=plan,
+            accumulation=settings.gradient_accumulation_steps,
+            static_device_bytes=chunks.device_state_bytes(),
+            replanner=replanner,
+        )
         self._caches = TrainingCaches(module, log=self.log)
 
     # ---------------------------------------------------------------- properties
@@ -131,8 +135,7 @@ class Engine(EngineFacades):
             refuse_cache_with_recompute(kwargs, recomputes=BlockMode.CHECKPOINT in self.plan.block_modes)
             if self._window.start_s is None:
                 self._window.start_s = time.perf_counter()  # this module's clock: tests replace it
-                if self._plan_check.measuring_peak:
-                    self._peak_probe.start()
+                self._reports.window_started()
             self._window.count_batch(args, kwargs)
         self.activations.begin_forward()
         try:
@@ -299,21 +302,7 @@ class Engine(EngineFacades):
                 self.save_checkpoint()
 
     def _report(self, record: StepRecord) -> None:
-        self._reporter.update(record)
-        if self._metrics is not None:
-            self._metrics.write(record.to_json())
-        check = (
-            None if record.skipped else self._plan_check.observe(record.step_time_s, self._peak_probe.stop)
-        )
-        if check is None:
-            return
-        # Stale cached profiles are dropped (only a plan from a Replanner's profiles has any).
-        replanner = self._replanner
-        check = judge_plan_check(check, from_cache=False) if replanner is None else replanner.judge(check)
-        self._reporter.print(describe_plan_check(check))
-        if self._metrics is not None:
-            self._metrics.write(check)
-        plan = None if replanner is None else replanner.after_window(self.plan, check, self.dist_ctx)
+        plan = self._reports.report(record, plan=self.plan, dist_ctx=self.dist_ctx)
         if plan is not None:
             self.switch_plan(plan)
 
@@ -332,18 +321,12 @@ class Engine(EngineFacades):
         self.chunks, self.activations = self._replanner.apply(plan, state_from=old_chunks)
         old_chunks.close()
         self.checkpointer.use(self.chunks)
-        self._peak_probe.stop()  # its hooks and window go with the old plan
-        static = self.chunks.device_state_bytes()
-        self._peak_probe = PeakMemoryProbe(self.module, self.device_info, static_device_bytes=static)
-        self._adopt(plan)
+        self._adopt(plan, static_device_bytes=self.chunks.device_state_bytes())
 
-    def _adopt(self, plan: Plan) -> None:
-        """``plan`` is the one in force: its checks start over; it is shown and recorded."""
+    def _adopt(self, plan: Plan, *, static_device_bytes: int | None = None) -> None:
+        """``plan`` is the one in force (see ``UpdateReports.adopt``)."""
         self.plan = plan
-        self._plan_check = PlanCheck(plan, accumulation=self.settings.gradient_accumulation_steps)
-        self._reporter.show_plan(plan)
-        if self._metrics is not None:
-            self._metrics.write({"event": "plan", "plan": plan.to_dict()})
+        self._reports.adopt(plan, static_device_bytes=static_device_bytes)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         dtype = AUTOCAST_DTYPES.get(self.settings.precision)
@@ -365,8 +348,7 @@ class Engine(EngineFacades):
         if self._closed:
             return
         self._closed = True
-        if self._peak_probe.active:
-            self._peak_probe.stop()  # its hooks leave the model
+        self._reports.stop_probe()  # its hooks leave the model
         if self._stop is not None:
             self._stop.uninstall()
         try:
@@ -376,9 +358,7 @@ class Engine(EngineFacades):
 
     def _close_components(self) -> None:
         try:
-            self._reporter.close()
-            if self._metrics is not None:
-                self._metrics.close()
+            self._reports.close()
             self.activations.close()
             self.chunks.close()
         finally:
