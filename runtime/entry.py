@@ -32,6 +32,7 @@ from runtime.config.spec_io import (
     SpecError,
     load_spec,
     read_resolved,
+    refuse_trainer_autos,
     validate_spec,
 )
 from runtime.console import MetricsFile, ProgressReporter, frozen_note, groups_table, plan_table
@@ -111,6 +112,7 @@ def initialize(
     """
     resolved, run_dir = resolve_job(config)
     spec = resolved.spec
+    refuse_trainer_autos(spec)
     planning = planning_settings_from_spec(spec)
     reader = _weight_reader(model, weights)
     try:

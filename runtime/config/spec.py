@@ -11,9 +11,10 @@ Importing this module must not import torch: the launcher validates bad input in
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated
+from typing import Annotated, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, Field, model_validator
+from pydantic.fields import FieldInfo
 
 from profiler.plan import BlockMode
 from runtime.config.spec_types import (
@@ -23,11 +24,9 @@ from runtime.config.spec_types import (
     AutoPositiveInt,
     AutoSize,
     AutoText,
-    Betas,
     BlockModes,
     Bool,
     Fraction,
-    NonNegFloat,
     NonNegInt,
     ParamGroups,
     Port,
@@ -37,6 +36,12 @@ from runtime.config.spec_types import (
     SpecModel,
     Text,
     TextList,
+    TrainerBetas,
+    TrainerFilled,
+    TrainerNonNegFloat,
+    TrainerNonNegInt,
+    TrainerPositiveFloat,
+    TrainerPositiveInt,
     cross_field_error,
     enum_leaf,
 )
@@ -64,7 +69,7 @@ class SchedulerType(str, Enum):
     CONSTANT = "constant"
 
 
-PrecisionField = Annotated[(Precision, *enum_leaf(Precision))]
+PrecisionField = Annotated[(Union[Precision, Literal["auto"]], *enum_leaf(Precision, trainer_auto=True))]
 NonFiniteField = Annotated[(NonFiniteLossPolicy, *enum_leaf(NonFiniteLossPolicy))]
 OptimizerTypeField = Annotated[(OptimizerType, *enum_leaf(OptimizerType))]
 SchedulerTypeField = Annotated[(SchedulerType, *enum_leaf(SchedulerType))]
@@ -101,13 +106,13 @@ class OptimizerSpec(SpecModel):
 
     type: OptimizerTypeField = OptimizerType.ADAMW
     """Optimizer kind."""
-    lr: PositiveFloat = 3.0e-4
+    lr: TrainerPositiveFloat = 3.0e-4
     """Peak learning rate."""
-    betas: Betas = (0.9, 0.95)
+    betas: TrainerBetas = (0.9, 0.95)
     """Adam's two moment decay rates."""
-    eps: PositiveFloat = 1.0e-8
+    eps: TrainerPositiveFloat = 1.0e-8
     """Added to the denominator."""
-    weight_decay: NonNegFloat = 0.1
+    weight_decay: TrainerNonNegFloat = 0.1
     """Decoupled weight decay, applied to every parameter not matched by no_decay."""
     no_decay: TextList = ("bias", "norm")
     """Patterns exempt from weight decay: a parameter matches when a pattern occurs in its
@@ -308,17 +313,17 @@ class LoggingSpec(SpecModel):
 class Spec(SpecModel):
     """A ProTrain job."""
 
-    seed: NonNegInt = 1234
+    seed: TrainerNonNegInt = 1234
     """Seed of every random generator the engine owns (offset by rank where ranks must differ)."""
-    micro_batch_size: PositiveInt = 1
+    micro_batch_size: TrainerPositiveInt = 1
     """Samples per rank per forward."""
-    gradient_accumulation_steps: PositiveInt = 1
+    gradient_accumulation_steps: TrainerPositiveInt = 1
     """Micro-batches per optimizer update; the loss is scaled by 1/this in backward."""
     precision: PrecisionField = Precision.FP32
     """Compute precision; masters and optimizer state stay fp32."""
     loss_scaling: LossScalingSpec | None = None
     """fp16 only: dynamic loss scaling (defaults apply when precision is fp16 and this is null)."""
-    gradient_clipping: NonNegFloat | None = None
+    gradient_clipping: TrainerNonNegFloat | None = None
     """Clip the global gradient norm to this; 0 or null: off."""
     on_nonfinite_loss: NonFiniteField = NonFiniteLossPolicy.RAISE
     """raise, or skip the update; decided alike on every rank."""
@@ -341,7 +346,7 @@ class Spec(SpecModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> Spec:
-        if self.loss_scaling is not None and self.precision is not Precision.FP16:
+        if self.loss_scaling is not None and self.precision not in (Precision.FP16, AUTO):
             raise cross_field_error(
                 "loss_scaling",
                 f"loss_scaling applies only to precision fp16 (precision is "
@@ -355,6 +360,28 @@ class Spec(SpecModel):
         if self.precision is not Precision.FP16:
             return None
         return self.loss_scaling or LossScalingSpec()
+
+
+def trainer_autos(spec: BaseModel, prefix: str = "") -> list[str]:
+    """Key paths of the training fields still "auto": only the Hugging Face Trainer integration
+    fills them (from TrainingArguments), as DeepSpeed's config takes "auto" there."""
+    found: list[str] = []
+    for name, info in type(spec).model_fields.items():
+        value = getattr(spec, name)
+        path = f"{prefix}{name}"
+        if isinstance(value, BaseModel):
+            found.extend(trainer_autos(value, path + "."))
+        elif isinstance(value, str) and value == AUTO and _trainer_filled(info):
+            found.append(path)
+    return found
+
+
+def _trainer_filled(info: FieldInfo) -> bool:
+    markers = list(info.metadata)
+    for arg in get_args(info.annotation):  # TrainerNonNegFloat | None keeps its markers inside
+        if get_origin(arg) is Annotated:
+            markers.extend(get_args(arg)[1:])
+    return any(isinstance(marker, TrainerFilled) for marker in markers)
 
 
 def auto_fields(spec: BaseModel, prefix: str = "") -> list[str]:

@@ -18,7 +18,7 @@ from typing import Annotated, Any, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from runtime.config.spec import Spec, auto_fields
+from runtime.config.spec import Spec, auto_fields, trainer_autos
 from runtime.config.spec_types import Allowed
 
 RESOLVED_SPEC_ENV = "PROTRAIN_SPEC"
@@ -27,6 +27,17 @@ RESOLVED_SPEC_VERSION = 1
 
 class SpecError(ValueError):
     """Bad job input; the message is complete and meant for the user as is."""
+
+
+def refuse_trainer_autos(spec: Spec) -> None:
+    """SpecError naming every training field left "auto" (lr, batch sizes, precision, seed...):
+    only the Hugging Face Trainer integration fills those, from its TrainingArguments."""
+    autos = trainer_autos(spec)
+    if autos:
+        raise SpecError(
+            f"{', '.join(autos)}: \"auto\" here is filled from TrainingArguments by ProTrainTrainer "
+            "(runtime.integrations.hf) only; set a value to train without it"
+        )
 
 
 # --------------------------------------------------------------------------------------------

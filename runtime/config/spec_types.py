@@ -52,6 +52,17 @@ class AutoFilled:
     __slots__ = ()
 
 
+class TrainerFilled:
+    """Metadata marker: ``"auto"`` in this training field is filled from ``TrainingArguments`` by
+    the Hugging Face Trainer integration (as DeepSpeed's config takes "auto" there); without it,
+    ``runtime.initialize`` refuses it (``trainer_autos``)."""
+
+    __slots__ = ()
+
+
+TRAINER_AUTO_TEXT = '"auto" (ProTrainTrainer fills it from TrainingArguments)'
+
+
 def _reject(allowed: str) -> PydanticCustomError:
     return PydanticCustomError("spec_value", "expected {allowed}", {"allowed": allowed})
 
@@ -64,12 +75,18 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _leaf(check: Callable[[Any], Any], allowed: str, *, auto: bool = False) -> tuple[Any, ...]:
-    """Build Annotated metadata for a leaf: ``check`` returns the value or raises ValueError."""
+def _leaf(
+    check: Callable[[Any], Any], allowed: str, *, auto: bool = False, trainer_auto: bool = False
+) -> tuple[Any, ...]:
+    """Build Annotated metadata for a leaf: ``check`` returns the value or raises ValueError.
+    ``auto``: "auto" is the planner's or launcher's to fill; ``trainer_auto``: the Trainer
+    integration's (``TrainerFilled``)."""
     text = f'{allowed}, or "auto"' if auto else allowed
+    if trainer_auto:
+        text = f"{allowed}, or {TRAINER_AUTO_TEXT}"
 
     def validate(value: Any) -> Any:
-        if auto and value == AUTO:
+        if (auto or trainer_auto) and value == AUTO:
             return AUTO
         try:
             return check(value)
@@ -77,7 +94,7 @@ def _leaf(check: Callable[[Any], Any], allowed: str, *, auto: bool = False) -> t
             raise _reject(text) from None
 
     markers: tuple[Any, ...] = (PlainValidator(validate), PlainSerializer(_to_plain), Allowed(text))
-    return markers + ((AutoFilled(),) if auto else ())
+    return markers + ((AutoFilled(),) if auto else ()) + ((TrainerFilled(),) if trainer_auto else ())
 
 
 def _to_plain(value: Any) -> Any:
@@ -185,11 +202,24 @@ Size = Annotated[(int, *_leaf(_positive_size, _SIZE_TEXT + " (> 0)"))]
 AutoSize = Annotated[(Union[int, Auto], *_leaf(_positive_size, _SIZE_TEXT + " (> 0)", auto=True))]
 AutoNonNegInt = Annotated[(Union[int, Auto], *_leaf(_int_check(0), "an integer >= 0", auto=True))]
 AutoPositiveInt = Annotated[(Union[int, Auto], *_leaf(_int_check(1), "an integer >= 1", auto=True))]
+TrainerNonNegInt = Annotated[
+    (Union[int, Auto], *_leaf(_int_check(0), "an integer >= 0", trainer_auto=True))
+]
+TrainerPositiveInt = Annotated[
+    (Union[int, Auto], *_leaf(_int_check(1), "an integer >= 1", trainer_auto=True))
+]
+TrainerPositiveFloat = Annotated[
+    (Union[float, Auto], *_leaf(_float_check(0.0, open_min=True), "a number > 0", trainer_auto=True))
+]
+TrainerNonNegFloat = Annotated[
+    (Union[float, Auto], *_leaf(_float_check(0.0), "a number >= 0", trainer_auto=True))
+]
 AutoText = Annotated[(Union[str, Auto], *_leaf(_str_check, "a module path such as model.layers", auto=True))]
 
 
-def enum_leaf(enum_type: type[Enum]) -> tuple[Any, ...]:
-    """Annotated metadata for a field holding ``enum_type``: its values by name, strictly."""
+def enum_leaf(enum_type: type[Enum], *, trainer_auto: bool = False) -> tuple[Any, ...]:
+    """Annotated metadata for a field holding ``enum_type``: its values by name, strictly
+    (``trainer_auto``: or "auto", see ``TrainerFilled``)."""
     names = [member.value for member in enum_type]
     allowed = "one of " + ", ".join(names)
 
@@ -200,7 +230,7 @@ def enum_leaf(enum_type: type[Enum]) -> tuple[Any, ...]:
             raise ValueError
         return enum_type(value)
 
-    return _leaf(check, allowed)
+    return _leaf(check, allowed, trainer_auto=trainer_auto)
 
 
 def _betas_check(value: Any) -> tuple[float, float]:
@@ -229,6 +259,12 @@ def _block_modes_check(value: Any) -> tuple[BlockMode, ...]:
 
 
 Betas = Annotated[(tuple[float, float], *_leaf(_betas_check, "a list of two numbers in [0, 1)"))]
+TrainerBetas = Annotated[
+    (
+        Union[tuple[float, float], Auto],
+        *_leaf(_betas_check, "a list of two numbers in [0, 1)", trainer_auto=True),
+    )
+]
 TextList = Annotated[(tuple[str, ...], *_leaf(_text_list_check, "a list of non-empty strings"))]
 BlockModes = Annotated[
     (

@@ -252,6 +252,8 @@ def _put(data: dict[str, Any], key: str, value: Any) -> None:
 
 
 def _normalised(key: str, value: Any) -> Any:
+    if isinstance(value, str) and value == AUTO:
+        return value  # unset: the TrainingArguments value fills it
     if key == "gradient_clipping":
         return float(value or 0.0)  # null and 0 both mean off, as max_grad_norm=0 does
     if key == "precision":

@@ -176,6 +176,31 @@ def test_each_side_fills_what_the_other_left_unset(tmp_path: Path) -> None:
     assert args.adam_epsilon == 1e-8  # the caller's arguments are left as they were
 
 
+def test_auto_training_values_are_filled_from_the_training_arguments(tmp_path: Path) -> None:
+    """As in a DeepSpeed config: "auto" in the spec's training fields takes the TrainingArguments
+    value; without a Trainer, initialize refuses it naming the fields."""
+    autos = {
+        "optimizer": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        "micro_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "precision": "auto",
+        "gradient_clipping": "auto",
+        "seed": "auto",
+        **MEMORY,
+    }
+    engine_spec = reconcile(user_spec(autos), training_args(tmp_path)).spec
+    assert engine_spec.optimizer.lr == 2e-3 and engine_spec.optimizer.betas == (0.9, 0.999)
+    assert engine_spec.optimizer.eps == 1e-8 and engine_spec.optimizer.weight_decay == 0.1
+    assert engine_spec.micro_batch_size == 2 and engine_spec.gradient_accumulation_steps == 2
+    assert engine_spec.precision.value == "fp32" and engine_spec.gradient_clipping == 0.5
+    assert engine_spec.seed == 7
+    import runtime
+    from tests.hf_trainer_runs import tiny_model
+
+    with pytest.raises(ValueError, match=r"seed, micro_batch_size, gradient_accumulation_steps, precision"):
+        runtime.initialize(tiny_model("llama"), config={**autos, "output_dir": str(tmp_path / "runs")})
+
+
 def test_the_spec_protrain_run_hands_over_knows_which_keys_were_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
