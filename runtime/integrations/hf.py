@@ -85,6 +85,9 @@ class ProTrainMixin:
         self._protrain: Reconciled | None = None
         self._engine: Engine | None = None
         super().__init__(*args, **kwargs)
+        # Trainer.__init__ takes its loader's batch size off the caller's arguments, after the seam
+        # below replaced self.args: a micro_batch_size set in the spec only must reach the loader.
+        self._train_batch_size = self.args.train_batch_size
         refuse_own_optimizer(self)
 
     @property

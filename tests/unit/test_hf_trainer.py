@@ -216,6 +216,22 @@ def test_the_spec_protrain_run_hands_over_knows_which_keys_were_written(
     assert reconcile(spec, training_args(tmp_path)).spec.optimizer.weight_decay == 0.1
 
 
+def test_a_micro_batch_set_in_the_spec_only_is_the_batch_the_trainer_loads(tmp_path: Path) -> None:
+    """TrainingArguments leave the batch at its default (8): the spec's 2 is what the training
+    DataLoader yields (Trainer.__init__ reads its batch size off the caller's arguments)."""
+    from runtime.integrations.hf import ProTrainTrainer
+
+    args = training_args(tmp_path, per_device_train_batch_size=8, per_device_eval_batch_size=8)
+    trainer = ProTrainTrainer(
+        model=tiny_model("llama"),
+        args=args,
+        train_dataset=CausalWindows(26),
+        protrain={**MEMORY, "micro_batch_size": 2},
+    )
+    assert trainer.args.per_device_train_batch_size == 2 and args.per_device_train_batch_size == 8
+    assert next(iter(trainer.get_train_dataloader()))["input_ids"].shape[0] == 2
+
+
 def test_evaluation_batches_stay_within_the_planned_training_batch(tmp_path: Path) -> None:
     # Left at its default (8), the eval batch takes the training batch (2); set larger, refused.
     settled = reconcile(user_spec(None), training_args(tmp_path, per_device_eval_batch_size=8))
