@@ -134,6 +134,53 @@ def test_a_run_resumed_from_a_checkpoint_ends_bit_identical(tmp_path: Path) -> N
     assert_state_equal(resumed["state"], whole["state"])
 
 
+def test_per_group_learning_rates_hold_under_the_trainers_scheduler(tmp_path: Path) -> None:
+    """DeepSpeed#6873 (a Trainer's per-group learning rates all became one under ZeRO-3): the
+    spec's group at 5x the learning rate trains as a plain Trainer given the same AdamW groups,
+    the Trainer's warmup-cosine scaling every group's own peak."""
+    from transformers import Trainer
+
+    from runtime.integrations.hf import ProTrainTrainer
+
+    head_lr, steps = 1e-2, 6
+    model = tiny_model("llama")
+    by_hand: list[dict[str, Any]] = [
+        {"params": [], "weight_decay": 0.1},
+        {"params": [], "weight_decay": 0.0},
+        {"params": [], "weight_decay": 0.1, "lr": head_lr},
+    ]
+    for name, param in model.named_parameters():
+        by_hand[2 if name == "lm_head.weight" else 1 if "norm" in name else 0]["params"].append(param)
+    optimizer = torch.optim.AdamW(by_hand, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, fused=True)
+    plain = Trainer(
+        model=model,
+        args=training_args(tmp_path / "plain", max_steps=steps),
+        train_dataset=CausalWindows(26),
+        optimizers=(optimizer, None),
+    )
+    plain.train()
+    ours = ProTrainTrainer(
+        model=tiny_model("llama"),
+        args=training_args(tmp_path / "ours", max_steps=steps),
+        train_dataset=CausalWindows(26),
+        protrain={**MEMORY, "optimizer": {"groups": [{"match": ["lm_head.weight"], "lr": head_lr}]}},
+    )
+    try:
+        ours.train()
+        engine = ours.protrain_engine
+        assert engine is not None
+        assert ours.lr_scheduler.base_lrs == [2e-3, head_lr]  # each group's own peak, scheduled
+        head_weight = engine.state_dict()["lm_head.weight"]
+    finally:
+        ours.end()
+
+    def losses(trainer: Any) -> list[float]:
+        return [record["loss"] for record in trainer.state.log_history if "loss" in record]
+
+    assert len(losses(ours)) == steps and losses(ours) == pytest.approx(losses(plain), rel=RTOL)
+    torch.testing.assert_close(head_weight, model.lm_head.weight.detach(), rtol=RTOL, atol=1e-6)
+
+
 def test_a_spec_schedule_runs_as_the_trainers_scheduler(tmp_path: Path) -> None:
     spec = {**MEMORY, "scheduler": {"type": "warmup_cosine", "warmup_steps": 2, "total_steps": 6}}
     # The Trainer's own schedule left at its defaults (linear, no warmup): the spec's runs.
