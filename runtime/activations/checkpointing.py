@@ -19,6 +19,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from runtime.chunks.manager import ChunkManager
+from runtime.chunks.trace_labels import job_label
 
 
 class BlockCheckpointing:
@@ -34,16 +35,17 @@ class BlockCheckpointing:
         self._patched: list[nn.Module] = []
         self._suspended = False
 
-    def patch(self, block: nn.Module) -> None:
-        """Run ``block`` under non-reentrant checkpointing: its forward is replaced by one that
-        calls the original through ``torch.utils.checkpoint`` (restored by ``restore``)."""
+    def patch(self, block: nn.Module, index: int) -> None:
+        """Run ``block`` (the ``index``-th) under non-reentrant checkpointing: its forward is
+        replaced by one that calls the original through ``torch.utils.checkpoint`` (restored by
+        ``restore``). Its recomputation runs under the trace label ``protrain.recompute.<index>``."""
         original = block.forward
 
         def run(*args: Any, **kwargs: Any) -> Any:
             if self._in_forward():
                 return original(*args, **kwargs)
             # Called again by checkpoint's unpack: this is the recomputation, inside backward.
-            with self._chunks.recomputing():
+            with self._chunks.recomputing(), job_label("recompute", index):
                 return original(*args, **kwargs)
 
         def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:

@@ -133,7 +133,7 @@ class ActivationManager:
                 self._handles.append(block.register_forward_pre_hook(self._enter_block(index)))
                 self._handles.append(block.register_forward_hook(self._leave_block(index)))
             elif mode is BlockMode.CHECKPOINT:
-                self._checkpointing.patch(block)
+                self._checkpointing.patch(block, index)
 
     def _enter_block(self, index: int) -> Any:
         def hook(_module: nn.Module, _inputs: Any) -> None:
@@ -330,6 +330,11 @@ class ActivationManager:
         total = self.stats.wait_s
         taken, self._wait_taken_s = total - self._wait_taken_s, total
         return round(taken, 6)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes that swapped (and, on CUDA, ssd-staged) activations take now."""
+        return self._transfers.host_bytes
 
     @property
     def live_records(self) -> int:

@@ -31,7 +31,7 @@ class WriteState(enum.Enum):
 class ActivationFile:
     """One saved tensor's bytes on disk, returned by ``ActivationFileStore.write``.
 
-    Callers use ``nbytes``, ``path``, ``written`` and ``wait_written``; the rest is the store's
+    Callers use ``nbytes``, ``path``, ``block``, ``written`` and ``wait_written``; the rest is the store's
     bookkeeping, kept here rather than in a side table so nothing has to be kept in sync. Every
     field is read and changed under the owning store's lock, by the store only (``ssd_store``).
     """
@@ -39,6 +39,7 @@ class ActivationFile:
     __slots__ = (
         "nbytes",
         "path",
+        "block",
         "disk_bytes",
         "_lock",
         "_done",
@@ -51,10 +52,19 @@ class ActivationFile:
     )
 
     def __init__(
-        self, path: Path, nbytes: int, disk_bytes: int, payload: torch.Tensor, lock: threading.Condition
+        self,
+        path: Path,
+        nbytes: int,
+        disk_bytes: int,
+        payload: torch.Tensor,
+        lock: threading.Condition,
+        *,
+        block: int = 0,
     ) -> None:
         self.nbytes = nbytes
         self.path = path
+        self.block = block
+        """The block whose saved tensor this is (a trace labels the file's write and read by it)."""
         self.disk_bytes = disk_bytes
         self._lock = lock
         self._done = threading.Event()

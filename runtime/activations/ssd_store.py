@@ -46,6 +46,7 @@ from runtime.activations.ssd_io import (
     padded,
     remove_file,
 )
+from runtime.chunks.trace_labels import job_label
 
 __all__ = [
     "BLOCK_BYTES",
@@ -139,10 +140,11 @@ class ActivationFileStore:
         with self._lock:
             return dataclasses.replace(self._stats)
 
-    def write(self, data: torch.Tensor) -> ActivationFile:
+    def write(self, data: torch.Tensor, *, block: int = 0) -> ActivationFile:
         """Queue ``data``'s bytes for a new file and return at once. ``data`` must stay unmodified
         until ``written()``. Blocks while the in-flight bytes would exceed ``max_inflight_bytes``
-        (unless nothing is in flight); raises a still unreported failure of an earlier write."""
+        (unless nothing is in flight); raises a still unreported failure of an earlier write.
+        ``block``: whose activation this is, the number of the file's write and read in a trace."""
         payload = ssd_io.as_bytes(data)
         nbytes = payload.numel()
         with self._lock:
@@ -154,7 +156,7 @@ class ActivationFileStore:
             path = self.run_dir / f"{self._next_index:08d}.act"
             self._next_index += 1
             disk_bytes = padded(nbytes) if self.direct_io else nbytes
-            file = ActivationFile(path, nbytes, disk_bytes, payload, self._lock)
+            file = ActivationFile(path, nbytes, disk_bytes, payload, self._lock, block=block)
             self._live[path] = file
             self._inflight_bytes += nbytes
             self._stats.peak_inflight_bytes = max(self._stats.peak_inflight_bytes, self._inflight_bytes)
@@ -286,7 +288,8 @@ class ActivationFileStore:
         error: SsdIoError | None = None
         crc32 = 0
         try:
-            crc32 = self._write_file(file.path, payload)
+            with job_label("ssd_write", file.block):
+                crc32 = self._write_file(file.path, payload)
         except Exception as err:  # noqa: BLE001 - handed to the caller's thread, never swallowed
             error = io_error("write", file.path, err)
             # Never leave a partial file behind; should even the unlink fail, close() removes it.
@@ -340,14 +343,15 @@ class ActivationFileStore:
             raise SsdIoError(f"read of activation file {file.path} failed: {why}") from cause
         started = time.perf_counter()
         try:
-            result, crc32 = ssd_io.read_file(
-                file.path,
-                file.nbytes,
-                file.disk_bytes,
-                self._staging,
-                direct_io=self.direct_io,
-                checksum=self.checksum,
-            )
+            with job_label("ssd_read", file.block):
+                result, crc32 = ssd_io.read_file(
+                    file.path,
+                    file.nbytes,
+                    file.disk_bytes,
+                    self._staging,
+                    direct_io=self.direct_io,
+                    checksum=self.checksum,
+                )
         except SsdIoError:
             raise
         except Exception as err:  # noqa: BLE001 - handed to the caller's thread via the future

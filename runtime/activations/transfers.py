@@ -40,6 +40,7 @@ from runtime import stream_chaos
 from runtime.activations.host_pool import HostActivationPool
 from runtime.activations.records import ActivationStats, StoredStorage
 from runtime.activations.ssd_store import ActivationFileStore
+from runtime.chunks.trace_labels import job_label
 from runtime.device import DeviceEvent, DeviceInfo, SideStream, used_on_this_stream
 
 
@@ -71,6 +72,11 @@ class ActivationTransfers:
         self._chaos_failure: stream_chaos.StreamChaosError | None = None
         """A chaos check that failed where nothing could raise (a saved tensor's release)."""
 
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the pool has handed out since it last emptied (page-rounded)."""
+        return self._pool.used_bytes
+
     # ------------------------------------------------------------------ forward
 
     def begin_forward(self) -> None:
@@ -101,13 +107,14 @@ class ActivationTransfers:
             # To host memory on the side stream (CUDA ssd: staged there, written once copied).
             record.host = self._pool.allocate(record.nbytes)
             host = record.host
-            record.outbound = self._submit(lambda: _copy_on_side_stream(host, source))
+            kind = "swap_out" if mode is BlockMode.SWAP else "ssd_stage"
+            record.outbound = self._submit(lambda: _copy_on_side_stream(host, source, kind, block))
             if mode is BlockMode.SWAP:
                 self.stats.bytes_swapped_out += record.nbytes
         else:
             assert self.store is not None
             started = time.perf_counter()
-            record.file = self.store.write(source)  # blocks while too many bytes are in flight
+            record.file = self.store.write(source, block=block)  # blocks while too many bytes are in flight
             self.stats.wait_s += time.perf_counter() - started
             self._count_ssd_write(record)
         return record
@@ -125,7 +132,7 @@ class ActivationTransfers:
             if record.mode is BlockMode.SSD:
                 # CUDA: the bytes are staged in host memory; write them from there.
                 assert record.host is not None and self.store is not None
-                record.file = self.store.write(record.host)
+                record.file = self.store.write(record.host, block=record.block)
                 self._count_ssd_write(record)
         if record.file is not None:
             if not record.file.written():
@@ -160,8 +167,8 @@ class ActivationTransfers:
             restored = torch.empty(record.nbytes, dtype=torch.uint8, device=record.device)
             if self._chaos:  # NaN until the copy lands: a read that misses the wait sees it
                 stream_chaos.poison_(restored)
-            host = record.host
-            record.inbound = self._submit(lambda: _copy_on_side_stream(restored, host))
+            host, block = record.host, record.block
+            record.inbound = self._submit(lambda: _copy_on_side_stream(restored, host, "swap_in", block))
             record.restored = restored
             self.stats.bytes_swapped_in += record.nbytes
             return
@@ -233,10 +240,12 @@ class ActivationTransfers:
         return self._stream.submit(work)
 
 
-def _copy_on_side_stream(destination: torch.Tensor, source: torch.Tensor) -> None:
-    """A swap copy, run on the side stream. Both tensors were allocated outside it (the device
-    one on the compute stream): on CUDA, record this stream's use of them (see the module
+def _copy_on_side_stream(destination: torch.Tensor, source: torch.Tensor, kind: str, block: int) -> None:
+    """A swap copy, run on the side stream under its trace label (``kind``: swap_out, swap_in or
+    ssd_stage; runtime/chunks/trace_labels.py). Both tensors were allocated outside it (the
+    device one on the compute stream): on CUDA, record this stream's use of them (see the module
     docstring); a host tensor needs nothing, nor does anything on CPU, where the job itself
     holds them until the copy is done."""
-    used_on_this_stream(destination, source)
-    destination.copy_(source, non_blocking=True)
+    with job_label(kind, block):
+        used_on_this_stream(destination, source)
+        destination.copy_(source, non_blocking=True)
