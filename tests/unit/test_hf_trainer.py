@@ -137,12 +137,15 @@ def test_a_run_resumed_from_a_checkpoint_ends_bit_identical(tmp_path: Path) -> N
 def test_per_group_learning_rates_hold_under_the_trainers_scheduler(tmp_path: Path) -> None:
     """DeepSpeed#6873 (a Trainer's per-group learning rates all became one under ZeRO-3): the
     spec's group at 5x the learning rate trains as a plain Trainer given the same AdamW groups,
-    the Trainer's warmup-cosine scaling every group's own peak."""
+    the Trainer's warmup-cosine scaling every group's own peak. A group that matches nothing
+    stays an empty param group (DeepSpeed dropped those, and a scheduler over the groups then
+    crashed or gave the wrong group's rate), and changes nothing."""
     from transformers import Trainer
 
     from runtime.integrations.hf import ProTrainTrainer
 
     head_lr, steps = 1e-2, 6
+    empty = {"match": ["no_such_module.*"], "lr": 1.0}
     model = tiny_model("llama")
     by_hand: list[dict[str, Any]] = [
         {"params": [], "weight_decay": 0.1},
@@ -163,13 +166,14 @@ def test_per_group_learning_rates_hold_under_the_trainers_scheduler(tmp_path: Pa
         model=tiny_model("llama"),
         args=training_args(tmp_path / "ours", max_steps=steps),
         train_dataset=CausalWindows(26),
-        protrain={**MEMORY, "optimizer": {"groups": [{"match": ["lm_head.weight"], "lr": head_lr}]}},
+        protrain={**MEMORY, "optimizer": {"groups": [{"match": ["lm_head.weight"], "lr": head_lr}, empty]}},
     )
     try:
         ours.train()
         engine = ours.protrain_engine
         assert engine is not None
-        assert ours.lr_scheduler.base_lrs == [2e-3, head_lr]  # each group's own peak, scheduled
+        assert ours.lr_scheduler.base_lrs == [2e-3, head_lr, 1.0]  # each group's own peak
+        assert [len(group["params"]) for group in engine.optimizer.param_groups][1:] == [1, 0]
         head_weight = engine.state_dict()["lm_head.weight"]
     finally:
         ours.end()
