@@ -84,6 +84,7 @@ class ProTrainMixin:
         self._protrain_source = protrain
         self._protrain: Reconciled | None = None
         self._engine: Engine | None = None
+        self._ended = False
         super().__init__(*args, **kwargs)
         # Trainer.__init__ takes its loader's batch size off the caller's arguments, after the seam
         # below replaced self.args: a micro_batch_size set in the spec only must reach the loader.
@@ -125,6 +126,7 @@ class ProTrainMixin:
         """The engine, built on first need over ``self.model``."""
         if self._engine is not None:
             return self._engine
+        self._refuse_if_ended()
         assert self._protrain is not None, "set up in create_accelerator_and_postprocess"
         model = self.model
         decay = set(self.get_decay_parameter_names(model))  # type: ignore[attr-defined]
@@ -184,6 +186,7 @@ class ProTrainMixin:
         """Consolidated weights that ``from_pretrained`` loads (a PEFT model: its adapter);
         every rank must call it (the weights are gathered), rank 0 writes."""
         if self._engine is None:  # never trained: the model still holds its own weights
+            self._refuse_if_ended()
             super().save_model(output_dir, _internal_call)  # type: ignore[misc]
             return
         state = self._engine.state_dict()  # a collective: every rank gathers
@@ -217,11 +220,22 @@ class ProTrainMixin:
         self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_FILE, weights_only=True))
 
     def end(self) -> None:
-        """Close the engine (its threads, its process group), then the Trainer's own end."""
+        """Close the engine (its threads, its process group), then the Trainer's own end; call it
+        last: the model's weights lived in the engine's chunks (save_model first)."""
         if self._engine is not None:
+            self._ended = True
             self._engine.close()
             self._engine = None
         super().end()  # type: ignore[misc]
+
+    def _refuse_if_ended(self) -> None:
+        """After ``end()`` the model's parameters are the closed engine's placeholders (its chunks
+        held them): a new engine over them would train or evaluate on NaN, a save would write them."""
+        if self._ended:
+            raise RuntimeError(
+                "ProTrainTrainer: the engine was closed by trainer.end(), and the model's weights with it; "
+                "call end() last, after train, evaluate, predict and save_model"
+            )
 
 
 class ProTrainTrainer(ProTrainMixin, Trainer):

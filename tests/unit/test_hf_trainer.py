@@ -86,6 +86,29 @@ def test_a_skipped_update_holds_the_trainers_scheduler(tmp_path: Path) -> None:
         trainer.end()
 
 
+def test_after_end_the_trainer_refuses_what_needs_the_closed_engine(tmp_path: Path) -> None:
+    """end() closes the engine, and the model's parameters (chunk memory) go with it: evaluating
+    after it gave a NaN loss (a new engine over the placeholders) and save_model a safetensors
+    error; both now say to call end() last."""
+    from runtime.integrations.hf import ProTrainTrainer
+
+    trainer = ProTrainTrainer(
+        model=tiny_model("llama"),
+        args=training_args(tmp_path, max_steps=1),
+        train_dataset=CausalWindows(26),
+        eval_dataset=CausalWindows(2, start=26),
+        protrain=MEMORY,
+    )
+    trainer.train()
+    assert math.isfinite(trainer.evaluate()["eval_loss"])
+    trainer.end()
+    with pytest.raises(RuntimeError, match=r"closed by trainer.end\(\).*call end\(\) last"):
+        trainer.evaluate()
+    with pytest.raises(RuntimeError, match=r"closed by trainer.end\(\)"):
+        trainer.save_model(str(tmp_path / "after"))
+    assert not (tmp_path / "after").exists()
+
+
 def test_a_lora_model_trains_and_saves_its_adapter_as_under_the_trainer(tmp_path: Path) -> None:
     """PEFT LoRA (frozen base in frozen chunks, adapters and the whole head trained): save_model
     writes the adapter directory that PeftModel.from_pretrained loads."""
