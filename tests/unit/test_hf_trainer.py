@@ -286,8 +286,10 @@ def test_the_spec_protrain_run_hands_over_knows_which_keys_were_written(
     monkeypatch.setenv(RESOLVED_SPEC_ENV, str(path))
     spec = user_spec(None)  # protrain=None under protrain-run: the launcher's spec
     assert spec == written and set_paths(spec) == {"optimizer", "optimizer.lr", "memory"}
-    # weight_decay was not written: TrainingArguments' 0.1 fills it, no disagreement.
-    assert reconcile(spec, training_args(tmp_path)).spec.optimizer.weight_decay == 0.1
+    # weight_decay was not written: TrainingArguments' 0.05 fills it (not the spec default's 0.1),
+    # no disagreement.
+    settled = reconcile(spec, training_args(tmp_path, weight_decay=0.05))
+    assert settled.spec.optimizer.weight_decay == 0.05
 
 
 def test_a_micro_batch_set_in_the_spec_only_is_the_batch_the_trainer_loads(tmp_path: Path) -> None:
