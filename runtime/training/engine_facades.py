@@ -311,6 +311,7 @@ class EngineFacades:
         if self.loss_scaler is not None and scaler is not None:
             self.loss_scaler.load_state_dict(scaler)
         self.data_position.load_state_dict(data)
+        self._lrs_updated()  # the update count moved: the facade shows the schedule's next rates
         self.resumed_from = checkpoint.path
         self.log(f"resumed from {checkpoint.path} (update {self.global_step})")
         return checkpoint.path

@@ -6,9 +6,9 @@ trainable parameters and its ``lr``, ``betas``, ``eps`` and ``weight_decay``. It
 itself: the engine's ``step()`` runs AdamW on the chunk shards. It exists so that a learning-rate
 scheduler written for torch (``LambdaLR``, transformers' ``get_scheduler``) can own the learning
 rate: with ``engine.lr_from_optimizer = True`` the ``lr`` of each group here is what the next
-update uses; otherwise the engine writes its own schedule's values here after every update, so
-reading them is always right. Betas, eps and weight decay stay the spec's (changing them here
-changes nothing; they are shown for code that reads them).
+update uses; otherwise the engine writes its own schedule's values here after every update and
+every checkpoint load, so reading them is always right. Betas, eps and weight decay stay the
+spec's (changing them here changes nothing; they are shown for code that reads them).
 """
 
 from __future__ import annotations

@@ -228,3 +228,21 @@ def test_a_skipped_update_says_so_and_changes_nothing(tmp_path: Path) -> None:
             assert unchanged == (update == 1)
         assert applied == [(True, False), (False, True), (True, False)]
         assert engine.global_step == 2 and engine.skipped_steps == 1
+
+
+def test_the_facade_shows_the_resumed_schedule_after_a_checkpoint_loads(tmp_path: Path) -> None:
+    """A checkpoint moves the update count, so the spec schedule's next learning rate with it:
+    the facade (made before the load) shows that one, not the fresh engine's first."""
+    config = job(tmp_path, gradient_accumulation_steps=1)
+    config["scheduler"] = {"type": "warmup_cosine", "warmup_steps": 2, "total_steps": 6}
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    with runtime.initialize(tiny_gpt(0), config=config) as engine:
+        for update in range(3):
+            engine.backward(engine(**data.batch(update, 0, 0)).loss)
+            engine.step()
+        saved = engine.save_checkpoint(tmp_path / "ckpt")
+    with runtime.initialize(tiny_gpt(0), config=config) as resumed:
+        fresh = resumed.optimizer.param_groups[0]["lr"]
+        resumed.load_checkpoint(saved)
+        assert resumed.global_step == 3 and resumed.lr != pytest.approx(fresh)
+        assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(resumed.lr)
