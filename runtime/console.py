@@ -39,6 +39,10 @@ class StepRecord:
     loss_scale: float | None
     waits: dict[str, float] = field(default_factory=dict)
     """Seconds the main thread waited for the pipeline (runtime/chunks/waits.py), by kind."""
+    tokens: int = 0
+    """Token ids the window trained on, all ranks (0: its batches had none)."""
+    samples: int = 0
+    """Sequences the window trained on, all ranks."""
 
     def to_json(self) -> dict[str, Any]:
         record = {

@@ -18,6 +18,7 @@ import mmap
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -310,6 +311,7 @@ class MmapArena:
         if pin:
             _cuda_host_register(self._base)
             self._pinned = True
+        _live_arenas.add(self)
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A fresh tensor of exactly ``numel`` elements (zero-filled: mmap pages start zeroed)."""
@@ -334,6 +336,19 @@ class MmapArena:
             self._pinned = False
         del self._base
         self._map.close()
+        _live_arenas.discard(self)
+
+
+_live_arenas: weakref.WeakSet[MmapArena] = weakref.WeakSet()
+"""Every region not yet closed, for ``host_arena_bytes``."""
+
+
+def host_arena_bytes() -> tuple[int, int]:
+    """(held, pinned): the bytes of every ``MmapArena`` of the process not yet closed (the host
+    tier's chunk state, the swapped activations' pool, any other engine's), and of those the
+    page-locked ones. Whole regions: an arena is mapped, and on CUDA pinned, at its full size."""
+    arenas = list(_live_arenas)
+    return sum(a.capacity_bytes for a in arenas), sum(a.capacity_bytes for a in arenas if a._pinned)
 
 
 def _cuda_host_register(region: torch.Tensor) -> None:
@@ -372,18 +387,36 @@ class _MallInfo2(ctypes.Structure):
 _libc: Any = None
 
 
+def _mallinfo2() -> _MallInfo2:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL("libc.so.6")
+        _libc.mallinfo2.restype = _MallInfo2
+    return _libc.mallinfo2()
+
+
 def malloc_in_use_bytes() -> int:
     """Bytes the C heap has handed out (glibc ``mallinfo2``: in-use chunks plus mmapped blocks).
 
     On CPU this measures the device tier from outside the runtime's own counters: the host tier
     lives in ``MmapArena`` regions, which malloc does not see. Process-wide; compare deltas.
     """
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL("libc.so.6")
-        _libc.mallinfo2.restype = _MallInfo2
-    info = _libc.mallinfo2()
+    info = _mallinfo2()
     return int(info.uordblks + info.hblkhd)
+
+
+def malloc_heap_bytes() -> tuple[int, int]:
+    """The C heap's (in-use, held) bytes in one ``mallinfo2`` call (it walks the free lists:
+    tens of microseconds): ``malloc_in_use_bytes``, and the arenas plus mmapped blocks it holds
+    from the system (freed chunks stay there until trimmed: CUDA's reserved memory on CPU)."""
+    info = _mallinfo2()
+    return int(info.uordblks + info.hblkhd), int(info.arena + info.hblkhd)
+
+
+def cuda_reserved_peak_bytes(info: DeviceInfo) -> int:
+    """The caching allocator's reserved high-water since its peak statistics were last reset
+    (``runtime.memory_counter``'s readings reset them)."""
+    return int(torch.cuda.max_memory_reserved(info.device))
 
 
 def release_free_memory(info: DeviceInfo) -> None:

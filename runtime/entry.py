@@ -45,6 +45,7 @@ from runtime.distributed import (
     init_distributed,
     release,
 )
+from runtime.metrics.trackers import require_tracker_packages
 from runtime.planning.apply_plan import PlanTarget, apply_plan
 from runtime.planning.budgets import auto_device_budget, resolve_budgets
 from runtime.planning.model_facts import check_supported, compute_element_size, model_blocks
@@ -206,6 +207,7 @@ def _build_engine(
     could not be profiled whole, and resumes from a checkpoint)."""
     spec = resolved.spec
     training, planning = settings_from_spec(spec), planning_settings_from_spec(spec)
+    require_tracker_packages(tensorboard=training.logging.tensorboard)  # every rank, before any collective
     ranks_on_host = env_int("LOCAL_WORLD_SIZE", 1)
     budgets = (claim.device_budget_bytes, resolve_budgets(planning, device, ranks_on_host=ranks_on_host)[1])
     # Rank 0's buffers everywhere; its parameters follow chunk by chunk (runtime.chunks.store).

@@ -14,6 +14,7 @@ from profiler.plan_builder import KnobRequest
 from runtime.config.spec import (
     AUTO,
     DEFAULT_MIN_LR_RATIO,
+    LoggingSpec,
     MemorySpec,
     NonFiniteLossPolicy,
     Precision,
@@ -51,6 +52,26 @@ class LossScaleSettings:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TraceSettings:
+    start_step: int
+    """The first optimizer update traced (1: the first)."""
+    steps: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoggingSettings:
+    """``logging``: where rank 0 sends each update's metrics besides metrics.jsonl."""
+
+    every_steps: int = 1
+    """The trackers get update 1 and every this many updates (metrics.jsonl gets every one)."""
+    tensorboard: bool = False
+    wandb_project: str | None = None
+    """None: no W&B."""
+    wandb_name: str | None = None
+    trace: TraceSettings | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TrainingSettings:
     seed: int
     micro_batch_size: int
@@ -63,6 +84,7 @@ class TrainingSettings:
     schedule: ScheduleSettings
     loss_scale: LossScaleSettings | None
     dist_timeout_s: float
+    logging: LoggingSettings = LoggingSettings()
 
 
 def settings_from_spec(spec: Spec) -> TrainingSettings:
@@ -96,6 +118,18 @@ def settings_from_spec(spec: Spec) -> TrainingSettings:
             initial=scaling.initial, growth_interval=scaling.growth_interval, min_scale=scaling.min_scale
         ),
         dist_timeout_s=spec.launcher.dist_timeout_s,
+        logging=logging_settings(spec.logging),
+    )
+
+
+def logging_settings(section: LoggingSpec) -> LoggingSettings:
+    wandb, trace = section.wandb, section.trace
+    return LoggingSettings(
+        every_steps=section.every_steps,
+        tensorboard=section.tensorboard,
+        wandb_project=None if wandb is None else wandb.project,
+        wandb_name=None if wandb is None else wandb.name,
+        trace=None if trace is None else TraceSettings(start_step=trace.start_step, steps=trace.steps),
     )
 
 

@@ -107,9 +107,10 @@ class Engine(EngineFacades):
             reporter=reporter,
             metrics=metrics,
             plan=plan,
-            accumulation=settings.gradient_accumulation_steps,
+            settings=settings,
             static_device_bytes=chunks.device_state_bytes(),
             replanner=replanner,
+            sources=self,
         )
         self._caches = TrainingCaches(module, log=self.log)
 
@@ -143,6 +144,7 @@ class Engine(EngineFacades):
                 self._autocast(),
                 self.activations.saved_tensor_hooks(),
                 self._caches.off(training, note="use_cache" not in kwargs),
+                self._reports.forward(training),
             ):
                 return self.module(*args, **kwargs)
         finally:
@@ -184,6 +186,7 @@ class Engine(EngineFacades):
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
         self._backward_closes = self.is_gradient_accumulation_boundary()
+        self._reports.backward_began()
         if self._backward_closes:
             # Early updates (unclipped fp32/bf16) or the two-phase norms: the chunks know which.
             self.chunks.begin_last_backward(lr=self.group_lrs, local_nonfinite=bool(self._window.nonfinite > 0))
@@ -197,6 +200,7 @@ class Engine(EngineFacades):
                 self.activations.end_backward()
                 # Reduce what unused parameters left incomplete, in the fixed order every rank uses.
                 self.chunks.finish_backward()
+                self._reports.backward_ended()
         except BaseException:
             self._abandon_window()
             raise
@@ -266,6 +270,7 @@ class Engine(EngineFacades):
         else:
             self.skipped_steps += 1
         self._lrs_updated()
+        self._reports.update_queued()
         synchronize(self.device_info)
         elapsed = time.perf_counter() - window_start
         self._report(
@@ -279,6 +284,8 @@ class Engine(EngineFacades):
                 skipped=not updated,
                 loss_scale=None if self.loss_scaler is None else self.loss_scaler.scale,
                 waits={**self.chunks.take_waits(), "activation_s": self.activations.take_wait_s()},
+                tokens=totals.tokens,
+                samples=totals.samples,
             )
         )
         self._after_update(updated=updated, stop=totals.stop)

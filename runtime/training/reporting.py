@@ -1,7 +1,9 @@
 """What the engine tells about each update, and what it checks against the plan.
 
-One ``UpdateReports`` per engine: the progress display (rank 0), ``metrics.jsonl`` and, after
-a few updates, the plan check: the measured step time and peak device memory beside the plan's
+One ``UpdateReports`` per engine: the progress display (rank 0), ``metrics.jsonl`` with each
+update's metrics (``runtime.metrics``: throughput, MFU, the step time's phases, memory) and the
+trackers of the spec's ``logging`` section (TensorBoard, W&B; rank 0), and, after a few updates,
+the plan check: the measured step time and peak device memory beside the plan's
 predictions (``runtime.planning.plan_check``), with its peak-memory probe (hooks on the model
 while it measures). A check that finds the plan wrong may hand back another plan (the
 ``Replanner``'s), which the engine then switches to; that plan is adopted here too (shown and
@@ -10,12 +12,18 @@ recorded, its checks started over).
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 from torch import nn
 
 from profiler.plan import Plan
+from runtime.config.settings import TrainingSettings
 from runtime.console import MetricsFile, ProgressReporter, StepRecord
 from runtime.device import DeviceInfo
 from runtime.distributed import DistContext
+from runtime.metrics.trackers import Trackers, open_trackers
+from runtime.metrics.update_metrics import MetricSources, UpdateMetrics, tracker_metrics
 from runtime.planning.memory_probe import PeakMemoryProbe
 from runtime.planning.plan_check import PlanCheck
 from runtime.planning.plan_check import describe as describe_plan_check
@@ -34,31 +42,71 @@ class UpdateReports:
         reporter: ProgressReporter,
         metrics: MetricsFile | None,
         plan: Plan,
-        accumulation: int,
+        settings: TrainingSettings,
         static_device_bytes: int,
         replanner: Replanner | None,
+        sources: MetricSources,
     ) -> None:
+        """``metrics``: rank 0's file (None on the other ranks, which measure nothing more)."""
         self.reporter = reporter
         self.metrics = metrics
         self._module = module
         self._device = device
-        self._accumulation = accumulation
+        self._accumulation = settings.gradient_accumulation_steps
+        self._static_device_bytes = static_device_bytes
         self._replanner = replanner
-        self.check = PlanCheck(plan, accumulation=accumulation)
+        self.check = PlanCheck(plan, accumulation=self._accumulation)
         self._probe = PeakMemoryProbe(module, device, static_device_bytes=static_device_bytes)
+        self.measured: UpdateMetrics | None = None
+        self.trackers = Trackers([], every_steps=settings.logging.every_steps)
+        if metrics is not None:
+            self.measured = UpdateMetrics(
+                module=module,
+                device=device,
+                settings=settings,
+                sources=sources,
+                log=reporter.print,
+            )
+            self.trackers = open_trackers(settings.logging, run_dir=metrics.path.parent, log=reporter.print)
 
     def window_started(self) -> None:
         """An accumulation window's first forward: the probe watches the peak while the check
-        wants it."""
+        wants it; the phases and memory of the update are measured from here."""
         if self.check.measuring_peak:
             self._probe.start()
+        if self.measured is not None:
+            self.measured.window_started()
+
+    def forward(self, training: bool) -> contextlib.AbstractContextManager[None]:
+        """Around a forward: a training one is timed (its end is where activations peak)."""
+        if self.measured is None or not training:
+            return contextlib.nullcontext()
+        return self.measured.forward()
+
+    def backward_began(self) -> None:
+        if self.measured is not None:
+            self.measured.phases.begin_backward()
+
+    def backward_ended(self) -> None:
+        if self.measured is not None:
+            self.measured.phases.end_backward()
+
+    def update_queued(self) -> None:
+        """The update's work is issued (the engine synchronises next): the optimizer phase ends."""
+        if self.measured is not None:
+            self.measured.phases.end_update()
 
     def report(self, record: StepRecord, *, plan: Plan, dist_ctx: DistContext) -> Plan | None:
         """Show and write ``record``; feed the plan check. A plan the engine must switch to, or
         None (every rank gets the same answer: the replanner agrees it across ranks)."""
+        started = time.thread_time()
         self.reporter.update(record)
-        if self.metrics is not None:
-            self.metrics.write(record.to_json())
+        if self.metrics is not None and self.measured is not None:
+            extra = self.measured.collect(record, plan=plan, static_device_bytes=self._static_device_bytes)
+            self.metrics.write({**record.to_json(), **extra})
+            if self.trackers.due(record.step):
+                self.trackers.log(tracker_metrics(record, extra), record.step)
+            self.measured.add_logging_time(time.thread_time() - started)
         check = None if record.skipped else self.check.observe(record.step_time_s, self._probe.stop)
         if check is None:
             return None
@@ -75,9 +123,12 @@ class UpdateReports:
         ``static_device_bytes``: the new chunk layout's, when the managers were rebuilt (the
         probe's hooks and window go with the old plan)."""
         if static_device_bytes is not None:
+            self._static_device_bytes = static_device_bytes
             self._probe.stop()
             self._probe = PeakMemoryProbe(self._module, self._device, static_device_bytes=static_device_bytes)
         self.check = PlanCheck(plan, accumulation=self._accumulation)
+        if self.measured is not None:
+            self.measured.memory.rebase()
         self.reporter.show_plan(plan)
         if self.metrics is not None:
             self.metrics.write({"event": "plan", "plan": plan.to_dict()})
@@ -88,8 +139,10 @@ class UpdateReports:
             self._probe.stop()
 
     def close(self) -> None:
-        try:
-            self.reporter.close()
-        finally:
+        with contextlib.ExitStack() as closing:  # last in, first closed; each even if one fails
             if self.metrics is not None:
-                self.metrics.close()
+                closing.callback(self.metrics.close)
+            if self.measured is not None:
+                closing.callback(self.measured.close)
+            closing.callback(self.trackers.close)
+            closing.callback(self.reporter.close)
