@@ -51,6 +51,7 @@ from runtime.planning.budgets import auto_device_budget, resolve_budgets
 from runtime.planning.model_facts import check_supported, compute_element_size, model_blocks
 from runtime.planning.planner import Profilers, build_planner
 from runtime.planning.replanner import Replanner
+from runtime.tracing.trace_window import trace_window_for
 from runtime.training import live_engines
 from runtime.training.engine import Engine
 from runtime.training.stop import StopRequest
@@ -277,6 +278,7 @@ def _build_engine(
         claim=claim,
         loss_fn=loss_fn,
         replanner=Replanner(planner=planner, model=model, target=target, log=reporter.print),
+        trace=trace_window_for(training.logging.trace, run_dir, metrics, dist_ctx, device, reporter.print),
     )
     try:
         if example_batch is not None:

@@ -38,6 +38,7 @@ from runtime.loaders import DataPosition
 from runtime.model_cache import TrainingCaches, refuse_cache_with_recompute
 from runtime.planning.model_facts import AUTOCAST_DTYPES
 from runtime.planning.replanner import Replanner, same_layout
+from runtime.tracing.trace_window import NO_TRACE, UpdateObserver
 from runtime.training.engine_facades import EngineFacades
 from runtime.training.live_engines import EngineClaim
 from runtime.training.loss_scale import DynamicLossScaler
@@ -67,6 +68,7 @@ class Engine(EngineFacades):
         claim: EngineClaim | None = None,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         replanner: Replanner | None = None,
+        trace: UpdateObserver = NO_TRACE,
     ) -> None:
         """``replanner`` (from ``initialize``) is asked on a batch and after each window whether
         to switch plans, and applies the plan switched to; without one the plan never changes."""
@@ -101,6 +103,7 @@ class Engine(EngineFacades):
         self._torn: str | None = None
         """Why training cannot go on (a failed backward left early updates half applied)."""
         self._replanner = replanner
+        self._trace = trace  # logging.trace (runtime/tracing/trace_window.py)
         self._reports = UpdateReports(
             module=module,
             device=device,
@@ -137,6 +140,7 @@ class Engine(EngineFacades):
             if self._window.start_s is None:
                 self._window.start_s = time.perf_counter()  # this module's clock: tests replace it
                 self._reports.window_started()
+                self._trace.window_started(self)
             self._window.count_batch(args, kwargs)
         self.activations.begin_forward()
         try:
@@ -273,6 +277,7 @@ class Engine(EngineFacades):
         self._reports.update_queued()
         synchronize(self.device_info)
         elapsed = time.perf_counter() - window_start
+        self._trace.window_finished(self)
         self._report(
             StepRecord(
                 step=self.global_step + self.skipped_steps,
@@ -365,6 +370,7 @@ class Engine(EngineFacades):
 
     def _close_components(self) -> None:
         try:
+            self._trace.close()
             self._reports.close()
             self.activations.close()
             self.chunks.close()

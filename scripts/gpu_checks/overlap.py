@@ -22,7 +22,8 @@ Batch, from the engine's own measurements (``choose_batch``):
 3. Run: ``runtime.initialize`` again at ``m`` and ``k`` (``n_persist=0``; buffers and activation
    modes planned for ``m``); one untimed update, then ``updates`` updates under
    ``torch.profiler`` (CPU and CUDA activities, every thread: the runtime labels its jobs,
-   runtime/chunks/trace_labels.py); the Chrome trace is saved as ``overlap_trace.json.gz`` in
+   runtime/chunks/trace_labels.py; ``runtime.tracing.profiling.profile_every_thread``, which
+   logging.trace uses too); the Chrome trace is saved as ``overlap_trace.json.gz`` in
    the report directory.
 
 Figures (trace_overlap.py reads them, independent of the runtime's bookkeeping; overlap_report.py
@@ -73,6 +74,7 @@ from gpu_checks.engine_runs import free_memory, meta_model, quiet_initialize, up
 from gpu_checks.overlap_report import TRACE_FILE, report_chunks, report_labels, report_shares, report_waits
 from gpu_checks.trace_overlap import overlap as trace_overlap
 from gpu_checks.trace_overlap import parse_trace
+from runtime.tracing.profiling import profile_every_thread
 
 TRANSFER_MARGIN = 1.25
 
@@ -253,20 +255,6 @@ def engine_for(
             free_memory(ctx.device)
             for stale in (ctx.scratch / "run").glob("*"):  # one engine's metrics per directory
                 shutil.rmtree(stale)
-
-
-def profile_every_thread(cuda: bool) -> Any:
-    """A ``torch.profiler.profile`` recording CPU operators on every thread (the runtime's
-    labelled jobs run on worker threads) and, on CUDA, the device's kernels and copies."""
-    from torch._C._profiler import _ExperimentalConfig
-    from torch.profiler import ProfilerActivity, profile
-
-    try:
-        config = _ExperimentalConfig(profile_all_threads=True)
-    except TypeError as error:  # torch < 2.7
-        raise RuntimeError(f"this torch ({torch.__version__}) cannot profile every thread") from error
-    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-    return profile(activities=activities, experimental_config=config)
 
 
 def traced(ctx: Context, run: Callable[[], None]) -> dict[str, Any]:
