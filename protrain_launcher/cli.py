@@ -5,12 +5,14 @@
                  train.py [script args] --config job.yaml [--set key.path=value ...] [-- args]
     protrain-run --what-if HARDWARE.yaml (--model-config CONFIG.json | --largest) [...]
     protrain-run --report [--config job.yaml] [--ssd-path DIR] [--json]
+    protrain-run --plot RUN_DIR [--rank R] [--out FILE.png]
 
 ``--config`` and ``--set`` are taken wherever they appear before ``--``; everything after ``--``
 goes to the script untouched (a script's own ``--config`` goes there). Launcher options come
 before the script path; they override the spec's ``launcher`` section, which overrides defaults.
-``--what-if`` (the memory estimator, ``what_if_cli``) and ``--report`` (the environment report,
-``report_cli``) take no script: either one before the script path picks that command.
+``--what-if`` (the memory estimator, ``what_if_cli``), ``--report`` (the environment report,
+``report_cli``) and ``--plot`` (the memory picture of a traced run, ``plot_cli``) take no script:
+one of them before the script path picks that command.
 
 Exit codes: 0 success; 1 a rank failed; 2 bad input (found before any rank started, or by the
 ranks while planning: hand-set knobs no plan can honour); 130 interrupted.
@@ -42,7 +44,7 @@ LAUNCHER_OPTIONS: dict[str, str] = {
 }
 
 
-COMMANDS = ("--what-if", "--report")
+COMMANDS = ("--what-if", "--report", "--plot")
 """Options that pick a command without a script, when they come before the script path."""
 FLAGS = frozenset({"-h", "--help", "--dry-run", "--largest", "--ssd", "--report", "--json"})
 """Options of protrain-run and its commands that take no value: every other option before the
@@ -87,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the environment report for a bug report: versions, GPUs, CPU, memory limits, "
         "--ssd-path rates, profile cache (--json for a file to attach)",
+    )
+    commands.add_argument(
+        "--plot",
+        metavar="RUN_DIR",
+        help="the memory picture of a run with logging.trace set: device, host and SSD bytes through "
+        "one update with chunk and block events and the predicted peaks, the step time beside the "
+        "predicted (a PNG; needs matplotlib, the plot extra)",
     )
     parser.add_argument("script", help="the training script each rank runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -160,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         # command line ~0.3 s before it is checked, and the report loads torch.
         if command == "--what-if":
             from protrain_launcher.what_if_cli import main as run_command
+        elif command == "--plot":
+            from protrain_launcher.plot_cli import main as run_command
         else:
             from protrain_launcher.report_cli import main as run_command
         try:
@@ -180,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def script_free_command(argv: list[str]) -> str | None:
-    """``--what-if`` or ``--report`` when one comes before the script path (and before ``--``);
+    """``--what-if``, ``--report`` or ``--plot`` when one comes before the script path (and before ``--``);
     None for a launch, whose script may take options of those names itself."""
     index = 0
     while index < len(argv):

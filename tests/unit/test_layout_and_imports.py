@@ -40,8 +40,9 @@ def test_imports_point_one_way(package: str) -> None:
 
 
 def test_launcher_only_uses_the_spec_from_runtime() -> None:
-    """The spec, the what-if planning command (which plans from files, without torch) and the
-    environment report's probes (which import torch only when they run)."""
+    """The spec, the what-if planning command (which plans from files, without torch), the
+    environment report's probes (which import torch only when they run) and the memory
+    timeline's file format (``--plot`` reads it; no torch)."""
     for path in (ROOT / "protrain_launcher").rglob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -51,6 +52,7 @@ def test_launcher_only_uses_the_spec_from_runtime() -> None:
                     "runtime.config.spec_io",
                     "runtime.planning.what_if",
                     "runtime.env_report",
+                    "runtime.tracing.timeline_file",
                 ), (
                     f"{path.name} imports {node.module}"
                 )

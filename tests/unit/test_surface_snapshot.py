@@ -1,6 +1,6 @@
 """The user-facing surface is frozen: every spec key (what it accepts and its default, as the
-README's spec reference shows them) and every option of protrain-run, protrain-run --what-if and
-protrain-run --report.
+README's spec reference shows them) and every option of protrain-run, protrain-run --what-if,
+protrain-run --report and protrain-run --plot.
 A change to either must be deliberate: the snapshot file is updated and reviewed with it.
 
     PROTRAIN_UPDATE_SURFACE=1 .venv/bin/python -m pytest tests/unit/test_surface_snapshot.py
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from protrain_launcher.cli import LAUNCHER_OPTIONS, SPEC_OPTIONS, build_parser
+from protrain_launcher.plot_cli import build_parser as build_plot_parser
 from protrain_launcher.report_cli import build_parser as build_report_parser
 from protrain_launcher.what_if_cli import build_parser as build_what_if_parser
 from runtime.config.spec_doc import reference_rows
@@ -72,6 +73,7 @@ def surface() -> dict[str, Any]:
         "protrain-run": launcher_surface(),
         "protrain-run --what-if": parser_surface(build_what_if_parser()),
         "protrain-run --report": parser_surface(build_report_parser()),
+        "protrain-run --plot": parser_surface(build_plot_parser()),
     }
 
 
