@@ -62,7 +62,8 @@ def refuse_larger_batch(planned: tuple[int, ...], args: tuple[Any, ...], kwargs:
         raise ValueError(
             f"a batch of shape {tuple(shape)} is larger than the {tuple(planned)} this plan was made "
             "for (its memory prediction would not hold); pass the largest batch the job uses as "
-            "initialize(..., example_batch=...)"
+            "initialize(..., example_batch=...) (ProTrainTrainer(..., example_batch=...)), or pad "
+            "every batch to one length"
         )
 
 

@@ -77,11 +77,17 @@ class ProTrainMixin:
     lr_scheduler: Any
     accelerator: Any
 
-    def __init__(self, *args: Any, protrain: SpecSource = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, protrain: SpecSource = None, example_batch: Any = None, **kwargs: Any
+    ) -> None:
         """``protrain``: the job spec (a path, a dict of spec keys or a ``Spec``); None takes
-        protrain-run's spec when it launched this process, else the defaults. Every other
-        argument is the Trainer's."""
+        protrain-run's spec when it launched this process, else the defaults. ``example_batch``:
+        a batch of the largest shape the run will see (batches of varying length: one padded to
+        the longest), which the engine plans for up front; without it the plan is made for the
+        first training batch, and a longer one later is refused. Every other argument is the
+        Trainer's."""
         self._protrain_source = protrain
+        self._example_batch = example_batch
         self._protrain: Reconciled | None = None
         self._engine: Engine | None = None
         self._ended = False
@@ -135,7 +141,7 @@ class ProTrainMixin:
         # The Trainer seeded the random streams; building the engine (which reseeds) leaves them so.
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
-            engine = runtime.initialize(model, config=spec)
+            engine = runtime.initialize(model, config=spec, example_batch=self._example_batch)
         engine.lr_from_optimizer = True
         self._engine = engine
         return engine

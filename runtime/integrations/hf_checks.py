@@ -40,6 +40,12 @@ def refuse_clashing_args(args: Any) -> None:
             "by default)",
         ),
         (
+            bool(getattr(args, "use_liger_kernel", False)),
+            "use_liger_kernel: Liger's fused LM-head loss reads the head's weight without running the "
+            "head module, which an offloaded chunk only holds while its module runs (the loss would "
+            "be NaN); remove use_liger_kernel=",
+        ),
+        (
             bool(args.torch_compile),
             "torch_compile: the engine's chunk and activation hooks do not run under torch.compile; "
             "remove torch_compile=",

@@ -308,6 +308,60 @@ def test_a_micro_batch_set_in_the_spec_only_is_the_batch_the_trainer_loads(tmp_p
     assert next(iter(trainer.get_train_dataloader()))["input_ids"].shape[0] == 2
 
 
+class RaggedWindows(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Token windows of 12 to 31 tokens, as an SFT set of unequal examples."""
+
+    def __init__(self, num_samples: int) -> None:
+        tokens = CausalWindows(num_samples).windows.windows
+        self.items = [window[: 12 + (index * 7) % 20] for index, window in enumerate(tokens)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.items[index]}
+
+
+def pad_to_longest(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-padding to the batch's longest example, padded labels ignored (-100)."""
+    longest = max(len(item["input_ids"]) for item in items)
+    ids = torch.zeros(len(items), longest, dtype=torch.long)
+    labels = torch.full((len(items), longest), -100, dtype=torch.long)
+    mask = torch.zeros(len(items), longest, dtype=torch.long)
+    for row, item in enumerate(items):
+        n = len(item["input_ids"])
+        ids[row, :n], labels[row, :n], mask[row, :n] = item["input_ids"], item["input_ids"], 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def test_batches_of_varying_length_train_under_a_plan_for_the_longest(tmp_path: Path) -> None:
+    """A padding collator gives batches of varying length: the plan made for the first batch
+    refuses a longer one, naming example_batch; planned on the longest batch, the run trains."""
+    from runtime.integrations.hf import ProTrainTrainer
+
+    data = RaggedWindows(12)
+    kwargs: dict[str, Any] = {
+        "args": training_args(tmp_path, max_steps=4, gradient_accumulation_steps=1),
+        "train_dataset": data,
+        "data_collator": pad_to_longest,
+        "protrain": MEMORY,
+    }
+    first_is_short = ProTrainTrainer(model=tiny_model("llama"), **kwargs)
+    try:
+        with pytest.raises(ValueError, match=r"ProTrainTrainer\(\.\.\., example_batch=\.\.\.\)"):
+            first_is_short.train()
+    finally:
+        first_is_short.end()
+    longest = pad_to_longest([max(data, key=lambda item: len(item["input_ids"]))] * 2)
+    trainer = ProTrainTrainer(model=tiny_model("llama"), example_batch=longest, **kwargs)
+    try:
+        trainer.train()
+        losses = [record["loss"] for record in trainer.state.log_history if "loss" in record]
+    finally:
+        trainer.end()
+    assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
+
+
 def test_evaluation_batches_stay_within_the_planned_training_batch(tmp_path: Path) -> None:
     # Left at its default (8), the eval batch takes the training batch (2); set larger, refused.
     settled = reconcile(user_spec(None), training_args(tmp_path, per_device_eval_batch_size=8))
@@ -369,6 +423,7 @@ def test_the_engine_optimizer_holds_the_trainers_param_groups(tmp_path: Path) ->
         ({"fsdp": "full_shard"}, "fsdp: ProTrain shards the model state across ranks itself"),
         ({"gradient_checkpointing": True}, "leave memory.n_checkpoint auto or set it in the spec"),
         ({"torch_compile": True}, "torch_compile: the engine's chunk and activation hooks"),
+        ({"use_liger_kernel": True}, "use_liger_kernel: Liger's fused LM-head loss reads the head's weight"),
         ({"optim": "sgd"}, "optim='sgd': ProTrain runs torch's AdamW update"),
         ({"load_best_model_at_end": True}, "load_best_model_at_end: not supported under ProTrain yet"),
     ],
