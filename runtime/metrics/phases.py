@@ -6,11 +6,11 @@
   whatever CPU Adam did not hide behind backward, the refreshed device copies);
 - other: the rest of the step time (the script between micro-batches: data loading, logging).
 
-On CUDA the marks are timing events recorded on the compute stream (the one use of
-``torch.cuda`` outside the device layer, beside ``runtime.memory_counter``'s statistics), read
-after the update's synchronisation, when every one has completed: measuring never makes the host
-wait for the device, and a phase is the device's time from its first kernel to its last. On CPU
-compute runs on the calling thread, so the marks are the host clock.
+On CUDA the marks are timing events recorded on the compute stream (``torch.cuda`` used here
+rather than through the device layer: nothing else reads them), read after the update's
+synchronisation, when every one has completed: measuring never makes the host wait for the
+device, and a phase is the device's time from its start to its end, idle gaps inside it
+included. On CPU compute runs on the calling thread, so the marks are the host clock.
 """
 
 from __future__ import annotations
