@@ -148,10 +148,22 @@ class _OrderedWorker:
     cannot miss a failure)."""
 
     def __init__(
-        self, name: str, *, kind: str, cuda_stream: Any = None, device: torch.device | None = None
+        self,
+        name: str,
+        *,
+        kind: str,
+        threads: int,
+        cuda_stream: Any = None,
+        device: torch.device | None = None,
     ) -> None:
+        """``threads``: the intra-op threads of the worker's own jobs, set on its thread before
+        the first. torch sets a new thread's count, at its first parallel op, from the process
+        value the last ``set_num_threads`` left, whichever thread called it: without its own, the
+        side stream's copies ran on the host worker's one thread (a gather in bench_offload took
+        1.0 ms instead of 0.7)."""
         self.name = name
         self.kind = kind
+        self._threads = threads
         self._cuda_stream = cuda_stream
         self._device = device
         self._chaos = stream_chaos.for_worker(name)
@@ -188,6 +200,10 @@ class _OrderedWorker:
                 self._demand_changed.notify()
 
     def _run(self) -> None:
+        # torch initialises a thread's count lazily, at its first parallel op, from the process
+        # value: take that first (get_num_threads does), then set the worker's own, which stays.
+        torch.get_num_threads()
+        torch.set_num_threads(self._threads)
         if self._device is not None:
             torch.cuda.set_device(self._device)
         while True:
@@ -243,7 +259,11 @@ class SideStream:
         self.info = info
         cuda_stream = torch.cuda.Stream(device=info.device) if info.is_cuda else None
         self._worker = _OrderedWorker(
-            name, kind="the side stream", cuda_stream=cuda_stream, device=info.device if info.is_cuda else None
+            name,
+            kind="the side stream",
+            threads=torch.get_num_threads(),  # the creating (compute) thread's: copies run at its width
+            cuda_stream=cuda_stream,
+            device=info.device if info.is_cuda else None,
         )
 
     def submit(self, work: Callable[[], None]) -> DeviceEvent:
@@ -279,8 +299,7 @@ class HostWorker:
     uses; a job that reads what device work wrote waits on that work's event first."""
 
     def __init__(self, name: str = "protrain-host-worker", *, threads: int = 1) -> None:
-        self._worker = _OrderedWorker(name, kind="the host worker")
-        self._worker.submit(lambda: torch.set_num_threads(threads))
+        self._worker = _OrderedWorker(name, kind="the host worker", threads=threads)
 
     def submit(self, work: Callable[[], None]) -> DeviceEvent:
         return self._worker.submit(work)

@@ -12,6 +12,7 @@ import torch
 from runtime.device import (
     PAGE_BYTES,
     DeviceInfo,
+    HostWorker,
     MmapArena,
     SideStream,
     host_worker_threads,
@@ -130,3 +131,34 @@ def test_the_host_worker_takes_one_core_on_cpu_and_the_free_cores_beside_a_gpu(
     assert host_worker_threads(gpu) == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert host_worker_threads(gpu) == 1
+
+
+def test_each_worker_keeps_its_own_thread_count_whatever_the_other_set() -> None:
+    """torch gives a thread its count at its first parallel op from the process value the last
+    set_num_threads left: the side stream's copies must keep the compute thread's width even
+    when the host worker (one thread) was made just before or after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # also under CI's one-thread workers: a width the host worker's is not
+    try:
+        _check_worker_threads(compute_threads=2)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_worker_threads(*, compute_threads: int) -> None:
+    for host_first in (True, False):
+        host = HostWorker("test-host", threads=1) if host_first else None
+        side = SideStream(DeviceInfo(torch.device("cpu"), "gloo"), name="test-side")
+        if host is None:
+            host = HostWorker("test-host", threads=1)
+        seen: dict[str, int] = {}
+
+        def measure(key: str) -> None:
+            torch.ones(1 << 16).add_(1.0)  # a parallel op: torch's lazy initialisation has run
+            seen[key] = torch.get_num_threads()
+
+        side.submit(lambda: measure("side")).wait()
+        host.submit(lambda: measure("host")).wait()
+        side.close()
+        host.close()
+        assert seen == {"side": compute_threads, "host": 1}, (host_first, seen)
