@@ -325,9 +325,9 @@ def test_swap_copies_run_on_the_side_stream_through_the_marking_helper(
     calls: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     helper = transfers_module._copy_on_side_stream
 
-    def watched(destination: torch.Tensor, source: torch.Tensor) -> None:
+    def watched(destination: torch.Tensor, source: torch.Tensor, kind: str, block: int) -> None:
         calls.append((threading.current_thread().name, destination, source))
-        helper(destination, source)
+        helper(destination, source, kind, block)
 
     monkeypatch.setattr(transfers_module, "_copy_on_side_stream", watched)
     transfers = swap_transfers()
@@ -372,10 +372,10 @@ def test_the_copy_helper_records_the_current_stream_on_cuda_tensors_only(
     stream, and that is the one recorded on the device tensor (a host tensor needs none)."""
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("side stream of", device))
     device_buffer, host_buffer = FakeTensor(cuda=True), FakeTensor(cuda=False)
-    transfers_module._copy_on_side_stream(device_buffer, host_buffer)  # type: ignore[arg-type]
+    transfers_module._copy_on_side_stream(device_buffer, host_buffer, "swap_in", 0)  # type: ignore[arg-type]
     assert device_buffer.recorded == [("side stream of", torch.device("cuda", 0))]
     assert host_buffer.recorded == [] and device_buffer.copied_from is host_buffer
-    transfers_module._copy_on_side_stream(host_buffer, device_buffer)  # type: ignore[arg-type]
+    transfers_module._copy_on_side_stream(host_buffer, device_buffer, "swap_out", 0)  # type: ignore[arg-type]
     assert len(device_buffer.recorded) == 2 and host_buffer.recorded == []
 
 
