@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from runtime import stream_chaos
-from runtime.device import PAGE_BYTES, DeviceEvent, MmapArena
+from runtime.device import DeviceEvent
+from runtime.host_memory import PAGE_BYTES, MmapArena
 
 _MIN_SEGMENT_BYTES = 16 << 20
 

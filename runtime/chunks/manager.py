@@ -42,8 +42,9 @@ from runtime.chunks.residency import ChunkResidency, SavedAlias, check_buffers
 from runtime.chunks.side_stream import CollectiveQueue
 from runtime.chunks.store import AdamWHyper, Chunk, Segment, build_store, shard_segments
 from runtime.cpu_adam import GroupValues
-from runtime.device import DeviceInfo, MmapArena, SideStream, synchronize
+from runtime.device import DeviceInfo, SideStream, synchronize
 from runtime.distributed import DistContext, all_reduce_sum_
+from runtime.host_memory import MmapArena
 
 __all__ = ["Chunk", "ChunkManager", "SavedAlias", "Segment", "shard_segments"]
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from runtime import stream_chaos
-from runtime.device import DeviceEvent, MmapArena
+from runtime.device import DeviceEvent
+from runtime.host_memory import MmapArena
 
 STAGING_BUFFERS = 2
 """One buffer being filled while the previous one is read: enough to overlap the two."""

@@ -36,8 +36,9 @@ from torch import nn
 from runtime.chunks.layout import ChunkInfo, ChunkLayout
 from runtime.chunks.residency import Residency, check_move
 from runtime.cpu_adam import ShardAdamW
-from runtime.device import DeviceInfo, MmapArena
+from runtime.device import DeviceInfo
 from runtime.distributed import DistContext, all_gather_flat, broadcast_from_main_
+from runtime.host_memory import MmapArena
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@
   A peak inside backward is not seen, and what else the process allocates as it goes (a data
   loader's buffers) counts as the engine's: a stand-in for the device's figure, not more.
 - Host (``memory/host_in_use(GiB)``, ``memory/host_pinned(GiB)``): every host region of the
-  runtime alive (``runtime.device.host_arena_bytes``: chunk state, the swap pool), and the
+  runtime alive (``runtime.host_memory.host_arena_bytes``: chunk state, the swap pool), and the
   process's resident high-water (``memory/host_max_rss(GiB)``).
 - SSD (``ssd/written(GiB)``, ``ssd/read(GiB)``): activation bytes written and read back during
   the update (the store's payload counters).
@@ -27,7 +27,8 @@ import resource
 import sys
 
 from runtime.activations.ssd_store import StoreStats
-from runtime.device import DeviceInfo, cuda_reserved_peak_bytes, host_arena_bytes, malloc_heap_bytes
+from runtime.device import DeviceInfo, cuda_reserved_peak_bytes, malloc_heap_bytes
+from runtime.host_memory import host_arena_bytes
 from runtime.memory_counter import PeakWindow, device_peak_since_last_sample
 
 GIB = float(1 << 30)

@@ -9,15 +9,8 @@ import time
 import pytest
 import torch
 
-from runtime.device import (
-    PAGE_BYTES,
-    DeviceInfo,
-    HostWorker,
-    MmapArena,
-    SideStream,
-    host_worker_threads,
-    malloc_in_use_bytes,
-)
+from runtime.device import DeviceInfo, HostWorker, SideStream, host_worker_threads, malloc_in_use_bytes
+from runtime.host_memory import PAGE_BYTES, MmapArena
 
 CPU = DeviceInfo(torch.device("cpu"), "gloo")
 
