@@ -38,7 +38,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -245,21 +245,13 @@ def export_adapter(
     _check_target(target, overwrite)
     _refuse_placeholders(state_dict)
     tensors = {name: _prepared(value, dtype) for name, value in state_dict.items()}
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
-    try:
+
+    def write(tmp: Path) -> None:
         model.save_pretrained(str(tmp), state_dict=tensors, is_main_process=True)
-        written = sorted(tmp.rglob("adapter_model.safetensors"))
-        if not written:
+        if not any(tmp.rglob("adapter_model.safetensors")):
             raise RuntimeError(f"PEFT's save_pretrained wrote no adapter weights into {tmp}")
-        for path in sorted(tmp.rglob("*")):
-            if path.is_file():
-                fsync_path(path)
-        _move_into_place(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_path(target.parent)
-    return target
+
+    return _write_directory(target, write)
 
 
 # ---------------------------------------------------------------------- a Hugging Face directory
@@ -286,12 +278,24 @@ def export_hf(
     target = Path(directory)
     _check_target(target, overwrite)
     tensors = _hf_state_dict(model, state_dict, dtype)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
-    try:
+
+    def write(tmp: Path) -> None:
         _save_pretrained(model, tensors, tmp)
         _set_config_dtype(tmp / "config.json", _float_dtype(tensors))
-        for child in tmp.iterdir():
-            fsync_path(child)
+
+    return _write_directory(target, write)
+
+
+def _write_directory(target: Path, write: Callable[[Path], None]) -> Path:
+    """``write`` fills a temporary sibling of ``target``; every file is flushed to disk and the
+    directory renamed into place (replacing an old one only once the new one is complete); on
+    any error the temporary goes and ``target`` is as it was."""
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
+    try:
+        write(tmp)
+        for path in sorted(tmp.rglob("*")):
+            if path.is_file():
+                fsync_path(path)
         _move_into_place(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

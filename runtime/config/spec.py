@@ -362,36 +362,33 @@ class Spec(SpecModel):
         return self.loss_scaling or LossScalingSpec()
 
 
-def trainer_autos(spec: BaseModel, prefix: str = "") -> list[str]:
+def trainer_autos(spec: BaseModel) -> list[str]:
     """Key paths of the training fields still "auto": only the Hugging Face Trainer integration
     fills them (from TrainingArguments), as DeepSpeed's config takes "auto" there."""
+    return _auto_paths(spec, TrainerFilled)
+
+
+def auto_fields(spec: BaseModel) -> list[str]:
+    """Key paths of the fields whose value is still the "auto" placeholder."""
+    return _auto_paths(spec, AutoFilled)
+
+
+def _auto_paths(spec: BaseModel, marker: type, prefix: str = "") -> list[str]:
+    """Key paths of the fields still "auto" whose type carries ``marker``."""
     found: list[str] = []
     for name, info in type(spec).model_fields.items():
         value = getattr(spec, name)
         path = f"{prefix}{name}"
         if isinstance(value, BaseModel):
-            found.extend(trainer_autos(value, path + "."))
-        elif isinstance(value, str) and value == AUTO and _trainer_filled(info):
+            found.extend(_auto_paths(value, marker, path + "."))
+        elif isinstance(value, str) and value == AUTO and _marked(info, marker):
             found.append(path)
     return found
 
 
-def _trainer_filled(info: FieldInfo) -> bool:
+def _marked(info: FieldInfo, marker: type) -> bool:
     markers = list(info.metadata)
-    for arg in get_args(info.annotation):  # TrainerNonNegFloat | None keeps its markers inside
+    for arg in get_args(info.annotation):  # a Trainer type | None keeps its markers inside
         if get_origin(arg) is Annotated:
             markers.extend(get_args(arg)[1:])
-    return any(isinstance(marker, TrainerFilled) for marker in markers)
-
-
-def auto_fields(spec: BaseModel, prefix: str = "") -> list[str]:
-    """Key paths of the fields whose value is still the "auto" placeholder."""
-    found: list[str] = []
-    for name, info in type(spec).model_fields.items():
-        value = getattr(spec, name)
-        path = f"{prefix}{name}"
-        if isinstance(value, BaseModel):
-            found.extend(auto_fields(value, path + "."))
-        elif value == AUTO and any(isinstance(m, AutoFilled) for m in info.metadata):
-            found.append(path)
-    return found
+    return any(isinstance(item, marker) for item in markers)
