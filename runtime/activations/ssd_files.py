@@ -10,7 +10,9 @@ from __future__ import annotations
 import enum
 import threading
 from concurrent.futures import CancelledError, Future
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -57,7 +59,7 @@ class ActivationFile:
         nbytes: int,
         disk_bytes: int,
         payload: torch.Tensor,
-        lock: threading.Condition,
+        lock: AbstractContextManager[Any],
         *,
         block: int = 0,
     ) -> None:

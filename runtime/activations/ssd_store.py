@@ -124,7 +124,11 @@ class ActivationFileStore:
             self._finalizer()
             raise
         self.io_mode = IO_MODE_DIRECT if self.direct_io else IO_MODE_BUFFERED
-        self._lock = threading.Condition()
+        # Entered through the RLock, whose __enter__ is C: a KeyboardInterrupt cannot land between
+        # its acquire and the block (Condition.__enter__ is Python code, where one can, leaving
+        # the lock held; the I/O threads then wait for it forever and the exit hangs on them).
+        self._mutex = threading.RLock()
+        self._lock = threading.Condition(self._mutex)
         self._stats = StoreStats()
         self._inflight_bytes = 0
         self._next_index = 0
@@ -137,7 +141,7 @@ class ActivationFileStore:
     @property
     def stats(self) -> StoreStats:
         """A consistent snapshot of the counters."""
-        with self._lock:
+        with self._mutex:
             return dataclasses.replace(self._stats)
 
     def write(self, data: torch.Tensor, *, block: int = 0) -> ActivationFile:
@@ -147,7 +151,7 @@ class ActivationFileStore:
         ``block``: whose activation this is, the number of the file's write and read in a trace."""
         payload = ssd_io.as_bytes(data)
         nbytes = payload.numel()
-        with self._lock:
+        with self._mutex:
             self._lock.wait_for(lambda: self._may_queue(nbytes))
             self._check_open()
             error = self._take_pending_failure()
@@ -156,7 +160,7 @@ class ActivationFileStore:
             path = self.run_dir / f"{self._next_index:08d}.act"
             self._next_index += 1
             disk_bytes = padded(nbytes) if self.direct_io else nbytes
-            file = ActivationFile(path, nbytes, disk_bytes, payload, self._lock, block=block)
+            file = ActivationFile(path, nbytes, disk_bytes, payload, self._mutex, block=block)
             self._live[path] = file
             self._inflight_bytes += nbytes
             self._stats.peak_inflight_bytes = max(self._stats.peak_inflight_bytes, self._inflight_bytes)
@@ -165,7 +169,7 @@ class ActivationFileStore:
 
     def read(self, file: ActivationFile) -> PendingRead:
         """Start reading ``file`` back (a prefetch); the write is awaited on an I/O thread."""
-        with self._lock:
+        with self._mutex:
             self._check_open()
             if self._live.get(file.path) is not file:
                 raise ValueError(f"{file!r} is not a live file of this store (released, or another store's)")
@@ -175,7 +179,7 @@ class ActivationFileStore:
     def release(self, file: ActivationFile) -> None:
         """``file`` is no longer needed: unlink it, cancel its write if not yet started, or unlink
         it when its write finishes. A pending read of a released file fails. Idempotent."""
-        with self._lock:
+        with self._mutex:
             if file._released or self._live.get(file.path) is not file:
                 return
             file._released = True
@@ -207,7 +211,7 @@ class ActivationFileStore:
     def close(self) -> None:
         """Cancel queued writes, wait for running I/O, remove ``run_dir``. Idempotent. Raises the
         failure of a write that no caller has seen yet (failures of released files are ignored)."""
-        with self._lock:
+        with self._mutex:
             if self._closed:
                 return
             self._closed = True
@@ -218,7 +222,7 @@ class ActivationFileStore:
                     )
             self._lock.notify_all()
         self._finalizer()
-        with self._lock:
+        with self._mutex:
             self._stats.bytes_on_disk = 0  # the directory and every file in it are gone
             error = self._take_pending_failure()
         if error is not None:
@@ -278,7 +282,7 @@ class ActivationFileStore:
     # -- I/O threads ---------------------------------------------------------------------------
 
     def _write_job(self, file: ActivationFile) -> None:
-        with self._lock:
+        with self._mutex:
             if file._state is not WriteState.QUEUED:
                 return
             file._state = WriteState.WRITING
@@ -296,7 +300,7 @@ class ActivationFileStore:
             with contextlib.suppress(OSError):
                 remove_file(file.path)
         elapsed_s = time.perf_counter() - started
-        with self._lock:
+        with self._mutex:
             self._finish_write(file, crc32, error, elapsed_s)
 
     def _finish_write(
@@ -336,7 +340,7 @@ class ActivationFileStore:
 
     def _read_job(self, file: ActivationFile) -> torch.Tensor:
         file._done.wait()
-        with self._lock:
+        with self._mutex:
             state, cause = file._state, file._error
         if state is not WriteState.WRITTEN:
             why = str(cause) if cause is not None else "it was released before it was written"
@@ -361,7 +365,7 @@ class ActivationFileStore:
                 f"read of activation file {file.path} failed: checksum mismatch (crc32 {crc32:#010x} read, "
                 f"{file._crc32:#010x} written): the file was changed on disk"
             )
-        with self._lock:
+        with self._mutex:
             self._stats.read_seconds += time.perf_counter() - started
             self._stats.bytes_read += file.nbytes
             self._stats.files_read += 1
