@@ -119,25 +119,8 @@ def test_checkpoint_rehearsal_resumes_bit_exactly(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def rehearsed_checks(section: str, out: Path) -> dict[str, dict[str, Any]]:
-    """``gpu_check.py --rehearse --only section``: exit 0, the section ran to its end with no
-    failed check; its checks by name."""
-    command = ["--rehearse", "--only", section, "--out", str(out)]
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), *command],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
-    report = json.loads((out / f"{section}.json").read_text())
-    assert report["finished"] and not report["failed"] and report["error"] is None
-    return {check["name"]: check for check in report["checks"]}
-
-
 def test_overlap_rehearsal_reads_every_chunks_work_from_the_trace(tmp_path: Path) -> None:
-    checks = rehearsed_checks("overlap", tmp_path)
+    checks = rehearse("overlap", tmp_path)
     batch = checks["batch: compute covers transfers + CPU Adam"]["figures"]
     assert batch["micro_batch"] >= 2 and batch["accumulation"] >= 1 and batch["cpu_adam_per_update_s"] > 0
     assert checks["trains, every chunk offloaded"]["passed"] is True
@@ -156,7 +139,7 @@ def test_overlap_rehearsal_reads_every_chunks_work_from_the_trace(tmp_path: Path
 
 
 def test_cost_model_rehearsal_predicts_and_measures_three_plans(tmp_path: Path) -> None:
-    checks = rehearsed_checks("cost_model", tmp_path)
+    checks = rehearse("cost_model", tmp_path)
     assert checks["profile"]["figures"]["chunks"] > 2
     for plan in ("all persistent", "half persistent, min buffers", "offload all, min buffers"):
         time_check = checks[f"{plan}: step time within 10%"]
@@ -171,7 +154,7 @@ def test_cost_model_rehearsal_predicts_and_measures_three_plans(tmp_path: Path) 
 
 
 def test_capacity_rehearsal_trains_under_both_budgets_beside_plain_pytorch(tmp_path: Path) -> None:
-    checks = rehearsed_checks("capacity", tmp_path)
+    checks = rehearse("capacity", tmp_path)
     shape = checks["tiny Llama: shape"]["figures"]
     assert shape["flops_per_token"] > 6 * shape["params"] // 2
     tight, roomy = checks["tiny Llama @ 2MiB: trains"], checks["tiny Llama @ 256MiB: trains"]
