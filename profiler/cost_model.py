@@ -53,7 +53,12 @@ Block modes other than keep (profiler/activation_cost.py) add their exposed tran
 recompute time to forward and backward, replace the saved activations by their own peak, and add
 swapped blocks to host memory.
 
-Host memory: the offloaded chunks' fp32 master, gradient and moment shards.
+Host memory (bytes per rank, exactly what the runtime maps: profiler/host_bytes.py, shared with
+it): the offloaded chunks' real elements (rank 0's, the largest share: parameters are packed from
+a chunk's start), fp32 master and two moments, plus an fp32 gradient shard when gradients are
+kept (``keeps_gradients``: clipping, fp16, accumulation); frozen chunks in the compute dtype;
+plus the fixed staging regions. Where gradients are applied as they arrive, the host worker
+widens each to fp32 instead of adding it (none in fp32).
 Every formula is O(1) per plan: per chunk size, ``chunk_costs`` builds prefix sums once.
 """
 
@@ -64,6 +69,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
+from profiler import host_bytes
 from profiler.activation_cost import ActivationCost
 from profiler.chunking import Packing, min_buffers_by_persist, pack
 from profiler.profile import HardwareProfile, ModelProfile
@@ -97,9 +103,15 @@ class ChunkCosts:
     """The gradient norm's read and the zeroing write over each trainable shard."""
     refresh: tuple[float, ...]
     """All-gather that refreshes a persistent chunk's full copy after its shard is updated."""
+    host_widens: tuple[float, ...]
+    """Gradients applied as they arrive: the host worker's widening of each to fp32."""
     persistent_bytes: tuple[int, ...]
-    host_bytes: tuple[int, ...]
-    """Host bytes of chunks [0, i) if they were offloaded (suffix = total - prefix)."""
+    host_fp32_tensor_bytes: tuple[int, ...]
+    """One fp32 state tensor of each trainable chunk's host shard (master, each moment, the
+    gradient when kept: each takes this), were the chunk offloaded."""
+    host_frozen_bytes: tuple[int, ...]
+    """A frozen chunk's host shard, were it offloaded."""
+    trainable_chunks: tuple[int, ...]
     unattributed_forward_s: float
     unattributed_backward_s: float
     direct_grads_possible: bool
@@ -121,6 +133,9 @@ class Prediction:
     backward in every update mode)."""
     updates_after_norm: bool
     """The update waits for the global norm (clipping, fp16): the two-phase step's timing."""
+    keeps_gradients: bool = True
+    """Offloaded chunks keep an fp32 gradient shard on the host (16 bytes per parameter, not
+    12)."""
     peak_device_bytes: int
     host_bytes: int
     persistent_bytes: int
@@ -153,6 +168,7 @@ def chunk_costs(model: ModelProfile, hardware: HardwareProfile, chunk_size: int)
     overlap = hardware.copies_overlap_compute
     # On CPU one rank in fp32 accumulates straight into host shards: nothing to add.
     add = 0.0 if alias and not overlap else shard * (e + 8) / hardware.memory_bytes_per_s
+    widen = shard * (e + 4) / hardware.memory_bytes_per_s if e != 4 else 0.0
     rows: dict[str, list[float]] = {name: [] for name in _PREFIXED}
     for index, chunk in enumerate(packing.chunks):
         f, b = fwd_c[index], bwd_c[index]
@@ -175,14 +191,19 @@ def chunk_costs(model: ModelProfile, hardware: HardwareProfile, chunk_size: int)
         rows["adam_params"].append(chunk.used / world if chunk.trainable else 0.0)
         rows["adam_segments"].append(float(len(chunk.members)) if chunk.trainable else 0.0)
         rows["host_adds"].append(add if chunk.trainable else 0.0)
+        rows["host_widens"].append(widen if chunk.trainable else 0.0)
+        stored = host_bytes.rank_numel(chunk.used, shard, 0)  # rank 0 holds the most
+        rows["trainable_chunks"].append(1 if chunk.trainable else 0)
         rows["update_passes"].append(2 * 4 * shard / hardware.memory_bytes_per_s if chunk.trainable else 0.0)
         rows["refresh"].append(gather if chunk.trainable else 0.0)
         if chunk.trainable:
             rows["persistent_bytes"].append(chunk_bytes + shard * ((0 if alias else 4) + 4 + 8))
-            rows["host_bytes"].append(shard * 16)
+            rows["host_fp32_tensor_bytes"].append(host_bytes.tensor_bytes(stored, 4))
+            rows["host_frozen_bytes"].append(0)
         else:
             rows["persistent_bytes"].append(chunk_bytes + shard * e)
-            rows["host_bytes"].append(shard * e)
+            rows["host_fp32_tensor_bytes"].append(0)
+            rows["host_frozen_bytes"].append(host_bytes.tensor_bytes(stored, e))
     need = min_buffers_by_persist(packing, model.module_params)
     prefixed = {name: tuple(accumulate(values, initial=0)) for name, values in rows.items()}
     return ChunkCosts(
@@ -198,7 +219,10 @@ def chunk_costs(model: ModelProfile, hardware: HardwareProfile, chunk_size: int)
         direct_grads_possible=alias,
         activation_bytes=model.activation_bytes,
         transient_bytes=model.transient_bytes,
-        **{k: tuple(int(v) for v in vs) if k.endswith("bytes") else vs for k, vs in prefixed.items()},  # type: ignore[arg-type]
+        **{
+            k: tuple(int(v) for v in vs) if k.endswith(("bytes", "chunks")) else vs
+            for k, vs in prefixed.items()
+        },  # type: ignore[arg-type]
     )
 
 
@@ -213,10 +237,13 @@ _PREFIXED = (
     "adam_params",
     "adam_segments",
     "host_adds",
+    "host_widens",
     "update_passes",
     "refresh",
     "persistent_bytes",
-    "host_bytes",
+    "host_fp32_tensor_bytes",
+    "host_frozen_bytes",
+    "trainable_chunks",
 )
 
 
@@ -264,10 +291,12 @@ def predict(
     n_buffer: int,
     activations: ActivationCost | None = None,
     updates_after_norm: bool = False,
+    keeps_gradients: bool = True,
 ) -> Prediction:
     """Step time and memory of the plan (``costs.chunk_size``, ``n_persist``, ``n_buffer``), with
     the block modes' ``activations`` cost (profiler.activation_cost; None: every block keeps).
-    ``updates_after_norm``: clipping or fp16 (see the module docstring)."""
+    ``updates_after_norm``: clipping or fp16; ``keeps_gradients``: offloaded chunks keep a
+    gradient shard (clipping, fp16, accumulation; see the module docstring)."""
     n = costs.num_chunks
     p = n_persist
     if not 0 <= p <= n:
@@ -291,9 +320,10 @@ def predict(
     device_adam += _span(costs.adam_segments, 0, p) * segment + _span(costs.refresh, 0, p)
     cpu_adam = _span(costs.adam_params, p, n) / hardware.cpu_adam_params_per_s
     cpu_adam += _span(costs.adam_segments, p, n) * segment
-    host_adds = _span(costs.host_adds, p, n)
+    host_adds = _span(costs.host_adds if keeps_gradients else costs.host_widens, p, n)
     cpu_adam += host_adds  # the same host worker, in order
-    update = _span(costs.update_passes, 0, n)
+    # Gradients applied as they arrive leave no offloaded shard to take a norm of or zero.
+    update = _span(costs.update_passes, 0, n if keeps_gradients else p)
     times = _Times(forward, backward, device_adam, cpu_adam, host_adds, update)
     step = _step_s(hardware, times, after_norm=updates_after_norm)
 
@@ -302,7 +332,7 @@ def predict(
     buffers = (n_buffer if p < n else 0) * chunk_bytes
     direct = costs.direct_grads_possible and p == n
     gradient_buffers = 0 if direct else chunk_bytes
-    host = int(_span(costs.host_bytes, p, n))
+    host = offloaded_host_bytes(costs, p, keeps_gradients=keeps_gradients)
     # The peak falls where forward ends and backward starts: every saved activation is alive,
     # with either forward's transient or the first chunk's gradient buffer, not both.
     peak = persistent + buffers + activation_bytes + max(costs.transient_bytes, gradient_buffers)
@@ -314,6 +344,7 @@ def predict(
         cpu_adam_s=cpu_adam,
         host_adds_s=host_adds,
         updates_after_norm=updates_after_norm,
+        keeps_gradients=keeps_gradients,
         peak_device_bytes=peak,
         host_bytes=host,
         persistent_bytes=persistent,
@@ -324,6 +355,23 @@ def predict(
         update_s=update,
     )
     return kept if activations is None else with_activations(kept, activations, hardware)
+
+
+def offloaded_host_bytes(costs: ChunkCosts, n_persist: int, *, keeps_gradients: bool) -> int:
+    """What chunks [n_persist, n) take in host memory on rank 0: their state's region and the
+    staging regions (profiler/host_bytes.py, the runtime's own sizes)."""
+    n = costs.num_chunks
+    if n_persist >= n:
+        return 0
+    tensors = 4 if keeps_gradients else 3
+    payload = tensors * int(_span(costs.host_fp32_tensor_bytes, n_persist, n))
+    payload += int(_span(costs.host_frozen_bytes, n_persist, n))
+    return host_bytes.region_bytes(payload) + host_bytes.staging_bytes(
+        costs.shard_numel,
+        element_size=costs.element_size,
+        offloaded_trainable=_span(costs.trainable_chunks, n_persist, n) > 0,
+        keeps_gradients=keeps_gradients,
+    )
 
 
 def memory_with_activations(kept: Prediction, activations: ActivationCost) -> tuple[int, int]:

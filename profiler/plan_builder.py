@@ -154,6 +154,7 @@ def searched_plan(
     extra_buffers: int | None = None,
     ssd_available: bool = False,
     updates_after_norm: bool = False,
+    keeps_gradients: bool = True,
 ) -> tuple[Plan, SearchResult]:
     """The fastest plan that fits, by the cost model over the profiles; hand-set knobs stay.
     Activation counts left auto are searched with the chunk knobs (ssd only when
@@ -182,6 +183,7 @@ def searched_plan(
         block_modes=None if fixed is None else [mode.value for mode in fixed],
         activation_layouts=layouts,
         updates_after_norm=updates_after_norm,
+        keeps_gradients=keeps_gradients,
     )
     best = result.best
     if fixed is not None:

@@ -88,6 +88,7 @@ def search(
     block_modes: Sequence[str] | None = None,
     activation_layouts: Sequence[ActivationOption] | None = None,
     updates_after_norm: bool = False,
+    keeps_gradients: bool = True,
 ) -> SearchResult:
     """The fastest plan that fits ``device_budget`` and ``host_budget`` (bytes per rank);
     ``chunk_size``/``n_persist``/``n_buffer``, when given, are fixed. ``extra_buffers`` caps the
@@ -95,7 +96,8 @@ def search(
     Activations: ``activation_layouts`` to choose from (``activation_options``), or one fixed
     ``block_modes``, or neither (every block keeps). ``updates_after_norm``: the update waits
     for the gradient norm (clipping, fp16), which times the step differently
-    (profiler.cost_model)."""
+    (profiler.cost_model); ``keeps_gradients``: offloaded chunks keep a gradient shard on the
+    host (clipping, fp16, accumulation), 4 bytes per parameter more."""
     started = time.perf_counter()
     layouts: list[Layout]
     if activation_layouts is not None:
@@ -140,7 +142,15 @@ def search(
         )
 
     def kept_prediction(costs: ChunkCosts, p: int, b: int) -> Prediction:
-        return predict(model, hardware, costs, n_persist=p, n_buffer=b, updates_after_norm=updates_after_norm)
+        return predict(
+            model,
+            hardware,
+            costs,
+            n_persist=p,
+            n_buffer=b,
+            updates_after_norm=updates_after_norm,
+            keeps_gradients=keeps_gradients,
+        )
 
     def layout_fits(kept: Prediction, cost: ActivationCost | None) -> bool:
         if cost is None:
@@ -399,6 +409,8 @@ def _binding(
         n_persist=more,
         n_buffer=buffers,
         activations=activations,
+        updates_after_norm=best.prediction.updates_after_norm,
+        keeps_gradients=best.prediction.keeps_gradients,
     )
     needed = int(grown.peak_device_bytes * (1 + margin))
     if needed > device_budget:

@@ -42,14 +42,26 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="let the search put activations on the hardware file's SSD (as memory.ssd.path does)",
     )
+    parser.add_argument(
+        "--clipping",
+        action="store_true",
+        help="plan for gradient_clipping on: offloaded chunks keep an fp32 gradient shard until the "
+        "norm is known (16 host bytes per parameter; without clipping, accumulation or fp16, 12)",
+    )
+    parser.add_argument(
+        "--gradient-accumulation-steps",
+        type=int,
+        default=1,
+        help="above 1, gradients are kept across micro-batches: 16 host bytes per parameter",
+    )
     return parser
 
 
 def parse_what_if(argv: list[str]) -> WhatIfRequest:
     """The request ``argv`` asks for; SpecError for a batch shape below 1."""
     args = build_parser().parse_args(argv)
-    if args.micro_batch_size < 1 or args.seq_len < 1:
-        raise SpecError("--micro-batch-size and --seq-len must be >= 1")
+    if args.micro_batch_size < 1 or args.seq_len < 1 or args.gradient_accumulation_steps < 1:
+        raise SpecError("--micro-batch-size, --seq-len and --gradient-accumulation-steps must be >= 1")
     return WhatIfRequest(
         hardware=args.hardware,
         model_config=args.model_config,
@@ -58,6 +70,8 @@ def parse_what_if(argv: list[str]) -> WhatIfRequest:
         seq_len=args.seq_len,
         precision=args.precision,
         ssd=bool(args.ssd),
+        clipping=bool(args.clipping),
+        accumulation_steps=args.gradient_accumulation_steps,
     )
 
 

@@ -16,7 +16,6 @@ import torch
 PAGE_BYTES = mmap.PAGESIZE
 
 
-
 class MmapArena:
     """Host tensors carved from one anonymous mmap at page-aligned offsets.
 
@@ -25,8 +24,11 @@ class MmapArena:
     the region is page-locked with ``cudaHostRegister`` so copies from it are asynchronous.
     """
 
-    def __init__(self, capacity_bytes: int, *, pin: bool = False) -> None:
+    def __init__(self, capacity_bytes: int, *, pin: bool = False, alignment: int = PAGE_BYTES) -> None:
+        """``alignment``: of each allocation (pages by default: O_DIRECT reads and writes into
+        swapped activations need them; chunk state asks for a cache line)."""
         self.capacity_bytes = _round_up(max(capacity_bytes, PAGE_BYTES), PAGE_BYTES)
+        self.alignment = alignment
         self._map = mmap.mmap(-1, self.capacity_bytes)
         self._base = torch.frombuffer(self._map, dtype=torch.uint8)
         self.used_bytes = 0
@@ -45,7 +47,7 @@ class MmapArena:
             raise MemoryError(
                 f"host arena full: {nbytes:,} more bytes requested, {self.capacity_bytes - start:,} free"
             )
-        self.used_bytes = _round_up(end, PAGE_BYTES)
+        self.used_bytes = _round_up(end, self.alignment)
         return self._base[start:end].view(dtype)
 
     def contains(self, tensor: torch.Tensor) -> bool:

@@ -246,13 +246,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def job_spec(args: argparse.Namespace, output_dir: str, memory: dict[str, Any]) -> dict[str, Any]:
+NEVER_CLIPS = 1e30
+"""A gradient_clipping no gradient norm reaches: updates as without clipping, gradients kept."""
+
+
+def job_spec(
+    args: argparse.Namespace, output_dir: str, memory: dict[str, Any], *, clip: float | None = None
+) -> dict[str, Any]:
     return {
         "seed": SEED,
         "micro_batch_size": args.batch,
         "precision": "fp32",
         "optimizer": {"lr": LR, "weight_decay": WEIGHT_DECAY},
-        "gradient_clipping": args.clip,
+        "gradient_clipping": args.clip if clip is None else clip,
         "memory": {"device_budget": args.device_budget, **memory},
         "output_dir": output_dir,
     }
@@ -266,15 +272,22 @@ def quiet_initialize(args: argparse.Namespace, config: dict[str, Any], batch: Ba
 
 
 def offloaded_engine(
-    args: argparse.Namespace, output_dir: str, chunk_size: int, batch: Batch, *, first_n_buffer: int
+    args: argparse.Namespace,
+    output_dir: str,
+    chunk_size: int,
+    batch: Batch,
+    *,
+    first_n_buffer: int,
+    clip: float | None = None,
 ) -> Engine:
     """``n_persist=0`` with the fewest buffers from ``first_n_buffer`` up that ``initialize``
-    accepts (jumping straight to the minimum when the refusal names one)."""
+    accepts (jumping straight to the minimum when the refusal names one); ``clip`` in place of
+    ``--clip``."""
     n_buffer = first_n_buffer
     while True:
         memory = {"chunk_size": chunk_size, "n_persist": 0, "n_buffer": n_buffer}
         try:
-            return quiet_initialize(args, job_spec(args, output_dir, memory), batch)
+            return quiet_initialize(args, job_spec(args, output_dir, memory, clip=clip), batch)
         except SpecError as err:
             if "n_buffer" not in str(err):
                 raise
@@ -358,8 +371,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             offloaded.append(more)
         if args.compare_deferred:
             # The same minimum-buffer plan with every CPU Adam update deferred to the end of the
-            # window instead of made speculatively during backward.
-            deferred = offloaded_engine(args, output_dir, chunk_size, batches[0], first_n_buffer=1)
+            # window instead of made as gradients arrive. Deferring keeps the gradients until the
+            # step: without --clip a clip no norm reaches keeps them (the same updates), and on
+            # CPU a clipped window defers.
+            deferred = offloaded_engine(
+                args, output_dir, chunk_size, batches[0], first_n_buffer=1, clip=args.clip or NEVER_CLIPS
+            )
             deferred.chunks.speculative_cpu_adam = False
             offloaded.append(deferred)
         if args.clip > 0:

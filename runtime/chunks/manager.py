@@ -40,7 +40,8 @@ from runtime.chunks.optimizer import ChunkOptimizer
 from runtime.chunks.reduce import GradientReducer
 from runtime.chunks.residency import ChunkResidency, SavedAlias, check_buffers
 from runtime.chunks.side_stream import CollectiveQueue
-from runtime.chunks.store import AdamWHyper, Chunk, Segment, build_store, shard_segments
+from runtime.chunks.store import Chunk, Segment, shard_segments
+from runtime.chunks.store_build import AdamWHyper, build_store
 from runtime.cpu_adam import GroupValues
 from runtime.device import DeviceInfo, SideStream, synchronize
 from runtime.distributed import DistContext, all_reduce_sum_
@@ -64,9 +65,12 @@ class ChunkManager:
         dist_ctx: DistContext,
         adamw: AdamWHyper,
         read_param: Callable[[str], torch.Tensor] | None = None,
+        keeps_gradients: bool = True,
     ) -> None:
         """``read_param(name)``, when given, supplies each parameter's value while its chunk is
-        built (the model holds only stand-ins: weights streamed from a file, one at a time)."""
+        built (the model holds only stand-ins: weights streamed from a file, one at a time).
+        ``keeps_gradients`` False: offloaded chunks keep no gradient shard; each reduced
+        gradient is applied as it arrives (every backward must then end its window)."""
         self.model = model
         self.layout = layout
         self.compute_dtype = compute_dtype
@@ -83,6 +87,7 @@ class ChunkManager:
             dist_ctx=dist_ctx,
             adamw=adamw,
             read_param=read_param,
+            keeps_gradients=keeps_gradients,
         )
         self.collectives = CollectiveQueue(device)
         self.optimizer = ChunkOptimizer(
@@ -140,6 +145,11 @@ class ChunkManager:
 
     @speculative_cpu_adam.setter
     def speculative_cpu_adam(self, value: bool) -> None:
+        if not value and self.optimizer.applies_on_arrival:
+            raise ValueError(
+                "offloaded chunks keep no gradient shard (gradient_accumulation_steps 1, no clipping, "
+                "not fp16): their updates cannot be deferred to the step"
+            )
         self.optimizer.speculative = value
 
     @property
@@ -152,6 +162,12 @@ class ChunkManager:
     @two_phase_updates.setter
     def two_phase_updates(self, value: bool) -> None:
         self.optimizer.two_phase = value
+
+    @property
+    def applies_on_arrival(self) -> bool:
+        """Offloaded chunks keep no gradient shard: each reduced gradient is applied as it
+        arrives, so every backward must end its accumulation window."""
+        return self.optimizer.applies_on_arrival
 
     @property
     def num_gathers(self) -> int:

@@ -6,8 +6,14 @@ fp16's overflow check), which is known only after the last gradient:
 
 - no (unclipped fp32/bf16): speculative. Each offloaded chunk is updated on the host worker
   during the window's last backward, as soon as its gradient is in, overlapping the rest of
-  backward. The ranks agree before that backward whether any saw a non-finite loss (then the step
-  is skipped and nothing is updated early). A segment that had no gradient here but had one on
+  backward. Without accumulation an offloaded chunk keeps no gradient shard at all (12 host
+  bytes per parameter, not 16): its reduced gradient is applied straight from the staging buffer
+  it landed in (widened to fp32 in one scratch shard first when the compute dtype is not fp32),
+  and the buffer is reused. With several ranks, a segment that had no gradient here may have had
+  one on another rank, which only the step's agreement tells: its reduced gradient is held until
+  then (the one gradient kept; none where every rank uses every parameter). The ranks agree
+  before that backward whether any saw a non-finite loss (then the step is skipped and nothing
+  is updated early). A segment that had no gradient here but had one on
   another rank is updated at the boundary. Nothing can undo an early update (no snapshot is
   kept), so a backward that fails after one leaves the engine torn until a checkpoint is loaded.
 - yes, where host work runs beside compute (CUDA): two-phase. The last backward only takes each
@@ -34,12 +40,14 @@ from dataclasses import dataclass
 
 import torch
 
+from profiler.host_bytes import FP32_BYTES
 from runtime.chunks.store import Chunk, ChunkStore
 from runtime.chunks.trace_labels import job_label
 from runtime.chunks.waits import ExposedWaits
 from runtime.cpu_adam import GroupValues
 from runtime.device import DeviceEvent, HostWorker, host_worker_threads
 from runtime.distributed import DistContext, all_reduce_sum_
+from runtime.host_memory import MmapArena
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +97,21 @@ class ChunkOptimizer:
         self._speculated: dict[int, Speculation] = {}
         """The early updates of this window, by chunk index."""
         self.num_speculations = 0
+        self.applies_on_arrival = any(
+            c.training is not None and not c.keeps_gradient for c in store.trainable_chunks()
+        )
+        """Offloaded chunks keep no gradient shard: each reduced gradient is applied as it arrives."""
+        self._held: dict[int, dict[int, torch.Tensor]] = {}
+        """Applied on arrival, several ranks: per chunk, per segment position, the reduced gradient
+        of a segment that had none here, until the step says whether another rank had one."""
+        self._widen: MmapArena | None = None
+        self._widened: torch.Tensor | None = None
+        """Applied on arrival in a compute dtype other than fp32: the fp32 shard a staged
+        gradient is widened into for CPU Adam (one: the host worker runs one job at a time)."""
+        if self.applies_on_arrival and store.compute_dtype != torch.float32:
+            shard = store.layout.shard_numel
+            self._widen = MmapArena(shard * FP32_BYTES)
+            self._widened = self._widen.allocate(shard, torch.float32)
 
     def trainable_chunks(self) -> Iterator[Chunk]:
         return self.store.trainable_chunks()
@@ -96,8 +119,16 @@ class ChunkOptimizer:
     # ------------------------------------------------------------------ the sink of reduced gradients
 
     def add_staged(
-        self, chunk: Chunk, staged: torch.Tensor, copied: DeviceEvent, release: Callable[[], None]
+        self,
+        chunk: Chunk,
+        staged: torch.Tensor,
+        copied: DeviceEvent,
+        release: Callable[[], None],
+        fired: torch.Tensor,
     ) -> DeviceEvent:
+        if not chunk.keeps_gradient:
+            return self._submit(self._applier(chunk, staged, copied, release, fired))
+
         def add() -> None:
             copied.wait()  # the copy into the staging buffer has landed
             with torch.no_grad(), job_label("host_add", chunk.index):
@@ -124,6 +155,8 @@ class ChunkOptimizer:
         return self._pending_updates.get(chunk_index)
 
     def reduction_queued(self, chunk: Chunk, reduced: DeviceEvent, fired: torch.Tensor) -> None:
+        if not chunk.keeps_gradient:
+            return  # applied as it arrived (add_staged), or no rank had a gradient here
         if self._norms_armed and not chunk.persistent:
             # After the chunk's adds on the same worker: its gradient is complete for the window.
             self._submit(lambda: self._take_norm(chunk))
@@ -178,6 +211,71 @@ class ChunkOptimizer:
         self._speculated[chunk.index] = Speculation(active=active)
         self.num_speculations += 1
 
+    # ------------------------------------------------------------------ applied on arrival
+
+    def _applier(
+        self,
+        chunk: Chunk,
+        staged: torch.Tensor,
+        copied: DeviceEvent,
+        release: Callable[[], None],
+        fired: torch.Tensor,
+    ) -> Callable[[], None]:
+        """The host worker's job for a chunk with no gradient shard: AdamW from the staged
+        gradient once the ranks agreed the window is not skipped, then the buffer goes back."""
+        armed = self._armed
+        if armed is None:
+            raise RuntimeError(
+                f"a gradient reached chunk {chunk.index} outside engine.backward: with "
+                "gradient_accumulation_steps 1, no clipping and not fp16, offloaded chunks keep no "
+                "gradient shard and apply each gradient as it arrives; call engine.backward(loss)"
+            )
+        active = [bool(fired[s.param]) for s in chunk.segments]
+        hold = self.store.dist_ctx.world_size > 1 and not all(active)
+
+        @torch.no_grad()
+        def apply() -> None:
+            copied.wait()  # the reduced gradient has landed in the staging buffer
+            try:
+                armed.agreed.wait()
+                if float(armed.any_nonfinite) > 0:
+                    return  # the step will be skipped on every rank
+                with job_label("host_add", chunk.index):
+                    grad = self._fp32(staged)
+                with job_label("adam", chunk.index):
+                    chunk.optimizer.step_(grad, active, lr=armed.lr)
+                if hold:
+                    self._held[chunk.index] = {
+                        position: grad[s.shard_offset : s.shard_offset + s.numel].clone()
+                        for position, (s, done) in enumerate(zip(chunk.segments, active, strict=True))
+                        if not done
+                    }
+                self._speculated[chunk.index] = Speculation(active=active)
+                self.num_speculations += 1
+            finally:
+                release()
+
+        return apply
+
+    def _fp32(self, staged: torch.Tensor) -> torch.Tensor:
+        if staged.dtype == torch.float32:
+            return staged
+        assert self._widened is not None, "a scratch shard exists for a compute dtype other than fp32"
+        widened = self._widened[: staged.numel()]
+        widened.copy_(staged)
+        return widened
+
+    def _apply_held(self, chunk: Chunk, wanted: list[bool], lr: GroupValues) -> None:
+        """At the step: the segments another rank's gradient made active, from the gradients
+        held for them (applied on arrival, several ranks)."""
+        held = self._held.pop(chunk.index, {})
+        grad = torch.zeros(chunk.numel, dtype=torch.float32)
+        for position, want in enumerate(wanted):
+            if want:
+                segment = chunk.segments[position]
+                grad[segment.shard_offset : segment.shard_offset + segment.numel].copy_(held[position])
+        chunk.optimizer.step_(grad, wanted, lr=lr)
+
     def finish_speculation(self) -> None:
         """Wait for the host worker (gradient adds and early updates, in order); no more
         speculation in this window."""
@@ -194,6 +292,7 @@ class ChunkOptimizer:
         already made cannot be undone, so that is an error (the ranks' agreement on a
         non-finite loss before the last backward keeps it from happening)."""
         self.finish_speculation()
+        self._held.clear()
         if self._speculated:
             chunks = sorted(self._speculated)
             raise RuntimeError(f"chunks {chunks} were updated early and cannot be undone")
@@ -235,6 +334,10 @@ class ChunkOptimizer:
                 wanted = [want and not done for want, done in zip(wanted, speculation.active, strict=True)]
                 if not any(wanted):
                     continue
+            if not chunk.keeps_gradient:
+                if any(wanted):
+                    self._apply_held(chunk, wanted, lr)
+                continue
             if self.two_phase and not chunk.persistent:
                 job = self._updater(chunk, wanted, lr, grad_factors, zero=True)
                 self._pending_updates[chunk.index] = self._submit(job)
@@ -262,9 +365,13 @@ class ChunkOptimizer:
         if not self._pending_updates:
             self.drain()  # no add into a shard may still be running
         self._norm_squares.clear()
+        self._held.clear()
         for chunk in self.trainable_chunks():
-            if chunk.index not in self._pending_updates:
+            if chunk.index not in self._pending_updates and chunk.keeps_gradient:
                 chunk.grad_shard.zero_()
 
     def close(self) -> None:
         self._worker.close()
+        if self._widen is not None:
+            self._widened = None
+            self._widen.close()

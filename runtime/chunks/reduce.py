@@ -40,12 +40,19 @@ class ReducedGradientSink(Protocol):
     """Where reduced gradients go: the host side's whole interface to this one."""
 
     def add_staged(
-        self, chunk: Chunk, staged: torch.Tensor, copied: DeviceEvent, release: Callable[[], None]
+        self,
+        chunk: Chunk,
+        staged: torch.Tensor,
+        copied: DeviceEvent,
+        release: Callable[[], None],
+        fired: torch.Tensor,
     ) -> DeviceEvent:
-        """``staged`` (host, compute dtype) holds this rank's reduced part of an offloaded
-        chunk's gradient for one micro-batch once ``copied`` has fired: add it into the shard
-        (off the main thread), then call ``release``; the returned event fires after that.
-        Called on the main thread in reduction order."""
+        """``staged`` (host, compute dtype, the chunk's stored elements) holds this rank's
+        reduced part of an offloaded chunk's gradient for one micro-batch once ``copied`` has
+        fired: add it into the shard, or (no gradient shard kept) apply it, off the main thread,
+        then call ``release``; the returned event fires after that. ``fired[param]``: which
+        parameters had a gradient in this window so far. Called on the main thread in reduction
+        order."""
 
     def reduction_queued(self, chunk: Chunk, reduced: DeviceEvent, fired: torch.Tensor) -> None:
         """The chunk's reduction is queued (main thread): its gradient shard is complete once
@@ -209,8 +216,8 @@ class GradientReducer:
 
     def _queue_reduction(self, chunk: Chunk, buffer: torch.Tensor) -> DeviceEvent:
         """The reduction's jobs; the event that fires once the gradient is in the shard."""
-        grad_shard = chunk.grad_shard
         if chunk.persistent:
+            grad_shard = chunk.grad_shard
 
             def add_on_device() -> None:
                 with job_label("reduce", chunk.index):
@@ -225,21 +232,24 @@ class GradientReducer:
 
         def copy_to_host() -> None:
             with job_label("reduce", chunk.index):
-                self._copy_to_host(buffer, staged)
+                self._copy_to_host(buffer, staged, chunk.numel)
 
         copied = self.queue.submit(copy_to_host)
         self.grad_pool.reducing(buffer, copied)
-        in_shard = self.sink.add_staged(chunk, staged.buffer, copied, lambda: ring.released(staged))
+        in_shard = self.sink.add_staged(
+            chunk, staged.buffer[: chunk.numel], copied, lambda: ring.released(staged), self._fired_in_window
+        )
         ring.released_by(staged, in_shard)
         return in_shard
 
     @torch.no_grad()
-    def _copy_to_host(self, buffer: torch.Tensor, staged: Staged) -> None:
-        """On the side stream: this rank's reduced part into the staging buffer, asynchronously
-        on CUDA (pinned memory), once the buffer's previous user has added it."""
+    def _copy_to_host(self, buffer: torch.Tensor, staged: Staged, numel: int) -> None:
+        """On the side stream: this rank's reduced part (its ``numel`` real elements: the host
+        shard holds no padding) into the staging buffer, asynchronously on CUDA (pinned
+        memory), once the buffer's previous user has added it."""
         reduced = self._reduce_part(buffer)
         staged.wait_until_free()
-        staged.buffer.copy_(reduced, non_blocking=True)
+        staged.buffer[:numel].copy_(reduced[:numel], non_blocking=True)
 
     @torch.no_grad()
     def _reduce_part(self, buffer: torch.Tensor) -> torch.Tensor:

@@ -265,22 +265,26 @@ class ChunkResidency:
         self.store.point_params(chunk)
 
     def gather_shard(self, master: torch.Tensor, out: torch.Tensor, *, staged: Staged | None = None) -> None:
-        """This rank's shard into its place in ``out`` in the compute dtype, then (several
-        ranks) the all-gather of the others' in place. A host shard goes up from pinned memory,
-        ``non_blocking``; one in fp32 goes through a ``staged`` buffer downcast first, so the
-        upload sends the compute dtype's bytes and makes no fp32 temporary on the device. Runs
+        """This rank's shard (its stored elements) into its place in ``out`` in the compute
+        dtype, then (several ranks) the all-gather of the others' in place. A host shard goes up
+        from pinned memory, ``non_blocking``; one in fp32 goes through a ``staged`` buffer
+        downcast first, so the upload sends the compute dtype's bytes and makes no fp32
+        temporary on the device. Runs
         on the side stream (the one thread that issues collectives) or, for persistent chunks,
         after the stream has drained."""
         store = self.store
         world = store.dist_ctx.world_size
-        shard = master.numel()
+        shard = store.layout.shard_numel
         mine = out if world == 1 else out[store.dist_ctx.rank * shard :][:shard]
+        # A host shard holds the real elements only (a prefix): the rest of ``mine`` is padding,
+        # which nothing reads.
+        stored = master.numel()
         if staged is not None:
             staged.wait_until_free()  # its last upload has left
-            staged.buffer.copy_(master)
-            mine.copy_(staged.buffer, non_blocking=True)
+            staged.buffer[:stored].copy_(master)
+            mine[:stored].copy_(staged.buffer[:stored], non_blocking=True)
         else:
-            mine.copy_(master, non_blocking=True)
+            mine[:stored].copy_(master, non_blocking=True)
         if world > 1:
             all_gather_flat(out, mine, store.dist_ctx.group)
 

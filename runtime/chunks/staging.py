@@ -24,12 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from profiler.host_bytes import STAGING_BUFFERS, ring_bytes
 from runtime import stream_chaos
 from runtime.device import DeviceEvent
 from runtime.host_memory import MmapArena
-
-STAGING_BUFFERS = 2
-"""One buffer being filled while the previous one is read: enough to overlap the two."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +49,7 @@ class StagingRing:
 
     def __init__(self, *, numel: int, dtype: torch.dtype, pin: bool, count: int = STAGING_BUFFERS) -> None:
         element = torch.empty((), dtype=dtype).element_size()
-        page = 4096
-        self._arena = MmapArena(count * (-(-numel * element // page) * page), pin=pin)
+        self._arena = MmapArena(ring_bytes(numel, element, count), pin=pin)
         self.buffers = [self._arena.allocate(numel, dtype) for _ in range(count)]
         self._releases: list[DeviceEvent | None] = [None] * count
         self._next = 0

@@ -3,7 +3,12 @@
 Each chunk of the layout is one flat buffer of ``chunk_numel`` elements, split evenly over the
 ranks. This rank keeps its shard in fp32 (master weights, gradient) with the optimizer state:
 on the device for the first ``n_persist`` chunks, in host memory for the others (an mmap arena,
-pinned on CUDA, at exact sizes). Compute uses a full, all-gathered copy in the compute dtype:
+pinned on CUDA). A host shard holds only the rank's real elements (parameters are packed from
+offset 0, so they are a prefix of its shard): chunk padding exists in device buffers and
+collectives alone, and the arena is sized to the byte by profiler/host_bytes.py, which the cost
+model counts with. An offloaded chunk keeps no gradient shard when each reduced gradient is
+applied as it arrives (``keeps_gradients`` False: no clipping, no fp16, no accumulation): 12
+bytes per parameter on the host instead of 16. Compute uses a full, all-gathered copy in the compute dtype:
 persistent chunks own one for the whole run; the others borrow a device buffer slot while they
 are needed (residency.py decides when).
 
@@ -27,7 +32,7 @@ accumulates into the shard in place (no copy pass over the gradients).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +42,7 @@ from runtime.chunks.layout import ChunkInfo, ChunkLayout
 from runtime.chunks.residency import Residency, check_move
 from runtime.cpu_adam import ShardAdamW
 from runtime.device import DeviceInfo
-from runtime.distributed import DistContext, all_gather_flat, broadcast_from_main_
+from runtime.distributed import DistContext, all_gather_flat
 from runtime.host_memory import MmapArena
 
 
@@ -68,7 +73,8 @@ def shard_segments(layout: ChunkLayout, chunk: ChunkInfo, rank: int) -> list[Seg
 class ShardTraining:
     """What only a trainable chunk has: its fp32 gradient shard and AdamW over its master."""
 
-    grad_shard: torch.Tensor
+    grad_shard: torch.Tensor | None
+    """None for an offloaded chunk whose gradients are applied as they arrive (no shard kept)."""
     optimizer: ShardAdamW
 
 
@@ -107,7 +113,24 @@ class Chunk:
 
     @property
     def grad_shard(self) -> torch.Tensor:
-        return self._training().grad_shard
+        grad_shard = self._training().grad_shard
+        if grad_shard is None:
+            raise RuntimeError(
+                f"chunk {self.index} applies each gradient as it arrives: it keeps no gradient shard"
+            )
+        return grad_shard
+
+    @property
+    def keeps_gradient(self) -> bool:
+        """A trainable chunk with a gradient shard (every persistent one; offloaded ones when
+        gradients must be kept across micro-batches or until the norm is known)."""
+        return self.training is not None and self.training.grad_shard is not None
+
+    @property
+    def numel(self) -> int:
+        """Elements of this rank's shard it stores: the real ones of an offloaded chunk (a
+        prefix of the shard), the whole shard of a persistent one."""
+        return self.master.numel()
 
     @property
     def optimizer(self) -> ShardAdamW:
@@ -222,6 +245,7 @@ class ChunkStore:
             self.dist_ctx.world_size == 1
             and self.compute_dtype == torch.float32
             and chunk.training is not None
+            and chunk.training.grad_shard is not None
             and chunk.training.grad_shard.device == self.device.device
         )
 
@@ -283,7 +307,7 @@ class ChunkStore:
         caller has drained the collective queue: the all-gathers here come from the main thread."""
         result: dict[str, torch.Tensor] = {}
         for chunk in self.chunks:
-            shard = chunk.master.to(self.device.device)
+            shard = padded_shard(chunk.master, self.layout.shard_numel, self.device.device)
             if self.dist_ctx.world_size == 1:
                 full = shard.clone()
             else:
@@ -298,148 +322,11 @@ class ChunkStore:
         return result
 
 
-@dataclass(frozen=True, slots=True)
-class AdamWHyper:
-    """The optimizer settings each trainable chunk's ``ShardAdamW`` is built with."""
-
-    weight_decay: Sequence[float]
-    """Per parameter (by layout index)."""
-    group: Sequence[int]
-    """Per parameter (by layout index): its parameter group (runtime/param_groups.py)."""
-    lrs: Sequence[float]
-    """Per parameter group, the peak learning rate."""
-    betas: Sequence[tuple[float, float]]
-    """Per parameter group."""
-    eps: float
-
-
-def build_store(
-    *,
-    params: list[nn.Parameter],
-    layout: ChunkLayout,
-    n_persist: int,
-    compute_dtype: torch.dtype,
-    device: DeviceInfo,
-    dist_ctx: DistContext,
-    adamw: AdamWHyper,
-    read_param: Callable[[str], torch.Tensor] | None,
-) -> ChunkStore:
-    """Copy each parameter into its chunk; keep this rank's shard; give up the originals (the
-    parameters then view their chunk's full copy, or the placeholder)."""
-    num_offloaded = sum(1 for info in layout.chunks if info.index >= n_persist)
-    builder = _ChunkBuilder(
-        params=params,
-        layout=layout,
-        compute_dtype=compute_dtype,
-        device=device,
-        dist_ctx=dist_ctx,
-        adamw=adamw,
-        host_arena=_build_host_arena(layout, num_offloaded, device=device),
-        read_param=read_param,
-    )
-    chunks = [builder.build(info, persistent=info.index < n_persist) for info in layout.chunks]
-    store = ChunkStore(
-        layout=layout,
-        params=params,
-        chunks=chunks,
-        host_arena=builder.host_arena,
-        compute_dtype=compute_dtype,
-        device=device,
-        dist_ctx=dist_ctx,
-    )
-    for chunk in chunks:
-        store.point_params(chunk)
-        store.point_grads(chunk)
-    return store
-
-
-def _build_host_arena(layout: ChunkLayout, num_offloaded: int, *, device: DeviceInfo) -> MmapArena | None:
-    if not num_offloaded:
-        return None
-    # fp32 master, gradient and two Adam moments per offloaded chunk's shard, each rounded up to
-    # a page (frozen chunks need less; unused arena is only address space, but pinned on CUDA).
-    shard_bytes = layout.shard_numel * 4 + 4096
-    return MmapArena(num_offloaded * 4 * shard_bytes, pin=device.is_cuda)
-
-
-@dataclass(eq=False)
-class _ChunkBuilder:
-    params: list[nn.Parameter]
-    layout: ChunkLayout
-    compute_dtype: torch.dtype
-    device: DeviceInfo
-    dist_ctx: DistContext
-    adamw: AdamWHyper
-    host_arena: MmapArena | None
-    read_param: Callable[[str], torch.Tensor] | None
-
-    def build(self, info: ChunkInfo, *, persistent: bool) -> Chunk:
-        rank, shard = self.dist_ctx.rank, self.layout.shard_numel
-        flat = self._flat(info)
-        if self.read_param is None:
-            # A model held whole was built by each rank on its own: rank 0's values, one chunk
-            # at a time (never the whole model on the device). Read values are the same file
-            # everywhere.
-            broadcast_from_main_([flat], self.dist_ctx)
-        mine = flat[rank * shard : (rank + 1) * shard]
-        segments = shard_segments(self.layout, info, rank)
-        full = flat.to(device=self.device.device, dtype=self.compute_dtype) if persistent else None
-        training = None
-        if not info.trainable:
-            master = self._place(mine.to(self.compute_dtype), persistent)
-        else:
-            if full is not None and self.dist_ctx.world_size == 1 and self.compute_dtype == torch.float32:
-                # One rank, fp32 compute: the full copy already is the fp32 shard; keep one.
-                master = full
-            else:
-                master = self._place(mine, persistent)
-            training = self._training(master, segments, persistent)
-        if full is not None:
-            return PersistentChunk(
-                info, segments, master, training, Residency.PERSISTENT, device_full=full
-            )
-        return OffloadedChunk(info, segments, master, training, Residency.HOST)
-
-    def _flat(self, info: ChunkInfo) -> torch.Tensor:
-        """The whole chunk in fp32 in host memory, from the parameters (wherever they are: a
-        model held in host memory is read there, so only its chunks reach the device) or
-        ``read_param``."""
-        flat = torch.zeros(self.layout.chunk_numel, dtype=torch.float32)
-        for index in info.params:
-            offset = self.layout.slots[index].offset
-            param = self.params[index]
-            if self.read_param is not None:
-                value = self.read_param(self.layout.params[index].name)
-            else:
-                value = param.detach()
-            flat[offset : offset + param.numel()].copy_(value.reshape(-1))
-            del value  # a streamed value lives only until it is in its chunk
-        return flat
-
-    def _training(self, master: torch.Tensor, segments: list[Segment], persistent: bool) -> ShardTraining:
-        shard = self.layout.shard_numel
-        grad_shard = self._place(torch.zeros(shard), persistent)
-        moments = (
-            self._place(torch.zeros(shard), persistent),
-            self._place(torch.zeros(shard), persistent),
-        )
-        optimizer = ShardAdamW(
-            master,
-            [
-                (s.shard_offset, s.numel, self.adamw.weight_decay[s.param], self.adamw.group[s.param])
-                for s in segments
-            ],
-            lr=self.adamw.lrs,
-            betas=self.adamw.betas,
-            eps=self.adamw.eps,
-            moments=moments,
-        )
-        return ShardTraining(grad_shard=grad_shard, optimizer=optimizer)
-
-    def _place(self, tensor: torch.Tensor, persistent: bool) -> torch.Tensor:
-        if persistent or self.host_arena is None:
-            # One copy on the device (``to`` then ``clone`` would briefly hold two).
-            return tensor.to(self.device.device, copy=True) if persistent else tensor.clone()
-        out = self.host_arena.allocate(tensor.numel(), tensor.dtype)
-        out.copy_(tensor)
-        return out
+def padded_shard(stored: torch.Tensor, shard_numel: int, device: torch.device) -> torch.Tensor:
+    """A stored shard on ``device`` at the collectives' shard size (zeros past its real
+    elements): what an all-gather of whole chunks takes from this rank."""
+    if stored.numel() == shard_numel:
+        return stored.to(device)
+    out = torch.zeros(shard_numel, dtype=stored.dtype, device=device)
+    out[: stored.numel()].copy_(stored)
+    return out

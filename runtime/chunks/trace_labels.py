@@ -9,7 +9,8 @@ rebuilds a block's activations, runs inside ``torch.profiler.record_function("pr
   stream; on CUDA the fp32 master's downcast into staging, then the copy launch);
 - ``reduce``: a reduced gradient's copy into host staging, or its add into a persistent shard
   (side stream);
-- ``host_add``: the fp32 add of a staged gradient into an offloaded shard (host worker);
+- ``host_add``: the fp32 add of a staged gradient into an offloaded shard, or, where gradients
+  are applied as they arrive, its widening to fp32 for CPU Adam (none in fp32) (host worker);
 - ``adam``: CPU Adam of an offloaded chunk, early or two-phase (host worker);
 - ``norm``: two-phase, an offloaded shard's squared gradient norm (host worker);
 - ``swap_out`` / ``swap_in``: a swap block's saved tensor copied to host memory in forward and

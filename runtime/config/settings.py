@@ -86,6 +86,23 @@ class TrainingSettings:
     dist_timeout_s: float
     logging: LoggingSettings = LoggingSettings()
 
+    @property
+    def keeps_gradients(self) -> bool:
+        """Whether offloaded chunks keep an fp32 gradient shard (see ``keeps_gradients``)."""
+        return keeps_gradients(
+            gradient_clipping=self.gradient_clipping,
+            loss_scaled=self.loss_scale is not None,
+            accumulation_steps=self.gradient_accumulation_steps,
+        )
+
+
+def keeps_gradients(*, gradient_clipping: float, loss_scaled: bool, accumulation_steps: int) -> bool:
+    """Whether a gradient must be kept after it arrives: until the global norm is known
+    (clipping, the fp16 loss scale's overflow check) or across micro-batches (accumulation).
+    Otherwise offloaded chunks keep no gradient shard: each reduced gradient is applied by CPU
+    Adam as it arrives (12 host bytes per parameter instead of 16; profiler/host_bytes.py)."""
+    return gradient_clipping > 0 or loss_scaled or accumulation_steps > 1
+
 
 def settings_from_spec(spec: Spec) -> TrainingSettings:
     scaling = spec.effective_loss_scaling
@@ -157,6 +174,9 @@ class PlanningSettings:
     updates_after_norm: bool = False
     """Gradient clipping or fp16: no chunk is updated before the global norm is known, which
     the cost model times differently (profiler.cost_model)."""
+    keeps_gradients: bool = True
+    """Offloaded chunks keep an fp32 gradient shard on the host (``keeps_gradients``), which
+    the cost model counts."""
 
 
 def planning_settings_from_spec(spec: Spec) -> PlanningSettings:
@@ -174,6 +194,11 @@ def planning_settings_from_spec(spec: Spec) -> PlanningSettings:
         warmup_steps=spec.profiler.warmup_steps,
         profile_steps=spec.profiler.profile_steps,
         updates_after_norm=bool(spec.gradient_clipping) or spec.precision is Precision.FP16,
+        keeps_gradients=keeps_gradients(
+            gradient_clipping=spec.gradient_clipping or 0.0,
+            loss_scaled=spec.effective_loss_scaling is not None,
+            accumulation_steps=spec.gradient_accumulation_steps,
+        ),
     )
 
 

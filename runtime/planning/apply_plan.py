@@ -24,7 +24,7 @@ from runtime.activations.manager import ActivationManager
 from runtime.activations.ssd_store import ActivationFileStore
 from runtime.chunks.layout import ParamInfo, layout_from_params
 from runtime.chunks.manager import ChunkManager
-from runtime.chunks.store import AdamWHyper
+from runtime.chunks.store_build import AdamWHyper
 from runtime.config.settings import PlanningSettings, TrainingSettings
 from runtime.config.spec_io import SpecError
 from runtime.device import DeviceInfo
@@ -109,6 +109,7 @@ def _build_chunks(
                 eps=optimizer.eps,
             ),
             read_param=read_param,
+            keeps_gradients=settings.keeps_gradients,
         )
     except ValueError as err:
         raise SpecError(str(err)) from None

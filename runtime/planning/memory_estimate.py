@@ -63,9 +63,16 @@ class Budgets:
     host: int
 
 
-def estimate_rows(model: ModelProfile, hardware: HardwareProfile) -> list[EstimateRow]:
+def estimate_rows(
+    model: ModelProfile,
+    hardware: HardwareProfile,
+    *,
+    updates_after_norm: bool = False,
+    keeps_gradients: bool = True,
+) -> list[EstimateRow]:
     """Every placement of model state x activations (SSD only when ``hardware`` has disk
-    rates), resident rows first."""
+    rates), resident rows first; ``updates_after_norm`` and ``keeps_gradients`` as for
+    ``profiler.cost_model.predict``."""
     sizes = _chunk_costs(model, hardware)
     has_disk = hardware.ssd_write_bytes_per_s > 0 and hardware.ssd_read_bytes_per_s > 0
     modes = [KEEP, SWAP, CHECKPOINT] + ([SSD] if has_disk and model.blocks else [])
@@ -73,7 +80,18 @@ def estimate_rows(model: ModelProfile, hardware: HardwareProfile) -> list[Estima
     for offloaded in (False, True):
         for mode in modes:
             cost = None if mode == KEEP else activation_cost(model, hardware, [mode] * len(model.blocks))
-            rows.append(_leanest(model, hardware, sizes, offloaded=offloaded, mode=mode, cost=cost))
+            rows.append(
+                _leanest(
+                    model,
+                    hardware,
+                    sizes,
+                    offloaded=offloaded,
+                    mode=mode,
+                    cost=cost,
+                    updates_after_norm=updates_after_norm,
+                    keeps_gradients=keeps_gradients,
+                )
+            )
     return rows
 
 
@@ -134,7 +152,9 @@ def _figures(device: int, host: int, ssd: int, step_s: float, budgets: Budgets) 
     )
 
 
-def needs_summary(rows: Sequence[EstimateRow], model: ModelProfile, parameters: int) -> str:
+def needs_summary(
+    rows: Sequence[EstimateRow], model: ModelProfile, parameters: int, *, keeps_gradients: bool = True
+) -> str:
     """Model state and activations in a sentence, read from the rows (so it agrees with them)."""
     by_key = {(row.offloaded, row.mode): row for row in rows}
     resident, offloaded, recomputed = by_key[False, KEEP], by_key[True, KEEP], by_key[False, CHECKPOINT]
@@ -142,7 +162,8 @@ def needs_summary(rows: Sequence[EstimateRow], model: ModelProfile, parameters: 
     return (
         f"{parameters / 1e9:.2f}B parameters in {model.precision}. Model state: "
         f"{_gib(resident.state_bytes)} on the device when resident (compute copy, fp32 master, "
-        f"gradient, two Adam moments), {_gib(offloaded.host_bytes)} on the host when offloaded. "
+        f"gradient, two Adam moments), {_gib(offloaded.host_bytes)} on the host when offloaded "
+        f"({'with' if keeps_gradients else 'without'} a gradient shard, and staging). "
         f"Saved activations of one {batch} micro-batch: {_gib(resident.activation_bytes)} kept, "
         f"{_gib(recomputed.activation_bytes)} at their peak when every block is recomputed. "
         f"Transient peak beyond them: {_gib(model.transient_bytes)}."
@@ -157,13 +178,24 @@ def _leanest(
     offloaded: bool,
     mode: str,
     cost: ActivationCost | None,
+    updates_after_norm: bool,
+    keeps_gradients: bool,
 ) -> EstimateRow:
     best: tuple[ChunkCosts, int, int, Prediction] | None = None
     for costs in sizes:
         n = costs.num_chunks
         n_persist = 0 if offloaded else n
         n_buffer = max(costs.need[0], min(PREFETCH_BUFFERS, n)) if offloaded else 0
-        prediction = predict(model, hardware, costs, n_persist=n_persist, n_buffer=n_buffer, activations=cost)
+        prediction = predict(
+            model,
+            hardware,
+            costs,
+            n_persist=n_persist,
+            n_buffer=n_buffer,
+            activations=cost,
+            updates_after_norm=updates_after_norm,
+            keeps_gradients=keeps_gradients,
+        )
         if best is None or _need(prediction) < _need(best[3]):
             best = (costs, n_persist, n_buffer, prediction)
     assert best is not None, "the chunk-size grid is never empty"

@@ -14,13 +14,13 @@ from __future__ import annotations
 import torch
 
 from runtime.chunks.manager import ChunkManager
-from runtime.chunks.store import Chunk
+from runtime.chunks.store import Chunk, padded_shard
 from runtime.distributed import DistContext, all_gather_flat, all_reduce_sum_
 
 
 def _full(shard: torch.Tensor, old: ChunkManager, dist_ctx: DistContext) -> torch.Tensor:
-    """The whole chunk from every rank's ``shard`` (a host tensor)."""
-    local = shard.to(old.device.device)
+    """The whole chunk from every rank's ``shard`` (a host tensor: its real elements only)."""
+    local = padded_shard(shard, old.layout.shard_numel, old.device.device)
     if dist_ctx.world_size == 1:
         return local.detach().to("cpu", copy=True)
     full = torch.empty(old.layout.chunk_numel, dtype=local.dtype, device=old.device.device)

@@ -197,6 +197,7 @@ class Planner:
             chosen=settings.chosen,
             ssd_available=self.profiles.hardware.ssd_write_bytes_per_s > 0 and settings.ssd_path is not None,
             updates_after_norm=settings.updates_after_norm,
+            keeps_gradients=settings.keeps_gradients,
         )
         return plan
 

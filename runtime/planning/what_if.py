@@ -31,6 +31,7 @@ from profiler.plan_builder import KnobRequest, searched_plan
 from profiler.profile import HardwareProfile, ModelProfile
 from profiler.search import NoPlanFitsError
 from runtime.config.hardware_spec import HardwareFile, load_hardware
+from runtime.config.settings import keeps_gradients
 from runtime.config.spec_io import SpecError
 from runtime.console import plan_table
 from runtime.planning.memory_estimate import Budgets, estimate_rows, estimate_table, needs_summary
@@ -77,6 +78,29 @@ class WhatIfRequest:
     precision: str
     ssd: bool = False
     """Let the search put activations on the hardware file's disk (it must describe one)."""
+    clipping: bool = False
+    """Plan for gradient clipping (the update waits for the norm; gradients are kept)."""
+    accumulation_steps: int = 1
+
+    @property
+    def updates_after_norm(self) -> bool:
+        return self.clipping or self.precision == "fp16"
+
+    @property
+    def keeps_gradients(self) -> bool:
+        return keeps_gradients(
+            gradient_clipping=1.0 if self.clipping else 0.0,
+            loss_scaled=self.precision == "fp16",
+            accumulation_steps=self.accumulation_steps,
+        )
+
+    def update_words(self) -> str:
+        """The update case assumed, for the tables' titles."""
+        clipping = "clipping on" if self.clipping else "clipping off"
+        window = f", {self.accumulation_steps} micro-batches a window" if self.accumulation_steps > 1 else ""
+        held = "16" if self.keeps_gradients else "12"
+        kept = "gradients kept" if self.keeps_gradients else "gradients applied as they arrive"
+        return f"{clipping}{window}: {kept}, {held} host bytes per offloaded parameter"
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,9 +163,12 @@ def plan_model(
     precision: str,
     ssd: bool = False,
     profile: ModelProfile | None = None,
+    updates_after_norm: bool = False,
+    keeps_gradients: bool = True,
 ) -> Plan:
     """The fastest plan that fits, or NoPlanFitsError saying why; ``ssd``: activations may go to
-    the machine's disk (its rates must be known)."""
+    the machine's disk (its rates must be known); ``updates_after_norm`` and ``keeps_gradients``
+    as the spec's clipping, precision and accumulation set them (runtime.config.settings)."""
     if profile is None:
         profile = profile_model(
             shape, machine, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision
@@ -157,6 +184,8 @@ def plan_model(
         chosen=("memory.chunk_size", "memory.n_persist", "memory.n_buffer"),
         extra_buffers=EXTRA_BUFFERS,
         ssd_available=ssd,
+        updates_after_norm=updates_after_norm,
+        keeps_gradients=keeps_gradients,
     )
     return plan
 
@@ -210,18 +239,23 @@ def run_what_if(request: WhatIfRequest) -> int:
     except NoPlanFitsError as err:
         failure = str(err)
     budgets = Budgets(device=machine.device_budget, host=machine.host_budget)
-    rows = estimate_rows(profile, machine.hardware)
+    rows = estimate_rows(
+        profile,
+        machine.hardware,
+        updates_after_norm=request.updates_after_norm,
+        keeps_gradients=request.keeps_gradients,
+    )
     console.print(
         estimate_table(
             rows,
             plan,
             budgets,
             title=f"Memory estimate: {title}, batch {request.micro_batch_size} x {request.seq_len}, "
-            f"{request.precision}; GiB per rank, budgets {_gib(budgets.device)} device, "
-            f"{_gib(budgets.host)} host",
+            f"{request.precision}, {request.update_words()}; GiB per rank, budgets "
+            f"{_gib(budgets.device)} device, {_gib(budgets.host)} host",
         )
     )
-    console.print(needs_summary(rows, profile, shape.parameters))
+    console.print(needs_summary(rows, profile, shape.parameters, keeps_gradients=request.keeps_gradients))
     if plan is None:
         console.print(
             f"[red]{shape.name} ({shape.parameters / 1e9:.2f}B) does not fit {name}:[/red] {failure}"
@@ -258,6 +292,8 @@ def _plan_for(
         precision=request.precision,
         ssd=request.ssd,
         profile=profile,
+        updates_after_norm=request.updates_after_norm,
+        keeps_gradients=request.keeps_gradients,
     )
 
 
@@ -268,7 +304,8 @@ def _gib(num_bytes: int) -> str:
 def _largest(console: Console, machine: Machine, name: str, request: WhatIfRequest) -> int:
     table = Table(
         title=f"What-if: GPT-family models on {name}, batch {request.micro_batch_size} x "
-        f"{request.seq_len}, {request.precision}, activations placed by the search; GiB per rank",
+        f"{request.seq_len}, {request.precision}, {request.update_words()}, activations placed by "
+        "the search; GiB per rank",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
@@ -303,7 +340,10 @@ def _largest(console: Console, machine: Machine, name: str, request: WhatIfReque
     if largest is None:
         console.print("[red]no model of the family fits[/red]" + (f": {first_miss}" if first_miss else ""))
         return 1
-    console.print(f"largest that fits: {largest[0]} ({largest[1] / 1e9:.1f}B parameters)")
+    console.print(
+        f"largest that fits: {largest[0]} ({largest[1] / 1e9:.1f}B parameters), {request.update_words()}"
+        + ("" if request.keeps_gradients else " (--clipping plans for gradient clipping)")
+    )
     if first_miss:
         console.print(f"first that does not: {first_miss}")
     return 0

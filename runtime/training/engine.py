@@ -184,12 +184,19 @@ class Engine(EngineFacades):
         self._refuse_if_torn()
         if loss.dim() != 0:
             raise ValueError(f"backward expects a scalar loss, got shape {tuple(loss.shape)}")
+        closes = self.is_gradient_accumulation_boundary()
+        if not closes and self.chunks.applies_on_arrival:
+            raise RuntimeError(
+                "this backward does not end its accumulation window, but the engine applies each "
+                "gradient as it arrives (gradient_accumulation_steps 1, no clipping, not fp16): set "
+                "gradient_accumulation_steps in the spec to the window's length"
+            )
         self._window.add_loss(loss)
         self._window.normalised = not scale_wrt_gas
         scaled = loss / self.settings.gradient_accumulation_steps if scale_wrt_gas else loss
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
-        self._backward_closes = self.is_gradient_accumulation_boundary()
+        self._backward_closes = closes
         self._reports.backward_began()
         if self._backward_closes:
             # Early updates (unclipped fp32/bf16) or the two-phase norms: the chunks know which.

@@ -105,8 +105,7 @@ def test_saved_weight_view_survives_slot_reuse(tmp_path: Path) -> None:
     loss = engine(x).square().mean()
     gathers_after_forward = engine.chunks.num_gathers
     assert gathers_after_forward == 4 and engine.chunks.resident_chunks() == [3]
-    loss.backward()
-    engine.chunks.finish_backward()
+    engine.backward(loss)
     assert engine.chunks.num_gathers == 4 + 3, "backward re-gathers chunks 2, 1, 0 into the one slot"
 
     x_ref = x.detach().clone().requires_grad_(True)

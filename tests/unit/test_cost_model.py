@@ -79,7 +79,12 @@ def test_hand_computed_step_time_and_memory_with_two_chunks_offloaded() -> None:
     assert predict(busy, hw, busy_costs, n_persist=2, n_buffer=1).peak_device_bytes == (
         got.peak_device_bytes - chunk + 8 * MIB
     )
-    assert got.host_bytes == 2 * 4 * chunk  # master, gradient, two moments
+    # Host: per offloaded chunk master, gradient and two moments in fp32 (every element is a
+    # parameter's), and the staging ring's two shard-sized buffers for reduced gradients.
+    assert got.host_bytes == 2 * 4 * chunk + 2 * chunk
+    # No gradient to keep (no clipping, fp16 or accumulation): no gradient shard.
+    applied = predict(model, hw, costs, n_persist=2, n_buffer=1, keeps_gradients=False)
+    assert applied.host_bytes == 2 * 3 * chunk + 2 * chunk
 
 
 def test_prefetch_hides_fetches_behind_compute() -> None:

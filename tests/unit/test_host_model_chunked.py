@@ -23,7 +23,7 @@ from torch import nn
 
 import runtime
 import runtime.entry
-from runtime.chunks import store
+from runtime.chunks import store, store_build
 from runtime.device import malloc_in_use_bytes
 from tests.helpers import TINY_GPT, assert_state_equal, lm_batches, tiny_gpt, train_reference, train_updates
 from tests.unit.test_planning import job
@@ -95,14 +95,14 @@ def test_a_model_twice_the_device_budget_is_chunked_within_the_predicted_peak(
     tier = DeviceTier()  # the model's own parameters are in the baseline
     handles = sampled_everywhere(model, tier)
     # One reading after each chunk is built: persistent chunks reach the device one at a time.
-    build = store._ChunkBuilder.build
+    build = store_build._ChunkBuilder.build
 
-    def build_and_sample(self: store._ChunkBuilder, *args: Any, **kwargs: Any) -> store.Chunk:
+    def build_and_sample(self: store_build._ChunkBuilder, *args: Any, **kwargs: Any) -> store.Chunk:
         chunk = build(self, *args, **kwargs)
         tier.sample()
         return chunk
 
-    monkeypatch.setattr(store._ChunkBuilder, "build", build_and_sample)
+    monkeypatch.setattr(store_build._ChunkBuilder, "build", build_and_sample)
     engine = runtime.initialize(
         model,
         config=job(tmp_path, chunk_size="256KiB", device_budget=budget, n_swap=0, n_checkpoint=0),

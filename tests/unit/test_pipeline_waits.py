@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import runtime
-from runtime.chunks.optimizer import ChunkOptimizer
 from runtime.chunks.residency import ChunkResidency
+from runtime.cpu_adam import ShardAdamW
 from tests.helpers import lm_batches, tiny_gpt
 
 SLOW_S = 0.03
@@ -59,13 +59,15 @@ def test_a_slow_gather_shows_as_exposed_transfer_wait(tmp_path: Path, monkeypatc
 
 
 def test_a_slow_host_worker_shows_as_exposed_host_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    speculate = ChunkOptimizer._speculate
+    # Every chunk offloaded, no accumulation or clipping: each gradient is applied by CPU Adam on
+    # the host worker as it arrives, through ShardAdamW.step_ (nothing else calls it here).
+    step = ShardAdamW.step_
 
-    def slow_speculate(self: ChunkOptimizer, *args: Any) -> None:
+    def slow_step(self: ShardAdamW, *args: Any, **kwargs: Any) -> None:
         time.sleep(SLOW_S)
-        speculate(self, *args)
+        step(self, *args, **kwargs)
 
-    monkeypatch.setattr(ChunkOptimizer, "_speculate", slow_speculate)
+    monkeypatch.setattr(ShardAdamW, "step_", slow_step)
     train(tmp_path, steps=2)
     for record in records(tmp_path):
         # The first chunk's early update is queued as backward ends: the step waits for it.

@@ -1,0 +1,81 @@
+"""The host memory chunk state takes, counted exactly: shared by the cost model and the runtime.
+
+Pure functions (no torch), as profiler/chunking.py is for the packing: the runtime sizes its host
+regions with them (runtime/chunks/store.py, staging.py, optimizer.py) and the cost model predicts
+with them, so the planner's host figure is what the process maps, to the byte (checked by
+tests/unit/test_host_bytes.py against the live regions at every hook).
+
+What one rank holds in host memory for an offloaded chunk (padding exists only in the device
+buffers and the collectives: parameters are packed from offset 0, so a rank's real elements are
+the prefix of its shard, ``rank_numel`` of them):
+
+    trainable   fp32 master + two fp32 Adam moments                         12 bytes per element
+                + an fp32 gradient shard when gradients must be kept          4 bytes per element
+                  (``keeps_gradients``: clipping or fp16 wait for the global norm, accumulation
+                  sums several micro-batches); otherwise each reduced gradient is applied by
+                  CPU Adam as it arrives, from the staging buffer it landed in
+    frozen      the shard in the compute dtype
+
+each tensor at ``HOST_ALIGN_BYTES``, the region rounded up to a page. Beside them, fixed staging
+(``staging_bytes``): two buffers of a shard in the compute dtype for reduced gradients, two for
+uploads when the compute dtype is not fp32 (masters are downcast into them), and, when gradients
+are applied as they arrive in a dtype other than fp32, one fp32 shard they are widened into.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+PAGE_BYTES = mmap.PAGESIZE
+HOST_ALIGN_BYTES = 64
+"""Alignment of each chunk-state tensor in its region: a cache line (vector loads and the fused
+CPU Adam want aligned rows; pages would waste up to 4 KiB per tensor for nothing)."""
+STAGING_BUFFERS = 2
+"""Per staging ring: one buffer being filled while the previous one is read."""
+FP32_BYTES = 4
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def rank_numel(used: int, shard_numel: int, rank: int) -> int:
+    """Real elements of a chunk (``used`` from offset 0) in ``rank``'s shard."""
+    return min(max(used - rank * shard_numel, 0), shard_numel)
+
+
+def tensor_bytes(numel: int, element_size: int) -> int:
+    """One chunk-state tensor's place in its region."""
+    return round_up(numel * element_size, HOST_ALIGN_BYTES)
+
+
+def chunk_state_bytes(numel: int, *, trainable: bool, element_size: int, keeps_gradients: bool) -> int:
+    """One offloaded chunk's host state on a rank holding ``numel`` of its elements."""
+    if not trainable:
+        return tensor_bytes(numel, element_size)
+    return (4 if keeps_gradients else 3) * tensor_bytes(numel, FP32_BYTES)
+
+
+def region_bytes(payload: int) -> int:
+    """What a region holding ``payload`` bytes maps (whole pages, at least one)."""
+    return round_up(max(payload, PAGE_BYTES), PAGE_BYTES)
+
+
+def ring_bytes(numel: int, element_size: int, count: int = STAGING_BUFFERS) -> int:
+    """A staging ring of ``count`` page-aligned buffers of ``numel`` elements."""
+    return region_bytes(count * round_up(numel * element_size, PAGE_BYTES))
+
+
+def staging_bytes(
+    shard_numel: int, *, element_size: int, offloaded_trainable: bool, keeps_gradients: bool
+) -> int:
+    """The fixed staging regions beside the chunk state (none without an offloaded trainable
+    chunk: frozen shards go up as they are stored)."""
+    if not offloaded_trainable:
+        return 0
+    total = ring_bytes(shard_numel, element_size)  # reduced gradients, device -> host
+    if element_size != FP32_BYTES:
+        total += ring_bytes(shard_numel, element_size)  # fp32 masters downcast for upload
+        if not keeps_gradients:
+            total += region_bytes(shard_numel * FP32_BYTES)  # a gradient widened for CPU Adam
+    return total

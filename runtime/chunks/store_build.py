@@ -1,0 +1,201 @@
+"""Building a rank's chunk store: each parameter copied into its chunk, this rank's shard kept
+(on the device for persistent chunks, in the host arena at exact sizes for the others), the
+originals given up. Split from store.py, which holds what the store is once built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from profiler.host_bytes import HOST_ALIGN_BYTES, chunk_state_bytes, rank_numel
+from runtime.chunks.layout import ChunkInfo, ChunkLayout
+from runtime.chunks.residency import Residency
+from runtime.chunks.store import (
+    Chunk,
+    ChunkStore,
+    OffloadedChunk,
+    PersistentChunk,
+    Segment,
+    ShardTraining,
+    shard_segments,
+)
+from runtime.cpu_adam import ShardAdamW
+from runtime.device import DeviceInfo
+from runtime.distributed import DistContext, broadcast_from_main_
+from runtime.host_memory import MmapArena
+
+
+@dataclass(frozen=True, slots=True)
+class AdamWHyper:
+    """The optimizer settings each trainable chunk's ``ShardAdamW`` is built with."""
+
+    weight_decay: Sequence[float]
+    """Per parameter (by layout index)."""
+    group: Sequence[int]
+    """Per parameter (by layout index): its parameter group (runtime/param_groups.py)."""
+    lrs: Sequence[float]
+    """Per parameter group, the peak learning rate."""
+    betas: Sequence[tuple[float, float]]
+    """Per parameter group."""
+    eps: float
+
+
+def build_store(
+    *,
+    params: list[nn.Parameter],
+    layout: ChunkLayout,
+    n_persist: int,
+    compute_dtype: torch.dtype,
+    device: DeviceInfo,
+    dist_ctx: DistContext,
+    adamw: AdamWHyper,
+    read_param: Callable[[str], torch.Tensor] | None,
+    keeps_gradients: bool = True,
+) -> ChunkStore:
+    """Copy each parameter into its chunk; keep this rank's shard; give up the originals (the
+    parameters then view their chunk's full copy, or the placeholder). ``keeps_gradients``
+    False: offloaded chunks get no gradient shard (their gradients are applied as they arrive)."""
+    builder = _ChunkBuilder(
+        params=params,
+        layout=layout,
+        compute_dtype=compute_dtype,
+        device=device,
+        dist_ctx=dist_ctx,
+        adamw=adamw,
+        host_arena=_build_host_arena(
+            layout,
+            n_persist,
+            rank=dist_ctx.rank,
+            element_size=torch.empty((), dtype=compute_dtype).element_size(),
+            keeps_gradients=keeps_gradients,
+            pin=device.is_cuda,
+        ),
+        read_param=read_param,
+        keeps_gradients=keeps_gradients,
+    )
+    chunks = [builder.build(info, persistent=info.index < n_persist) for info in layout.chunks]
+    store = ChunkStore(
+        layout=layout,
+        params=params,
+        chunks=chunks,
+        host_arena=builder.host_arena,
+        compute_dtype=compute_dtype,
+        device=device,
+        dist_ctx=dist_ctx,
+    )
+    for chunk in chunks:
+        store.point_params(chunk)
+        store.point_grads(chunk)
+    return store
+
+
+def _build_host_arena(
+    layout: ChunkLayout, n_persist: int, *, rank: int, element_size: int, keeps_gradients: bool, pin: bool
+) -> MmapArena | None:
+    """One region holding every offloaded chunk's host state at exact sizes
+    (profiler/host_bytes.py: the cost model counts the same bytes)."""
+    offloaded = [info for info in layout.chunks if info.index >= n_persist]
+    if not offloaded:
+        return None
+    payload = sum(
+        chunk_state_bytes(
+            rank_numel(info.used, layout.shard_numel, rank),
+            trainable=info.trainable,
+            element_size=element_size,
+            keeps_gradients=keeps_gradients,
+        )
+        for info in offloaded
+    )
+    return MmapArena(payload, pin=pin, alignment=HOST_ALIGN_BYTES)
+
+
+@dataclass(eq=False)
+class _ChunkBuilder:
+    params: list[nn.Parameter]
+    layout: ChunkLayout
+    compute_dtype: torch.dtype
+    device: DeviceInfo
+    dist_ctx: DistContext
+    adamw: AdamWHyper
+    host_arena: MmapArena | None
+    read_param: Callable[[str], torch.Tensor] | None
+    keeps_gradients: bool
+
+    def build(self, info: ChunkInfo, *, persistent: bool) -> Chunk:
+        rank, shard = self.dist_ctx.rank, self.layout.shard_numel
+        flat = self._flat(info)
+        if self.read_param is None:
+            # A model held whole was built by each rank on its own: rank 0's values, one chunk
+            # at a time (never the whole model on the device). Read values are the same file
+            # everywhere.
+            broadcast_from_main_([flat], self.dist_ctx)
+        # A persistent shard keeps its padding (device memory, gathered as is); a host shard
+        # holds the real elements only.
+        stored = shard if persistent else rank_numel(info.used, shard, rank)
+        mine = flat[rank * shard : rank * shard + stored]
+        segments = shard_segments(self.layout, info, rank)
+        full = flat.to(device=self.device.device, dtype=self.compute_dtype) if persistent else None
+        training = None
+        if not info.trainable:
+            master = self._place(mine.to(self.compute_dtype), persistent)
+        else:
+            if full is not None and self.dist_ctx.world_size == 1 and self.compute_dtype == torch.float32:
+                # One rank, fp32 compute: the full copy already is the fp32 shard; keep one.
+                master = full
+            else:
+                master = self._place(mine, persistent)
+            training = self._training(master, segments, persistent)
+        if full is not None:
+            return PersistentChunk(
+                info, segments, master, training, Residency.PERSISTENT, device_full=full
+            )
+        return OffloadedChunk(info, segments, master, training, Residency.HOST)
+
+    def _flat(self, info: ChunkInfo) -> torch.Tensor:
+        """The whole chunk in fp32 in host memory, from the parameters (wherever they are: a
+        model held in host memory is read there, so only its chunks reach the device) or
+        ``read_param``."""
+        flat = torch.zeros(self.layout.chunk_numel, dtype=torch.float32)
+        for index in info.params:
+            offset = self.layout.slots[index].offset
+            param = self.params[index]
+            if self.read_param is not None:
+                value = self.read_param(self.layout.params[index].name)
+            else:
+                value = param.detach()
+            flat[offset : offset + param.numel()].copy_(value.reshape(-1))
+            del value  # a streamed value lives only until it is in its chunk
+        return flat
+
+    def _training(self, master: torch.Tensor, segments: list[Segment], persistent: bool) -> ShardTraining:
+        numel = master.numel()
+        kept = persistent or self.keeps_gradients
+        grad_shard = self._place(torch.zeros(numel), persistent) if kept else None
+        moments = (
+            self._place(torch.zeros(numel), persistent),
+            self._place(torch.zeros(numel), persistent),
+        )
+        optimizer = ShardAdamW(
+            master,
+            [
+                (s.shard_offset, s.numel, self.adamw.weight_decay[s.param], self.adamw.group[s.param])
+                for s in segments
+            ],
+            lr=self.adamw.lrs,
+            betas=self.adamw.betas,
+            eps=self.adamw.eps,
+            moments=moments,
+        )
+        return ShardTraining(grad_shard=grad_shard, optimizer=optimizer)
+
+    def _place(self, tensor: torch.Tensor, persistent: bool) -> torch.Tensor:
+        if persistent or self.host_arena is None:
+            # One copy on the device (``to`` then ``clone`` would briefly hold two).
+            return tensor.to(self.device.device, copy=True) if persistent else tensor.clone()
+        out = self.host_arena.allocate(tensor.numel(), tensor.dtype)
+        out.copy_(tensor)
+        return out
