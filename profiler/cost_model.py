@@ -129,8 +129,8 @@ class Prediction:
     cpu_adam_s: float
     """The host worker's time: offloaded shards' CPU Adam and the adds of their gradients."""
     host_adds_s: float
-    """Of ``cpu_adam_s``, the adds of reduced gradients into the fp32 shards (they run beside
-    backward in every update mode)."""
+    """Of ``cpu_adam_s``, the adds of reduced gradients into the fp32 shards, or where no
+    gradient is kept their widening to fp32 (they run beside backward in every update mode)."""
     updates_after_norm: bool
     """The update waits for the global norm (clipping, fp16): the two-phase step's timing."""
     keeps_gradients: bool = True

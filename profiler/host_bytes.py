@@ -17,9 +17,11 @@ the prefix of its shard, ``rank_numel`` of them):
     frozen      the shard in the compute dtype
 
 each tensor at ``HOST_ALIGN_BYTES``, the region rounded up to a page. Beside them, fixed staging
-(``staging_bytes``): two buffers of a shard in the compute dtype for reduced gradients, two for
+(``staging_bytes``): two buffers of a shard in the compute dtype for reduced gradients (three
+where fp32 gradients are applied as they arrive: CPU Adam reads the buffer itself), two for
 uploads when the compute dtype is not fp32 (masters are downcast into them), and, when gradients
-are applied as they arrive in a dtype other than fp32, one fp32 shard they are widened into.
+are applied as they arrive in a dtype other than fp32, one fp32 shard they are widened into. At
+most three fp32 shards in all.
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ def ring_bytes(numel: int, element_size: int, count: int = STAGING_BUFFERS) -> i
     return region_bytes(count * round_up(numel * element_size, PAGE_BYTES))
 
 
+def gradient_staging_buffers(element_size: int, *, keeps_gradients: bool) -> int:
+    """Buffers of the reduced-gradient ring: two, or three where CPU Adam reads an fp32 gradient
+    straight from its buffer (applied as it arrives) and so holds it for the update's length."""
+    return STAGING_BUFFERS + (1 if not keeps_gradients and element_size == FP32_BYTES else 0)
+
+
 def staging_bytes(
     shard_numel: int, *, element_size: int, offloaded_trainable: bool, keeps_gradients: bool
 ) -> int:
@@ -73,7 +81,8 @@ def staging_bytes(
     chunk: frozen shards go up as they are stored)."""
     if not offloaded_trainable:
         return 0
-    total = ring_bytes(shard_numel, element_size)  # reduced gradients, device -> host
+    gradients = gradient_staging_buffers(element_size, keeps_gradients=keeps_gradients)
+    total = ring_bytes(shard_numel, element_size, gradients)  # reduced gradients, device -> host
     if element_size != FP32_BYTES:
         total += ring_bytes(shard_numel, element_size)  # fp32 masters downcast for upload
         if not keeps_gradients:

@@ -1,7 +1,9 @@
 """What each rank runs: ``python -m protrain_launcher.rank_entry train.py [args]``.
 
 It ties the rank's life to the launcher (a rank dies when the launcher dies, even by SIGKILL),
-turns SIGINT/SIGTERM into a quiet exit (130/143, no traceback; ``finally`` blocks still run),
+turns SIGINT/SIGTERM into a quiet exit (130/143, no traceback; ``finally`` blocks still run;
+an error after an engine took the signal, a collective broken by a peer that stopped at once,
+is the same stop and ends the same way, in one line),
 and runs the user's script as ``__main__``. An exception in the script is recorded for the
 elastic agent (its error file) and printed, and the rank exits 1. Bad input found inside the
 rank (a ``SpecError``: hand-set knobs no plan can honour, say) is the user's to fix, not a crash:
@@ -55,6 +57,7 @@ def run_script(script: str, args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from runtime.config.spec_io import SpecError
+    from runtime.training.stop import stop_signal_received
 
     def run() -> int:
         sys.argv = [script, *args]
@@ -64,6 +67,15 @@ def run_script(script: str, args: list[str]) -> int:
         except SpecError as err:
             report_bad_input(err)
             return EXIT_BAD_INPUT
+        except Exception as err:
+            signum = stop_signal_received()
+            if signum is None:
+                raise
+            # Ctrl-C reached every rank: one that had no engine yet left at once, so this one,
+            # waiting to finish its step, finds a collective broken. That is the same stop.
+            name = signal.Signals(signum).name
+            print(f"protrain-run: stopped by {name}; then: {str(err).splitlines()[0][:200]}", file=sys.stderr)
+            raise SystemExit(128 + signum) from None
         return 0
 
     return record(run)() or 0

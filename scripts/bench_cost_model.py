@@ -92,6 +92,7 @@ from profiler.cost_model import Prediction, chunk_costs, predict
 from profiler.profile import HardwareProfile, ModelProfile
 from profiler.search import search
 from runtime.config.hardware_spec import load_hardware
+from runtime.config.settings import keeps_gradients
 from runtime.config.spec_io import SpecError
 from runtime.device import malloc_in_use_bytes
 from runtime.models.gpt import GPTConfig
@@ -204,6 +205,14 @@ def job_spec(
         "profiler": {"cache_dir": cache_dir},
         "output_dir": output_dir,
     }
+
+
+def update_case(args: argparse.Namespace) -> dict[str, bool]:
+    """How the jobs of ``job_spec`` update (no clipping, no accumulation; fp16 would scale the
+    loss), as ``predict`` must be told: offloaded gradients are applied as they arrive."""
+    fp16 = getattr(args, "precision", "fp32") == "fp16"
+    kept = keeps_gradients(gradient_clipping=0.0, loss_scaled=fp16, accumulation_steps=1)
+    return {"updates_after_norm": fp16, "keeps_gradients": kept}
 
 
 def quiet_initialize(
@@ -490,7 +499,9 @@ def run_model(
             n_buffer=b,
             num_chunks=n,
             chosen=(p, b) == profiled.chosen,
-            prediction=predict(profiled.model, profiled.hardware, costs, n_persist=p, n_buffer=b),
+            prediction=predict(
+                profiled.model, profiled.hardware, costs, n_persist=p, n_buffer=b, **update_case(args)
+            ),
             predicted_for=(p, b),
         )
         if run.chosen:
@@ -506,7 +517,12 @@ def run_model(
             if (run.n_persist, run.n_buffer) != run.predicted_for:  # the engine asked for more buffers
                 run.predicted_for = (run.n_persist, run.n_buffer)
                 run.prediction = predict(
-                    profiled.model, profiled.hardware, costs, n_persist=run.n_persist, n_buffer=run.n_buffer
+                    profiled.model,
+                    profiled.hardware,
+                    costs,
+                    n_persist=run.n_persist,
+                    n_buffer=run.n_buffer,
+                    **update_case(args),
                 )
     num_params = sum(numel for numel, _ in profiled.model.param_sizes)
     return runs, profiled, num_params

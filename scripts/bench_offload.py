@@ -378,6 +378,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 args, output_dir, chunk_size, batches[0], first_n_buffer=1, clip=args.clip or NEVER_CLIPS
             )
             deferred.chunks.speculative_cpu_adam = False
+            deferred.chunks.two_phase_updates = False  # a clipped window on CUDA would take two phases
             offloaded.append(deferred)
         if args.clip > 0:
             # The same minimum-buffer plan with the two-phase step (runtime/chunks/optimizer.py).

@@ -3,8 +3,9 @@
 ``ChunkManager`` is the one object the engine, the activation manager, checkpoints and plan
 switches talk to; it owns four parts and coordinates them, cut along the device/host seam:
 
-    store.py       storage: every chunk's flat shards (fp32 master, gradient, Adam moments),
-                   persistent full copies, the host arena, where parameters point
+    store.py       storage: every chunk's flat shards (fp32 master, Adam moments, the gradient
+                   where one is kept), persistent full copies, the host arena, where parameters
+                   point (store_build.py builds it)
     residency.py   fetch scheduling: device buffer slots, gather, prefetch, evict, the
                    residency states and their transition table, saved views of slots
     reduce.py      device side of backward: gradient hooks, buffers, reduce-scatter and the copy
@@ -161,6 +162,11 @@ class ChunkManager:
 
     @two_phase_updates.setter
     def two_phase_updates(self, value: bool) -> None:
+        if value and self.optimizer.applies_on_arrival:
+            raise ValueError(
+                "offloaded chunks keep no gradient shard (gradient_accumulation_steps 1, no clipping, "
+                "not fp16): their updates cannot wait for the gradient norm"
+            )
         self.optimizer.two_phase = value
 
     @property
@@ -324,6 +330,15 @@ class ChunkManager:
         """Storage addresses of chunk memory (slots, persistent copies, shards): a saved tensor
         in one of them is model state, never an activation to swap or write to disk."""
         return self.residency.slot_storages() | self.store.state_storages()
+
+    def host_bytes(self) -> int:
+        """Bytes of every host region the chunk engine maps (the chunk state's arena, the staging
+        rings, the widening scratch): what the planner's host figure counts
+        (profiler/host_bytes.py), less any swapped activations'."""
+        arena = self.store.host_arena
+        rings = [self.reducer.staging, self.residency.uploads]
+        total = 0 if arena is None else arena.capacity_bytes
+        return total + sum(ring.nbytes for ring in rings if ring is not None) + self.optimizer.widening_bytes
 
     def device_state_bytes(self) -> int:
         """Bytes of chunk state on the compute device (persistent copies and their fp32 state,

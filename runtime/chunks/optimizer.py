@@ -127,7 +127,7 @@ class ChunkOptimizer:
         fired: torch.Tensor,
     ) -> DeviceEvent:
         if not chunk.keeps_gradient:
-            return self._submit(self._applier(chunk, staged, copied, release, fired))
+            return self._apply_on_arrival(chunk, staged, copied, release, fired)
 
         def add() -> None:
             copied.wait()  # the copy into the staging buffer has landed
@@ -136,6 +136,14 @@ class ChunkOptimizer:
             release()
 
         return self._submit(add)
+
+    @property
+    def widening_bytes(self) -> int:
+        """The host bytes of the fp32 scratch shard staged gradients are widened into (if any)."""
+        return 0 if self._widen is None else self._widen.capacity_bytes
+
+    def accepting(self) -> bool:
+        return not self.applies_on_arrival or self._armed is not None
 
     def _submit(self, job: Callable[[], None]) -> DeviceEvent:
         self._last_job = self._worker.submit(job)
@@ -213,49 +221,70 @@ class ChunkOptimizer:
 
     # ------------------------------------------------------------------ applied on arrival
 
-    def _applier(
+    def _apply_on_arrival(
         self,
         chunk: Chunk,
         staged: torch.Tensor,
         copied: DeviceEvent,
         release: Callable[[], None],
         fired: torch.Tensor,
-    ) -> Callable[[], None]:
-        """The host worker's job for a chunk with no gradient shard: AdamW from the staged
-        gradient once the ranks agreed the window is not skipped, then the buffer goes back."""
+    ) -> DeviceEvent:
+        """The host worker's jobs for a chunk with no gradient shard: AdamW from the staged
+        gradient once the ranks agreed the window is not skipped. Returns the event after which
+        the staging buffer is free: in a compute dtype other than fp32 once the gradient is
+        widened into the scratch shard (a job of its own, so that the side stream's next copy
+        into the buffer waits for the widening, not for CPU Adam); in fp32 Adam reads the buffer
+        itself, so after the update (the ring has a third buffer for that slack)."""
         armed = self._armed
-        if armed is None:
-            raise RuntimeError(
-                f"a gradient reached chunk {chunk.index} outside engine.backward: with "
-                "gradient_accumulation_steps 1, no clipping and not fp16, offloaded chunks keep no "
-                "gradient shard and apply each gradient as it arrives; call engine.backward(loss)"
-            )
+        assert armed is not None, "the reducer refuses gradients outside an armed backward"
         active = [bool(fired[s.param]) for s in chunk.segments]
         hold = self.store.dist_ctx.world_size > 1 and not all(active)
+        widen = staged.dtype != torch.float32
+        taken: list[torch.Tensor] = []
 
         @torch.no_grad()
-        def apply() -> None:
+        def take() -> None:
             copied.wait()  # the reduced gradient has landed in the staging buffer
-            try:
-                armed.agreed.wait()
-                if float(armed.any_nonfinite) > 0:
-                    return  # the step will be skipped on every rank
+            if widen:
                 with job_label("host_add", chunk.index):
-                    grad = self._fp32(staged)
-                with job_label("adam", chunk.index):
-                    chunk.optimizer.step_(grad, active, lr=armed.lr)
-                if hold:
-                    self._held[chunk.index] = {
-                        position: grad[s.shard_offset : s.shard_offset + s.numel].clone()
-                        for position, (s, done) in enumerate(zip(chunk.segments, active, strict=True))
-                        if not done
-                    }
+                    taken.append(self._fp32(staged))
+                release()
+            else:
+                taken.append(staged)
+
+        @torch.no_grad()
+        def update() -> None:
+            if not taken:
+                return  # taking it failed (the error is on its own job's event)
+            grad = taken[0]
+            armed.agreed.wait()
+            if float(armed.any_nonfinite) > 0:
+                return  # the step will be skipped on every rank
+            with job_label("adam", chunk.index):
+                chunk.optimizer.step_(grad, active, lr=armed.lr)
+            if hold:
+                self._held[chunk.index] = {
+                    position: grad[s.shard_offset : s.shard_offset + s.numel].clone()
+                    for position, (s, done) in enumerate(zip(chunk.segments, active, strict=True))
+                    if not done
+                }
+            if any(active):  # nothing changed otherwise: nothing a failed window would tear
                 self._speculated[chunk.index] = Speculation(active=active)
                 self.num_speculations += 1
+
+        if widen:
+            freed = self._submit(take)
+            self._submit(update)
+            return freed
+
+        def take_and_update() -> None:
+            try:
+                take()
+                update()
             finally:
                 release()
 
-        return apply
+        return self._submit(take_and_update)
 
     def _fp32(self, staged: torch.Tensor) -> torch.Tensor:
         if staged.dtype == torch.float32:

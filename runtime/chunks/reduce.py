@@ -14,7 +14,8 @@ the fp32 add into its shard on the device, or for an offloaded one a copy of the
 in the compute dtype, into a pinned buffer of a bounded staging ring (staging.py),
 ``non_blocking``. What happens then is the host side's (optimizer.py), behind the two calls of
 ``ReducedGradientSink``: ``add_staged`` (the host worker waits for the copy, adds the buffer into
-the fp32 shard and hands the buffer back) and ``reduction_queued`` (told on the main thread, with
+the fp32 shard, or applies it by CPU Adam where no gradient shard is kept, and hands the buffer
+back) and ``reduction_queued`` (told on the main thread, with
 the event that says when the reduced gradient is in the shard and which parameters had a
 gradient, so the host side may update the chunk early). Nothing here waits on the main thread.
 """
@@ -27,6 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from profiler.host_bytes import gradient_staging_buffers
 from runtime.chunks.grad_buffers import GradientBufferPool
 from runtime.chunks.side_stream import CollectiveQueue
 from runtime.chunks.staging import Staged, StagingRing
@@ -54,10 +56,14 @@ class ReducedGradientSink(Protocol):
         parameters had a gradient in this window so far. Called on the main thread in reduction
         order."""
 
+    def accepting(self) -> bool:
+        """Whether a gradient may arrive now: False only where offloaded chunks keep no gradient
+        shard and no window's last backward is armed (nothing could apply or keep it)."""
+
     def reduction_queued(self, chunk: Chunk, reduced: DeviceEvent, fired: torch.Tensor) -> None:
-        """The chunk's reduction is queued (main thread): its gradient shard is complete once
-        ``reduced`` has fired; ``fired[param]`` says which parameters had a gradient in this
-        accumulation window so far."""
+        """The chunk's reduction is queued (main thread): its gradient is in (its shard, or
+        applied where no shard is kept) once ``reduced`` has fired; ``fired[param]`` says which
+        parameters had a gradient in this accumulation window so far."""
 
 
 class GradientReducer:
@@ -71,9 +77,15 @@ class GradientReducer:
         self.grad_pool = GradientBufferPool(
             numel=store.layout.chunk_numel, dtype=store.compute_dtype, device=store.device, stream=queue.stream
         )
-        offloaded = any(not c.persistent and c.info.trainable for c in self.chunks)
+        offloaded = [c for c in self.chunks if not c.persistent and c.info.trainable]
+        kept = all(c.keeps_gradient for c in offloaded)
         self.staging = (
-            StagingRing(numel=store.layout.shard_numel, dtype=store.compute_dtype, pin=store.device.is_cuda)
+            StagingRing(
+                numel=store.layout.shard_numel,
+                dtype=store.compute_dtype,
+                pin=store.device.is_cuda,
+                count=gradient_staging_buffers(store.compute_dtype.itemsize, keeps_gradients=kept),
+            )
             if offloaded
             else None
         )
@@ -134,6 +146,8 @@ class GradientReducer:
             if not direct:
                 param.grad = None
             return
+        if not self.sink.accepting():
+            self._refuse(index, param, direct)
         if direct:
             # Autograd accumulated in place into the shard slice that is this parameter's
             # .grad; anything else means the view was replaced (e.g. set to None by hand).
@@ -155,6 +169,21 @@ class GradientReducer:
             self._remaining[chunk_index] -= 1
             if self._remaining[chunk_index] == 0:
                 self._issue_ready_reductions()
+
+    def _refuse(self, index: int, param: nn.Parameter, direct: bool) -> None:
+        """A gradient outside engine.backward where nothing can keep it: refused at the first
+        one, before any buffer, count or reduction is touched (a direct gradient, already in
+        its zeroed shard, is taken out again), so the engine goes on as if it had not come."""
+        assert param.grad is not None
+        if direct:
+            param.grad.zero_()
+        else:
+            param.grad = None
+        raise RuntimeError(
+            f"{self.store.layout.params[index].name} got a gradient outside engine.backward: with "
+            "gradient_accumulation_steps 1, no clipping and not fp16, offloaded chunks keep no gradient "
+            "shard and apply each gradient as it arrives; call engine.backward(loss)"
+        )
 
     def _take_buffer(self) -> torch.Tensor:
         """A gradient buffer; a wait here for a reduction still running is an exposed one."""

@@ -6,8 +6,8 @@ must land in pinned memory to be asynchronous, and a per-copy allocation would b
 memory, and on CUDA a pinning call each time. Two rings:
 
 - reduced gradients: the side stream copies this rank's reduced part of a chunk's gradient (in
-  the compute dtype) into a buffer; the host worker adds it into the fp32 shard and hands the
-  buffer back;
+  the compute dtype) into a buffer; the host worker adds it into the fp32 shard (or, with no
+  gradient shard kept, widens it or applies CPU Adam from it) and hands the buffer back;
 - uploads, when the compute dtype is not fp32: the side stream writes a master shard downcast
   to the compute dtype into a buffer and copies that to the device, so the upload sends the
   compute dtype's bytes, not fp32's, and makes no fp32 temporary on the device.

@@ -8,16 +8,17 @@ offset 0, so they are a prefix of its shard): chunk padding exists in device buf
 collectives alone, and the arena is sized to the byte by profiler/host_bytes.py, which the cost
 model counts with. An offloaded chunk keeps no gradient shard when each reduced gradient is
 applied as it arrives (``keeps_gradients`` False: no clipping, no fp16, no accumulation): 12
-bytes per parameter on the host instead of 16. Compute uses a full, all-gathered copy in the compute dtype:
-persistent chunks own one for the whole run; the others borrow a device buffer slot while they
-are needed (residency.py decides when).
+bytes per parameter on the host instead of 16. Compute uses a full, all-gathered copy in the
+compute dtype: persistent chunks own one for the whole run; the others borrow a device buffer
+slot while they are needed (residency.py decides when).
 
 What a chunk holds depends on what it is, and exists by construction rather than as nullable
 fields: every chunk has its info, its segments and its master shard; a ``PersistentChunk`` has its
 full copy; an ``OffloadedChunk`` holds a slot (and the full copy in it) only while it is fetching
-or resident; a trainable chunk has ``ShardTraining`` (gradient shard, AdamW over the master), a
-frozen one none. What the optimizer keeps per chunk for one window (early
-updates) lives in the optimizer's own side tables (optimizer.py), never on the chunk.
+or resident; a trainable chunk has ``ShardTraining`` (AdamW over the master, and a gradient
+shard unless it is offloaded with gradients applied as they arrive), a frozen one none. What
+the optimizer keeps per chunk for one window (early updates) lives in the optimizer's own side
+tables (optimizer.py), never on the chunk.
 
 Parameters are ordinary ``nn.Parameter`` objects whose ``.data`` points into the chunk's full
 copy while it is resident. When a chunk leaves its slot, its parameters point at a zero-byte

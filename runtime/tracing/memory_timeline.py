@@ -64,8 +64,7 @@ class MemoryTimeline:
         # CPU: the C heap holds the whole process; count, as the plan check does
         # (runtime/planning/memory_probe.py), the engine's static device state plus the heap's rise.
         self._device_base = 0 if device.is_cuda else self._read_device() - chunks.device_state_bytes()
-        arena = chunks.host_arena
-        self._chunk_host_bytes = 0 if arena is None else arena.used_bytes
+        self._chunk_host_bytes = chunks.host_bytes()  # chunk state and staging: what the plan counts
         self._t0 = time.perf_counter()
         self._samples: list[Sample] = []
         self._marks: list[Mark] = []

@@ -221,8 +221,8 @@ class Engine(EngineFacades):
         micro-batch to the window's gradients: a caller who catches the error and goes on must not
         train on them. The whole window is dropped (its earlier micro-batches too: they are the
         caller's to run again) and the next micro-batch starts a new window. Early CPU-Adam
-        updates are undone when they kept a snapshot; without one (clipping off) they cannot be,
-        and the engine refuses to go on until a checkpoint is loaded."""
+        updates (clipping off) keep no undo state: after one the engine refuses to go on until a
+        checkpoint is loaded."""
         self.chunks.finish_speculation()
         if self.chunks.speculation_undoable():
             self.chunks.discard_speculation()

@@ -130,3 +130,8 @@ class _SignalHub:
 
 
 _HUB = _SignalHub()
+
+
+def stop_signal_received() -> int | None:
+    """The stop signal this process received while an engine held the handlers, if any."""
+    return _HUB._signum

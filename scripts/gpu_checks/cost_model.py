@@ -158,7 +158,9 @@ def run(ctx: Context) -> None:
         p, b = bench.plan_knobs(kind, n, costs.need)
         runs.append(bench.PlanRun(
             model=shape.name, label=kind, n_persist=p, n_buffer=b, num_chunks=n, chosen=False,
-            prediction=predict(profiled.model, profiled.hardware, costs, n_persist=p, n_buffer=b),
+            prediction=predict(
+                profiled.model, profiled.hardware, costs, n_persist=p, n_buffer=b, **bench.update_case(args)
+            ),
             predicted_for=(p, b),
         ))
         specs.append(bench.job_spec(args, *dirs, exact_memory(profiled.chunk_size, p, b)))
@@ -170,7 +172,7 @@ def run(ctx: Context) -> None:
                 plan_run.predicted_for = (plan_run.n_persist, plan_run.n_buffer)
                 plan_run.prediction = predict(
                     profiled.model, profiled.hardware, costs,
-                    n_persist=plan_run.n_persist, n_buffer=plan_run.n_buffer,
+                    n_persist=plan_run.n_persist, n_buffer=plan_run.n_buffer, **bench.update_case(args),
                 )
     for plan_run in runs:
         report(ctx, plan_run, sizes)

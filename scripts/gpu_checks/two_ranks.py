@@ -74,6 +74,11 @@ def run(ctx: Context) -> None:
             "clip": 0.0,
             "memory": {"chunk_size": chunk, "n_persist": 2, "n_buffer": 2, "block_modes": ["keep"] * 4},
         },
+        "every chunk offloaded, no clipping or accumulation (gradients applied as they arrive)": {
+            "accumulation": 1,
+            "clip": 0.0,
+            "memory": {"chunk_size": chunk, "n_persist": 0, "n_buffer": 2, "block_modes": ["keep"] * 4},
+        },
         f"every chunk offloaded, blocks swap/checkpoint, clip {CLIP}": {
             "accumulation": 1,
             "clip": CLIP,

@@ -71,6 +71,21 @@ def test_offloaded_chunks_train_exactly_like_plain_pytorch(
     engine.close()
 
 
+@pytest.mark.parametrize("n_persist", [0, 5], ids=["all-offloaded", "some-persistent"])
+def test_a_bare_backward_is_refused_and_leaves_nothing_behind(tmp_path: Path, n_persist: int) -> None:
+    """Unclipped, unaccumulated offloaded chunks keep no gradient shard: a loss.backward() outside
+    engine.backward has nowhere to go, so it is refused at its first gradient, and training on
+    through engine.backward equals plain PyTorch (no stale gradient, count or buffer left)."""
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    expected, _ = train_reference(tiny_gpt(), data, steps=3, lr=1e-3, weight_decay=0.1)
+    with runtime.initialize(tiny_gpt(), config=job(tmp_path, n_persist=n_persist, n_buffer=2)) as engine:
+        assert engine.chunks.applies_on_arrival
+        with pytest.raises(RuntimeError, match=r"outside engine\.backward.*call engine\.backward\(loss\)"):
+            engine(**data.batch(0, 0, 0)).loss.backward()
+        train(engine, 3)
+        assert_state_equal(engine.state_dict(), expected)
+
+
 def test_accumulation_with_offload_matches(tmp_path: Path) -> None:
     data = lm_batches(micro_batch_size=2, accumulation=4, world_size=1)
     expected, _ = train_reference(tiny_gpt(), data, steps=6, lr=1e-3, weight_decay=0.1)

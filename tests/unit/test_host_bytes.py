@@ -4,7 +4,8 @@ Every chunk offloaded, a named GPT size trained through the engine, and host mem
 every hook (each module's forward pre- and post-hook, each parameter's gradient hook, after each
 step): the mapped host regions (``host_arena_bytes``) equal the planner's predicted host bytes to
 the byte, and stay within 16 bytes per parameter with gradients kept (clipping, accumulation),
-12 when each gradient is applied as it arrives, plus (n_buffer + 2) fp32 chunks of staging.
+12 when each gradient is applied as it arrives, plus at most three fp32 chunks of staging
+(within the issue's bound of n_buffer + 2).
 Beside the runtime's count, the state tensors themselves are walked: they hold exactly the
 model's parameter count (no chunk padding) and lie inside regions the kernel has mapped
 (/proc/self/maps), at least as large as counted.
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 import runtime
-from runtime.host_memory import host_arena_bytes
+from runtime.host_memory import PAGE_BYTES, host_arena_bytes
 from runtime.models.gpt import GPTConfig
 from tests.helpers import lm_batches, tiny_gpt
 
@@ -118,13 +119,15 @@ def test_host_bytes_per_offloaded_parameter_are_counted_exactly(tmp_path: Path, 
             begin = tensor.data_ptr()
             assert any(start <= begin and begin + tensor.nbytes <= end for start, end in regions)
         predicted = engine.plan.predicted_peak_host_bytes
+        assert engine.chunks.host_bytes() == predicted  # the engine's own count, as the timeline shows
         chunk_fp32 = engine.chunks.layout.chunk_numel * 4
 
     peak = max(samples)
     assert min(samples) == peak, "host regions are fixed for the run: mapped once, never grown"
     assert peak == predicted, f"measured {peak:,} host bytes, the cost model counts {predicted:,}"
     staging = peak - state_bytes
-    assert 0 < staging <= (N_BUFFER + 2) * chunk_fp32, (
+    # Three fp32 chunks at most (one rank: a shard is a chunk), plus alignment and a page.
+    assert 0 < staging <= min(3 * chunk_fp32 + 2 * PAGE_BYTES, (N_BUFFER + 2) * chunk_fp32), (
         f"{peak / parameters:.2f} bytes per parameter: {case.bytes_per_param} x {parameters:,} parameters "
         f"+ {staging:,} staging, over (n_buffer + 2) chunks of {chunk_fp32:,} bytes"
     )
