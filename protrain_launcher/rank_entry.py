@@ -57,7 +57,6 @@ def run_script(script: str, args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from runtime.config.spec_io import SpecError
-    from runtime.training.stop import stop_signal_received
 
     def run() -> int:
         sys.argv = [script, *args]
@@ -68,7 +67,10 @@ def run_script(script: str, args: list[str]) -> int:
             report_bad_input(err)
             return EXIT_BAD_INPUT
         except Exception as err:
-            signum = stop_signal_received()
+            # Asked of the engines' signal hub only where the script made one (the launcher's
+            # side imports nothing of the runtime beyond the spec).
+            stop = sys.modules.get("runtime.training.stop")
+            signum = None if stop is None else stop.stop_signal_received()
             if signum is None:
                 raise
             # Ctrl-C reached every rank: one that had no engine yet left at once, so this one,
