@@ -51,8 +51,9 @@ class MmapArena:
         return self._base[start:end].view(dtype)
 
     def contains(self, tensor: torch.Tensor) -> bool:
-        begin = self._base.data_ptr()
-        return begin <= tensor.data_ptr() < begin + self.capacity_bytes
+        """Whether ``tensor`` was carved from this region (by its storage: an empty tensor
+        allocated last points just past the region's end)."""
+        return tensor.untyped_storage().data_ptr() == self._base.untyped_storage().data_ptr()
 
     def close(self) -> None:
         """Release the region. Tensors from it must no longer be used."""

@@ -81,6 +81,22 @@ def test_arena_is_exact_page_aligned_and_invisible_to_malloc() -> None:
     arena.close()
 
 
+def test_arena_packs_at_its_alignment_and_owns_an_empty_tensor_at_its_end() -> None:
+    """Chunk state asks for a cache line, not a page; a rank holding none of a chunk's elements
+    gets an empty tensor (whose data_ptr torch reports as 0), still the arena's: counted there,
+    not as device memory."""
+    arena = MmapArena(4096, alignment=64)
+    a = arena.allocate(3, torch.float32)
+    b = arena.allocate(1, torch.float32)
+    assert b.data_ptr() - a.data_ptr() == 64
+    rest = arena.allocate((4096 - 128) // 4, torch.float32)
+    empty = arena.allocate(0, torch.float32)
+    assert rest.data_ptr() + rest.nbytes == a.data_ptr() + arena.capacity_bytes
+    assert empty.numel() == 0 and arena.contains(empty) and arena.contains(rest)
+    assert not arena.contains(torch.empty(0))
+    arena.close()
+
+
 def test_malloc_counter_sees_ordinary_tensors() -> None:
     before = malloc_in_use_bytes()
     tensor = torch.ones(4 << 20)  # 16 MiB from the C heap
