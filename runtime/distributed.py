@@ -3,6 +3,7 @@ engine issues. World size 1 runs the same code with the communication skipped.""
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -25,9 +26,8 @@ class DistContext:
     own order; on one shared group the ranks could pair one engine's all-gather with the other's
     and hang, so each engine gets a group of its own (``new_group``) over the same ranks."""
     holds_default_group: bool = False
-    """True when this context counts as a user of a default group that ``initialize`` created:
-    the last such user to ``release`` it destroys it (closing one of two engines must not
-    take the group from under the other)."""
+    """True when the default group is one ``initialize`` created (it stays for the next engine of
+    the process and is destroyed at exit: see ``init_distributed``)."""
 
     @property
     def is_main(self) -> bool:
@@ -39,9 +39,8 @@ def env_int(name: str, default: int) -> int:
     return default if value is None or value == "" else int(value)
 
 
-_created_default_group_users = 0
-"""Engines alive in this process on a default process group that ``init_distributed`` created
-(the group is destroyed with the last of them)."""
+_created_default_group = False
+"""Whether ``init_distributed`` created the default process group of this process."""
 
 
 def init_distributed(
@@ -50,8 +49,13 @@ def init_distributed(
     """Join the process group torch's launcher described in the environment (init method
     ``env://``), or reuse one the caller (or an earlier engine) already made, and make this
     engine's own group over every rank; world size 1 needs none. Every rank must call it in the
-    same order (``new_group`` is a collective)."""
-    global _created_default_group_users
+    same order (``new_group`` is a collective).
+
+    A default group created here stays when the engine closes, for the next engine of the
+    process (train then evaluate, a sweep, Trainer after Trainer): a second
+    ``init_process_group`` on the launcher's address would find the first one's store gone
+    (gloo: "Connection refused") or wait for ranks that already left it. It is destroyed at exit."""
+    global _created_default_group
     already = dist.is_available() and dist.is_initialized()
     if not already and world_size == 1:
         return DistContext(rank=0, world_size=1, local_rank=local_rank, collective_device=collective_device)
@@ -64,10 +68,9 @@ def init_distributed(
             dist.init_process_group(
                 backend=backend, timeout=timeout, store=store, rank=env_int("RANK", 0), world_size=world_size
             )
-        _created_default_group_users = 0
-    holds_default = not already or _created_default_group_users > 0
-    if holds_default:
-        _created_default_group_users += 1
+        _created_default_group = True
+        atexit.register(_destroy_default_group)
+    holds_default = _created_default_group
     size = dist.get_world_size()
     group = None if size == 1 else dist.new_group(ranks=list(range(size)), timeout=timeout)
     return DistContext(
@@ -81,17 +84,20 @@ def init_distributed(
 
 
 def release(ctx: DistContext) -> None:
-    """Leave the process group: destroy this engine's own group, and the default group when
-    ``initialize`` created it and no other engine of this process still uses it."""
-    global _created_default_group_users
+    """Leave the process group: destroy this engine's own group (the default group stays: see
+    ``init_distributed``)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     if ctx.group is not None:
         dist.destroy_process_group(ctx.group)
-    if ctx.holds_default_group:
-        _created_default_group_users -= 1
-        if _created_default_group_users == 0:
-            dist.destroy_process_group()
+
+
+def _destroy_default_group() -> None:
+    """At exit: the default group ``init_distributed`` created goes (unless the caller did it)."""
+    global _created_default_group
+    if _created_default_group and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _created_default_group = False
 
 
 def _attempt_store(world_size: int, timeout: timedelta) -> dist.Store | None:
