@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from runtime import stream_chaos
+from runtime import device_wall, stream_chaos
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,12 +153,14 @@ class _OrderedWorker:
         threads: int,
         cuda_stream: Any = None,
         device: torch.device | None = None,
+        wall_call: tuple[device_wall.Account, str] | None = None,
     ) -> None:
         """``threads``: the intra-op threads of the worker's own jobs, set on its thread before
         the first. torch sets a new thread's count, at its first parallel op, from the process
         value the last ``set_num_threads`` left, whichever thread called it: without its own, the
         side stream's copies ran on the host worker's one thread (a gather in bench_offload took
-        1.0 ms instead of 0.7)."""
+        1.0 ms instead of 0.7). ``wall_call``: the device wall's engine call the jobs count
+        to (device work), None for host work."""
         self.name = name
         self.kind = kind
         self._threads = threads
@@ -171,6 +173,7 @@ class _OrderedWorker:
         self._demand_changed = threading.Condition()
         self._failure: BaseException | None = None
         self._closed = False
+        self._wall_call = wall_call
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -204,6 +207,14 @@ class _OrderedWorker:
         torch.set_num_threads(self._threads)
         if self._device is not None:
             torch.cuda.set_device(self._device)
+        if self._wall_call is None:
+            self._serve()
+            return
+        account, _ = self._wall_call
+        with device_wall.engine_call(account, f"a job on the side stream {self.name}"):
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
             item = self._work.get()
             if item is None:
@@ -262,6 +273,8 @@ class SideStream:
             threads=torch.get_num_threads(),  # the creating (compute) thread's: copies run at its width
             cuda_stream=cuda_stream,
             device=info.device if info.is_cuda else None,
+            # Device work: under the device wall it counts to the engine call that made the stream.
+            wall_call=device_wall.current_call(),
         )
 
     def submit(self, work: Callable[[], None]) -> DeviceEvent:
@@ -378,7 +391,18 @@ def release_free_memory(info: DeviceInfo) -> None:
 
 
 def device_allocated_bytes(info: DeviceInfo) -> int:
-    """Bytes allocated on the device now: CUDA's allocator statistics, or the C heap on CPU."""
+    """Bytes allocated on the device now: CUDA's allocator statistics; on CPU the engine's count
+    under the device wall (runtime/device_wall.py) in an engine call, else the C heap."""
     if info.is_cuda:
         return int(torch.cuda.memory_allocated(info.device))
+    account = device_wall.counting_account()
+    if account is not None:
+        return account.live_bytes
     return malloc_in_use_bytes()
+
+
+def counts_every_byte(info: DeviceInfo) -> bool:
+    """Whether device readings count every tensor on the device, peaks inside operators included
+    (CUDA's allocator; the device wall's count on CPU, in an engine call), rather than the C heap
+    read at hooks (CPU otherwise, whose readings the callers take relative to a base)."""
+    return info.is_cuda or device_wall.counting_account() is not None

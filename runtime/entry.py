@@ -6,25 +6,24 @@ file protrain-run wrote) and the rendezvous variables torch's launcher sets.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import json
 import os
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
 from torch import nn
 
 from profiler.plan import BlockMode, Plan
-from runtime.batches import call_model, to_device
+from runtime import device_wall
+from runtime.batches import to_device
 from runtime.blocks import refuse_foreign_activation_handling
 from runtime.checkpoint.checkpointer import Checkpointer, CheckpointSettings
-from runtime.chunks.layout import first_use_order, model_params
-from runtime.config.settings import PlanningSettings, planning_settings_from_spec, settings_from_spec
+from runtime.chunks.layout import model_params
+from runtime.config.settings import planning_settings_from_spec, settings_from_spec
 from runtime.config.spec import AUTO, Spec
 from runtime.config.spec_io import (
     RESOLVED_SPEC_ENV,
@@ -35,7 +34,7 @@ from runtime.config.spec_io import (
     refuse_trainer_autos,
     validate_spec,
 )
-from runtime.console import MetricsFile, ProgressReporter, frozen_note, groups_table, plan_table
+from runtime.console import MetricsFile, ProgressReporter, frozen_note, groups_table
 from runtime.device import DeviceInfo, select_device
 from runtime.distributed import (
     DistContext,
@@ -45,10 +44,11 @@ from runtime.distributed import (
     init_distributed,
     release,
 )
+from runtime.dry_run import dry_run
 from runtime.metrics.trackers import require_tracker_packages
 from runtime.planning.apply_plan import PlanTarget, apply_plan
 from runtime.planning.budgets import auto_device_budget, resolve_budgets
-from runtime.planning.model_facts import check_supported, compute_element_size, model_blocks
+from runtime.planning.model_facts import check_supported, compute_element_size, execution_order, model_blocks
 from runtime.planning.planner import Profilers, build_planner
 from runtime.planning.replanner import Replanner
 from runtime.tracing.trace_window import trace_window_for
@@ -62,7 +62,6 @@ from runtime.weights import (
     install_placeholders_,
     load_weights_,
     move_buffers_,
-    stand_ins,
 )
 
 
@@ -129,40 +128,63 @@ def initialize(
         # stay where they are until their chunks are built (the model never moves whole).
         move_buffers_(model, device.device)
     if resolved.dry_run:
-        _dry_run(model, resolved, planning, example_batch, loss_fn, whole=reader is None, profilers=profilers)
+        dry_run(model, resolved, planning, example_batch, loss_fn, whole=reader is None, profilers=profilers)
     # Another engine alive in this process (a teacher beside a student) owns the random streams
     # as they are: reseeding them here would change its dropout masks.
     reseed = not live_engines.others_alive()
     claim = _claim(spec, device, ranks_on_host=env_int("LOCAL_WORLD_SIZE", 1))
     dist_ctx: DistContext | None = None
-    try:
-        dist_ctx = init_distributed(
-            backend=device.backend,
-            timeout_s=spec.launcher.dist_timeout_s,
-            world_size=env_int("WORLD_SIZE", 1),
-            local_rank=env_int("LOCAL_RANK", 0),
-            collective_device=device.device,
-        )
-        return _build_engine(
-            model,
-            resolved,
-            run_dir,
-            example_batch=example_batch,
-            loss_fn=loss_fn,
-            reader=reader,
-            device=device,
-            dist_ctx=dist_ctx,
-            claim=claim,
-            reseed=reseed,
-            profilers=profilers,
-        )
-    except BaseException:
-        # The engine (once built) released both itself on the way out; before that, nothing did.
-        if not claim.released:
-            claim.release()
-            if dist_ctx is not None:
-                release(dist_ctx)
-        raise
+    with device_wall.engine_call(claim.wall, "runtime.initialize"):
+        try:
+            dist_ctx = init_distributed(
+                backend=device.backend,
+                timeout_s=spec.launcher.dist_timeout_s,
+                world_size=env_int("WORLD_SIZE", 1),
+                local_rank=env_int("LOCAL_RANK", 0),
+                collective_device=device.device,
+            )
+            return _build_engine(
+                model,
+                resolved,
+                run_dir,
+                example_batch=example_batch,
+                loss_fn=loss_fn,
+                reader=reader,
+                device=device,
+                dist_ctx=dist_ctx,
+                claim=claim,
+                reseed=reseed,
+                profilers=profilers,
+            )
+        except SpecError as err:
+            _release_unbuilt(claim, dist_ctx)
+            note = live_engines.crowded_note(claim)
+            if note and str(err).startswith("memory:"):
+                raise SpecError(f"{err}{note}") from None
+            raise
+        except BaseException:
+            _release_unbuilt(claim, dist_ctx)
+            raise
+
+
+def _release_unbuilt(claim: live_engines.EngineClaim, dist_ctx: DistContext | None) -> None:
+    """The engine (once built) released both itself on the way out; before that, nothing did."""
+    if not claim.released:
+        claim.release()
+        if dist_ctx is not None:
+            release(dist_ctx)
+
+
+def _call_site() -> str:
+    """Where the caller made the engine: the innermost frame outside ProTrain and the libraries
+    that call it for the caller (a Trainer's seams), as file:line."""
+    ours = str(Path(__file__).resolve().parent)
+    frames = traceback.extract_stack()[:-2]
+    for frame in reversed(frames):
+        path = frame.filename
+        if not path.startswith(ours) and "site-packages" not in path and not path.startswith("<"):
+            return f"{path}:{frame.lineno}"
+    return f"{frames[0].filename}:{frames[0].lineno}" if frames else "(unknown)"
 
 
 def _weight_reader(model: nn.Module, weights: WeightsSource | None) -> WeightReader | None:
@@ -186,6 +208,8 @@ def _claim(spec: Spec, device: DeviceInfo, *, ranks_on_host: int) -> live_engine
         device_budget=None if auto else int(spec.memory.device_budget),
         measured_auto_bytes=auto_device_budget(device, ranks_on_host) if auto else 0,
         checkpoint_dir=None if spec.checkpoint.dir is None else Path(spec.checkpoint.dir).expanduser().resolve(),
+        device=device.device,
+        created_at=_call_site(),
     )
 
 
@@ -218,7 +242,7 @@ def _build_engine(
     # Run whole (first-use order, a profile) only where the parameters already are on the device:
     # a model in host memory on a GPU is profiled through its chunks (Engine.plan_on_batch).
     whole = reader is None and held_on(model, device.device)
-    params = model_params(model, _execution_order(model, example_batch, device))
+    params = model_params(model, execution_order(model, example_batch, device))
     planner = build_planner(
         model,
         planning,
@@ -323,18 +347,6 @@ def _checkpoint_settings(spec: Spec) -> CheckpointSettings:
     )
 
 
-def _execution_order(model: nn.Module, example_batch: Any, device: DeviceInfo) -> list[str] | None:
-    """Parameter names in first-use order from a no-grad forward on ``example_batch`` (module
-    order when there is none), on stand-ins for parameters away from the device (a model held
-    in host memory on a GPU: it is never moved whole). The forward's random draws (dropout) are
-    undone: recording the order is not a training step, and another engine may be drawing too."""
-    if example_batch is None:
-        return None
-    away = contextlib.nullcontext() if held_on(model, device.device) else stand_ins(model, device.device)
-    with torch.random.fork_rng(devices=[device.device.index or 0] if device.is_cuda else []), away:
-        return first_use_order(model, lambda: call_model(model, example_batch))
-
-
 def _check_same_plan_everywhere(plan: Plan, dist_ctx: DistContext) -> None:
     """Every rank must run the same plan (collective order depends on it): a rank that planned
     differently would otherwise wait forever in a collective the others never issue."""
@@ -392,53 +404,3 @@ def _new_run_dir(output_dir: Path) -> Path:
             continue
         return run_dir
     raise AssertionError("unreachable")
-
-
-def _dry_run(
-    model: nn.Module,
-    resolved: ResolvedSpec,
-    planning: PlanningSettings,
-    example_batch: Any,
-    loss_fn: Callable[[Any], torch.Tensor] | None,
-    *,
-    whole: bool,
-    profilers: Profilers | None,
-) -> None:
-    """Print the spec and the plan it resolves to, then end the process: no process group, no
-    training step, no files. ``whole``: whether the model is held whole (not streamed); it is
-    profiled whole where its parameters are on the device."""
-    console = Console(highlight=False)
-    device = select_device(0)
-    example_batch = to_device(example_batch, device.device)
-    params = model_params(model, _execution_order(model, example_batch, device))
-    planner = build_planner(
-        model,
-        planning,
-        params=params,
-        world_size=resolved.world_size,
-        budgets=resolve_budgets(planning, device, ranks_on_host=resolved.world_size),
-        loss_fn=loss_fn,
-        device=device,
-        dist_ctx=None,
-        profilers=profilers,
-    )
-    plan = planner.initial_plan(example_batch if whole and held_on(model, device.device) else None)
-    console.print(
-        f"[bold]Spec[/bold] from {resolved.source}"
-        + (f" with {', '.join(resolved.overrides)}" if resolved.overrides else "")
-    )
-    console.print_json(json.dumps(resolved.spec.model_dump(mode="json")))
-    console.print(plan_table(plan, title=f"Plan for {resolved.world_size} rank(s)"))
-    if plan.predicted_step_s is None and planner.searchable:
-        console.print(
-            "Not profiled here (no example batch, or weights streamed into chunks): the run starts "
-            "under this rule, profiles a batch through the chunk engine and switches to the fastest "
-            "plan that fits."
-        )
-    try:
-        check_supported(plan, planning.precision)
-    except SpecError as err:
-        console.print(f"[red]This plan cannot run:[/red] {err}")
-        raise SystemExit(2) from None
-    console.print("dry run: no process group, no training step.")
-    raise SystemExit(0)

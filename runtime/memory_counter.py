@@ -11,8 +11,10 @@ module's forward and after every trainable parameter's gradient is accumulated.
   reading, which then resets it (``reset_peak_memory_stats``): the reading at a hook is the
   highest allocation since the hook before, peaks inside operators included, so attributing a
   peak to the block that ran survives.
-- On CPU the device tier is the C heap: a reading is ``mallinfo2``'s in-use bytes at the hook
-  (peaks inside an operator are not seen: the figure can only be low by that much).
+- On CPU under the device wall (``runtime.device_wall``, in an engine call) a reading is the
+  engine's count of its device storages at its highest since the previous reading, as on CUDA.
+- Otherwise on CPU the device tier is the C heap: a reading is ``mallinfo2``'s in-use bytes at
+  the hook (peaks inside an operator are not seen: the figure can only be low by that much).
 
 Because a CUDA reading resets the peak, a reading belongs to every reader at once: each one
 open a ``PeakWindow`` receives every reading taken on its device while it is open, whoever takes
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from runtime import device_wall
 from runtime.device import DeviceInfo, device_allocated_bytes
 
 _lock = threading.Lock()
@@ -41,14 +44,19 @@ def _read_and_reset(info: DeviceInfo) -> int:
         peak = int(torch.cuda.max_memory_allocated(info.device))
         torch.cuda.reset_peak_memory_stats(info.device)
         return peak
+    account = device_wall.counting_account()
+    if account is not None:
+        return account.take_highest()
     return device_allocated_bytes(info)
 
 
 def _take(info: DeviceInfo) -> int:
-    """One reading, handed to every window open on the device; the caller holds ``_lock``."""
+    """One reading, handed to every window open on the device (on CPU under the device wall,
+    on the same engine's count); the caller holds ``_lock``."""
     reading = _read_and_reset(info)
+    account = None if info.is_cuda else device_wall.counting_account()
     for window in _open_windows:
-        if window.info.device == info.device:
+        if window.info.device == info.device and window.account is account:
             window.highest = max(window.highest, reading)
     return reading
 
@@ -75,9 +83,11 @@ class PeakWindow:
         self.info = info
         self.base = 0
         self.highest = 0
+        self.account: device_wall.Account | None = None
 
     def open(self) -> None:
         with _lock:
+            self.account = None if self.info.is_cuda else device_wall.counting_account()
             _take(self.info)  # the peak so far belongs to the windows already open
             self.base = self.highest = device_allocated_bytes(self.info)
             _open_windows.append(self)

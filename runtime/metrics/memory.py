@@ -13,7 +13,9 @@
   first update of the plan began, as the plan check counts it
   (``runtime.planning.memory_probe``, which reads it at the start of every window it measures).
   A peak inside backward is not seen, and what else the process allocates as it goes (a data
-  loader's buffers) counts as the engine's: a stand-in for the device's figure, not more.
+  loader's buffers) counts as the engine's: a stand-in for the device's figure, not more. Under
+  the device wall (``runtime.device_wall``) the CPU reads the engine's own count as CUDA reads
+  its allocator: every peak, this engine's tensors only (reserved is then the same figure).
 - Host (``memory/host_in_use(GiB)``, ``memory/host_pinned(GiB)``): every host region of the
   runtime alive (``runtime.host_memory.host_arena_bytes``: chunk state, the swap pool), and the
   process's resident high-water (``memory/host_max_rss(GiB)``).
@@ -27,7 +29,7 @@ import resource
 import sys
 
 from runtime.activations.ssd_store import StoreStats
-from runtime.device import DeviceInfo, cuda_reserved_peak_bytes, malloc_heap_bytes
+from runtime.device import DeviceInfo, counts_every_byte, cuda_reserved_peak_bytes, malloc_heap_bytes
 from runtime.host_memory import host_arena_bytes
 from runtime.memory_counter import PeakWindow, device_peak_since_last_sample
 
@@ -47,13 +49,16 @@ class MemoryMeter:
         """CPU: the heap in use when the plan's first update began (``rebase`` forgets it)."""
         self._highest = self._reserved = 0
         self._ssd_seen = (0, 0)
+        self._exact = device.is_cuda
+        """The readings count every byte (CUDA, or the device wall on CPU): a window's peak."""
 
     def start_window(self) -> None:
         """An update's first forward begins (a window a failed backward abandoned is dropped)."""
-        if self.device.is_cuda:
-            if self._open:
-                self._window.close()
-            self._reserved = cuda_reserved_peak_bytes(self.device)
+        if self._open and self._exact:
+            self._window.close()
+        self._exact = counts_every_byte(self.device)
+        if self._exact:
+            self._reserved = cuda_reserved_peak_bytes(self.device) if self.device.is_cuda else 0
             self._window.open()
         else:
             if self._base is None:
@@ -69,8 +74,9 @@ class MemoryMeter:
         """A reading now (a forward ended)."""
         if not self._open:
             return
-        if self.device.is_cuda:
-            self._reserved = max(self._reserved, cuda_reserved_peak_bytes(self.device))
+        if self._exact:
+            if self.device.is_cuda:
+                self._reserved = max(self._reserved, cuda_reserved_peak_bytes(self.device))
             device_peak_since_last_sample(self.device)  # the window takes it
         else:
             in_use, held = malloc_heap_bytes()
@@ -80,8 +86,10 @@ class MemoryMeter:
         """The update's figures (GiB); the window closes."""
         values: dict[str, float] = {}
         device: tuple[int, int] | None = None  # (peak, reserved)
-        if self._open and self.device.is_cuda:
-            device = (self._window.close(), max(self._reserved, cuda_reserved_peak_bytes(self.device)))
+        if self._open and self._exact:
+            peak = self._window.close()
+            reserved = cuda_reserved_peak_bytes(self.device) if self.device.is_cuda else peak
+            device = (peak, max(self._reserved, reserved))
         elif self._open and self._highest and self._base is not None:  # a forward was read
             device = (static_device_bytes + max(0, self._highest - self._base), self._reserved)
         self._open = False
@@ -109,6 +117,6 @@ class MemoryMeter:
         return ssd.bytes_written - last_written, ssd.bytes_read - last_read
 
     def close(self) -> None:
-        if self._open and self.device.is_cuda:
+        if self._open and self._exact:
             self._window.close()
         self._open = False

@@ -22,9 +22,15 @@ from typing import Any, TypeVar
 import torch
 
 from profiler.profile import HardwareProfile, cache_key
+from runtime import device_wall
 from runtime.activations.ssd_store import measure_disk_rates
 from runtime.cpu_adam import ShardAdamW
-from runtime.device import DeviceInfo, host_worker_threads, release_free_memory, synchronize
+from runtime.device import (
+    DeviceInfo,
+    host_worker_threads,
+    release_free_memory,
+    synchronize,
+)
 from runtime.distributed import (
     DistContext,
     all_gather_flat,
@@ -49,9 +55,11 @@ def hardware_profile(
     world_size: int,
     cache_dir: Path,
     origin: ProfileOrigin | None = None,
+    device_budget: int | None = None,
 ) -> HardwareProfile:
     """The cached profile of this machine at this world size (its entry noted in ``origin``),
-    or a fresh measurement (cached).
+    or a fresh measurement (cached), whose device buffers stay within an eighth of
+    ``device_budget`` (None: the probes' full sizes).
 
     ``dist_ctx`` None (a dry run: no process group) estimates the collectives from the copy
     rate unless a cached profile exists, and writes nothing."""
@@ -61,7 +69,7 @@ def hardware_profile(
         if origin is not None:
             origin.cached.append(path)
         return cached
-    profile = measure_hardware(device, dist_ctx, world_size=world_size)
+    profile = measure_hardware(device, dist_ctx, world_size=world_size, device_budget=device_budget)
     release_free_memory(device)  # the probes' buffers, freed but still resident
     if dist_ctx is not None:
         profile = agree_hardware(profile, dist_ctx)
@@ -69,12 +77,18 @@ def hardware_profile(
     return profile
 
 
-def measure_hardware(device: DeviceInfo, dist_ctx: DistContext | None, *, world_size: int) -> HardwareProfile:
-    h2d, d2h = _copy_rates(device)
+def measure_hardware(
+    device: DeviceInfo, dist_ctx: DistContext | None, *, world_size: int, device_budget: int | None = None
+) -> HardwareProfile:
+    """Each probe's device buffers together take at most an eighth of ``device_budget``: the
+    probes run inside the engine's budget, as everything it allocates does."""
+    room = None if device_budget is None else max(1 << 20, device_budget // 8)
+    h2d, d2h = _copy_rates(device, _fit(COPY_PROBE_BYTES, room))
     # With the host worker's thread count: its rate is what the cost model's host term needs.
     threads = host_worker_threads(device)
-    cpu_adam, cpu_segment = _in_thread(lambda: _adam_rate(torch.device("cpu"), threads=threads))
-    device_adam, device_segment = _adam_rate(device.device, threads=None)
+    adam_numel = _fit(ADAM_PROBE_NUMEL * 16, room) // 16  # master, gradient, two moments
+    cpu_adam, cpu_segment = _in_thread(lambda: _adam_rate(torch.device("cpu"), adam_numel, threads=threads))
+    device_adam, device_segment = _adam_rate(device.device, adam_numel, threads=None)
     if world_size == 1:
         gather = scatter = float("inf")
         latency = 0.0
@@ -84,7 +98,7 @@ def measure_hardware(device: DeviceInfo, dist_ctx: DistContext | None, *, world_
         gather = scatter = h2d / 4
         latency = 1e-4
     else:
-        gather, scatter, latency = _collective_rates(device, dist_ctx)
+        gather, scatter, latency = _collective_rates(device, dist_ctx, _fit(COLLECTIVE_PROBE_BYTES, room) // 2)
     return HardwareProfile(
         device_kind=_device_kind(device),
         world_size=world_size,
@@ -96,7 +110,7 @@ def measure_hardware(device: DeviceInfo, dist_ctx: DistContext | None, *, world_
         reduce_scatter_bytes_per_s=scatter,
         collective_latency_s=latency,
         adam_segment_s=max(cpu_segment, device_segment),
-        memory_bytes_per_s=_memory_rate(device),
+        memory_bytes_per_s=_memory_rate(device, _fit(COPY_PROBE_BYTES, room) // 2),
         copies_overlap_compute=device.is_cuda,
     )
 
@@ -117,9 +131,14 @@ def agree_hardware(profile: HardwareProfile, dist_ctx: DistContext) -> HardwareP
     return HardwareProfile.from_dict({**body, **agreed})
 
 
-def _copy_rates(device: DeviceInfo) -> tuple[float, float]:
-    numel = COPY_PROBE_BYTES // 4
-    host = torch.empty(numel, dtype=torch.float32, pin_memory=device.is_cuda)
+def _fit(nbytes: int, room: int | None) -> int:
+    return nbytes if room is None else min(nbytes, room)
+
+
+def _copy_rates(device: DeviceInfo, nbytes: int) -> tuple[float, float]:
+    numel = nbytes // 4
+    with device_wall.host_allocations():
+        host = torch.empty(numel, dtype=torch.float32, pin_memory=device.is_cuda)
     host.fill_(1.0)
     on_device = torch.empty(numel, dtype=torch.float32, device=device.device)
 
@@ -129,30 +148,31 @@ def _copy_rates(device: DeviceInfo) -> tuple[float, float]:
     def d2h() -> None:
         host.copy_(on_device, non_blocking=device.is_cuda)
 
-    return COPY_PROBE_BYTES / _best_time(h2d, device), COPY_PROBE_BYTES / _best_time(d2h, device)
+    return nbytes / _best_time(h2d, device), nbytes / _best_time(d2h, device)
 
 
-def _adam_rate(where: torch.device, *, threads: int | None) -> tuple[float, float]:
+def _adam_rate(where: torch.device, numel: int, *, threads: int | None) -> tuple[float, float]:
     """(parameters per second, seconds per parameter segment) of ShardAdamW: one shard as one
     segment, then as many (a chunk holds weights and biases), so the per-tensor cost shows."""
     if threads is not None:
         torch.set_num_threads(threads)
     info = DeviceInfo(where, "nccl" if where.type == "cuda" else "gloo")
-    master = torch.zeros(ADAM_PROBE_NUMEL, dtype=torch.float32, device=where)
+    numel = max(numel, ADAM_PROBE_SEGMENTS * 64)
+    master = torch.zeros(numel, dtype=torch.float32, device=where)
     grad = torch.full_like(master, 1e-3)
-    whole = ShardAdamW(master, [(0, ADAM_PROBE_NUMEL, 0.1)], lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    whole = ShardAdamW(master, [(0, numel, 0.1)], lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
     one_segment = _best_time(lambda: whole.step_(grad, [True]), info)
-    size = ADAM_PROBE_NUMEL // ADAM_PROBE_SEGMENTS
+    size = numel // ADAM_PROBE_SEGMENTS
     segments = [(i * size, size, 0.1) for i in range(ADAM_PROBE_SEGMENTS)]
     split = ShardAdamW(master, segments, lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
     many = _best_time(lambda: split.step_(grad, [True] * ADAM_PROBE_SEGMENTS), info)
     per_segment = max(0.0, many - one_segment) / (ADAM_PROBE_SEGMENTS - 1)
-    return ADAM_PROBE_NUMEL / one_segment, per_segment
+    return numel / one_segment, per_segment
 
 
-def _collective_rates(device: DeviceInfo, dist_ctx: DistContext) -> tuple[float, float, float]:
+def _collective_rates(device: DeviceInfo, dist_ctx: DistContext, nbytes: int) -> tuple[float, float, float]:
     world = dist_ctx.world_size
-    numel = COLLECTIVE_PROBE_BYTES // 4 // world * world
+    numel = max(world, nbytes // 4 // world * world)
     dtype = torch.float32
     full = torch.zeros(numel, dtype=dtype, device=device.device)
     shard = torch.ones(numel // world, dtype=dtype, device=device.device)
@@ -176,12 +196,12 @@ def _best_time(work: Callable[[], Any], device: DeviceInfo, repeats: int = 3) ->
     return max(best, 1e-9)
 
 
-def _memory_rate(device: DeviceInfo) -> float:
+def _memory_rate(device: DeviceInfo, nbytes: int) -> float:
     """Copy rate within the device tier (bytes copied per second)."""
-    numel = COPY_PROBE_BYTES // 4
+    numel = nbytes // 4
     source = torch.ones(numel, dtype=torch.float32, device=device.device)
     target = torch.empty_like(source)
-    return COPY_PROBE_BYTES / _best_time(lambda: target.copy_(source), device)
+    return numel * 4 / _best_time(lambda: target.copy_(source), device)
 
 
 def _in_thread(work: Callable[[], T]) -> T:

@@ -17,8 +17,12 @@ from typing import Any
 
 from torch import nn
 
-from runtime.device import DeviceInfo
-from runtime.memory_counter import PeakWindow, device_peak_since_last_sample, sample_at_hooks
+from runtime.device import DeviceInfo, counts_every_byte
+from runtime.memory_counter import (
+    PeakWindow,
+    device_peak_since_last_sample,
+    sample_at_hooks,
+)
 
 
 class PeakMemoryProbe:
@@ -27,6 +31,7 @@ class PeakMemoryProbe:
         self.device = device
         self.static_device_bytes = static_device_bytes
         self.active = False
+        self._exact = device.is_cuda
         self._window = PeakWindow(device)
         self._handles: list[Any] = []
 
@@ -34,6 +39,7 @@ class PeakMemoryProbe:
         if self.active:
             return
         self.active = True
+        self._exact = counts_every_byte(self.device)
         self._window.open()
         self._handles = sample_at_hooks(
             self.model, after_forward=self._sample, after_gradient=lambda _: self._sample()
@@ -50,6 +56,6 @@ class PeakMemoryProbe:
                 handle.remove()
             self._handles.clear()
             self._window.close()
-        if self.device.is_cuda:
+        if self._exact:
             return self._window.highest
         return self.static_device_bytes + max(0, self._window.highest - self._window.base)

@@ -8,6 +8,9 @@ The plan itself is made by ``runtime.planning.planner.Planner``; these functions
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -15,11 +18,14 @@ from profiler.chunking import candidate_chunk_bytes
 from profiler.feasibility import chunk_knob_conflict, spec_size
 from profiler.plan import Plan
 from profiler.plan_builder import KnobRequest, activations_searchable
+from runtime.batches import call_model
 from runtime.blocks import BlocksNotFoundError, find_blocks
-from runtime.chunks.layout import ParamInfo
+from runtime.chunks.layout import ParamInfo, first_use_order
 from runtime.config.settings import PlanningSettings
 from runtime.config.spec import Precision
 from runtime.config.spec_io import SpecError
+from runtime.device import DeviceInfo
+from runtime.weights import held_on, stand_ins
 
 COMPUTE_DTYPES = {
     Precision.FP32: torch.float32,
@@ -134,3 +140,15 @@ def refuse_impossible_knobs(
     )
     if conflict is not None:
         raise SpecError(conflict)
+
+
+def execution_order(model: nn.Module, example_batch: Any, device: DeviceInfo) -> list[str] | None:
+    """Parameter names in first-use order from a no-grad forward on ``example_batch`` (module
+    order when there is none), on stand-ins for parameters away from the device (a model held
+    in host memory on a GPU: it is never moved whole). The forward's random draws (dropout) are
+    undone: recording the order is not a training step, and another engine may be drawing too."""
+    if example_batch is None:
+        return None
+    away = contextlib.nullcontext() if held_on(model, device.device) else stand_ins(model, device.device)
+    with torch.random.fork_rng(devices=[device.device.index or 0] if device.is_cuda else []), away:
+        return first_use_order(model, lambda: call_model(model, example_batch))

@@ -268,6 +268,7 @@ class Planner:
             world_size=subject.world_size,
             cache_dir=settings.cache_dir,
             origin=self.origin,
+            device_budget=self.budgets[0],
         )
         ssd_path = self._ssd_path()
         if ssd_path is not None:

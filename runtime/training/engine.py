@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,15 +34,16 @@ from runtime.chunks.manager import ChunkManager
 from runtime.config.settings import TrainingSettings
 from runtime.console import MetricsFile, ProgressReporter, StepRecord
 from runtime.device import DeviceInfo, synchronize
-from runtime.distributed import DistContext, release
+from runtime.distributed import DistContext
 from runtime.loaders import DataPosition
 from runtime.model_cache import TrainingCaches, refuse_cache_with_recompute
 from runtime.planning.model_facts import AUTOCAST_DTYPES
 from runtime.planning.replanner import Replanner, same_layout
 from runtime.tracing.trace_window import NO_TRACE, UpdateObserver
-from runtime.training.engine_facades import EngineFacades
+from runtime.training.engine_facades import EngineFacades, device_call
 from runtime.training.live_engines import EngineClaim
 from runtime.training.loss_scale import DynamicLossScaler
+from runtime.training.parts import EngineParts, close_dropped
 from runtime.training.reporting import UpdateReports
 from runtime.training.stop import StopRequest, TrainingStopped
 from runtime.training.update import sum_window, update_shards
@@ -79,11 +81,17 @@ class Engine(EngineFacades):
         self.device_info = device
         self.loss_fn = loss_fn
         self._reporter = reporter
-        self.chunks = chunks
-        self.activations = activations
-        self.checkpointer = checkpointer
+        self._parts = EngineParts(
+            chunks=chunks, activations=activations, checkpointer=checkpointer, dist_ctx=dist_ctx, stop=stop, claim=claim
+        )
+        # Dropped without close(), the engine gives its parts back when it is collected.
+        self._finalizer = weakref.finalize(self, close_dropped, self._parts)
+        self._finalizer.atexit = False
         self._stop = stop
         self._claim = claim
+        self._wall = None if claim is None else claim.wall
+        if claim is not None:
+            claim.hold_plan(plan.predicted_peak_device_bytes)
         self.loss_scaler = DynamicLossScaler(settings.loss_scale) if settings.loss_scale else None
         self.global_step = 0
         """Optimizer updates made (skipped updates do not count)."""
@@ -99,12 +107,11 @@ class Engine(EngineFacades):
         self._stop_done = False
         self._window = Window()
         self._window_steps, self._boundary, self._backward_closes, self._step_applied = 0, None, None, False
-        self._closed = False
         self._torn: str | None = None
         """Why training cannot go on (a failed backward left early updates half applied)."""
         self._replanner = replanner
-        self._trace = trace  # logging.trace (runtime/tracing/trace_window.py)
-        self._reports = UpdateReports(
+        self._trace = self._parts.trace = trace  # logging.trace (runtime/tracing/trace_window.py)
+        self._reports = self._parts.reports = UpdateReports(
             module=module,
             device=device,
             reporter=reporter,
@@ -113,9 +120,9 @@ class Engine(EngineFacades):
             settings=settings,
             static_device_bytes=chunks.device_state_bytes(),
             replanner=replanner,
-            sources=self,
+            sources=self._parts,
         )
-        self._caches = TrainingCaches(module, log=self.log)
+        self._caches = TrainingCaches(module, log=reporter.print)  # not self.log: no cycle
 
     # ---------------------------------------------------------------- properties
 
@@ -129,6 +136,7 @@ class Engine(EngineFacades):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
+    @device_call("forward")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._refuse_if_torn()
         args, kwargs = to_device((args, kwargs), self.device_info.device)  # where the chunks are
@@ -155,6 +163,7 @@ class Engine(EngineFacades):
             self.activations.end_forward()
             self.chunks.end_forward()
 
+    @device_call("plan_on_batch")
     def plan_on_batch(self, batch: Any, *, asked: bool = True) -> None:
         """Profile on ``batch`` and switch to the searched plan, once: ``initialize`` does so on
         its example batch when it could not profile the model whole (weights streamed into
@@ -176,6 +185,7 @@ class Engine(EngineFacades):
     def _training(self) -> bool:
         return self.module.training and torch.is_grad_enabled()
 
+    @device_call("backward")
     def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale);
         ``scale_wrt_gas=False``: of ``loss`` itself, which the caller normalised over the window
@@ -242,6 +252,7 @@ class Engine(EngineFacades):
         if self._torn is not None:
             raise RuntimeError(self._torn)
 
+    @device_call("step")
     def step(self) -> bool:
         """Count one micro-batch; at the accumulation boundary, update. Returns whether the
         parameters changed."""
@@ -325,6 +336,7 @@ class Engine(EngineFacades):
         if plan is not None:
             self.switch_plan(plan)
 
+    @device_call("switch_plan")
     def switch_plan(self, plan: Plan) -> None:
         """Carry on under ``plan``: the chunk and activation managers are rebuilt for it and
         every parameter, moment and step count moves into its chunk layout (in memory; see
@@ -337,7 +349,7 @@ class Engine(EngineFacades):
         # The old activation manager goes first: the new one may reuse its file directory.
         self.activations.close()
         old_chunks = self.chunks
-        self.chunks, self.activations = self._replanner.apply(plan, state_from=old_chunks)
+        self._parts.chunks, self._parts.activations = self._replanner.apply(plan, state_from=old_chunks)
         old_chunks.close()
         self.checkpointer.use(self.chunks)
         self._adopt(plan, static_device_bytes=self.chunks.device_state_bytes())
@@ -345,6 +357,8 @@ class Engine(EngineFacades):
     def _adopt(self, plan: Plan, *, static_device_bytes: int | None = None) -> None:
         """``plan`` is the one in force (see ``UpdateReports.adopt``)."""
         self.plan = plan
+        if self._claim is not None:
+            self._claim.hold_plan(plan.predicted_peak_device_bytes)
         self._reports.adopt(plan, static_device_bytes=static_device_bytes)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -353,6 +367,7 @@ class Engine(EngineFacades):
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_info.autocast_type, dtype=dtype)
 
+    @device_call("close")
     def close(self) -> None:
         """Stop the progress display, close the metrics file, leave the process group. A stop
         signal that came while no update was under way ends here: ``TrainingStopped``."""
@@ -364,29 +379,8 @@ class Engine(EngineFacades):
             raise TrainingStopped(128 + stop.signum)
 
     def _close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._reports.stop_probe()  # its hooks leave the model
-        if self._stop is not None:
-            self._stop.uninstall()
-        try:
-            self.checkpointer.close()
-        finally:
-            self._close_components()
-
-    def _close_components(self) -> None:
-        try:
-            self._trace.close()
-            self._reports.close()
-            self.activations.close()
-            self.chunks.close()
-        finally:
-            # Whatever failed above, the group and the claims go: another engine of the process
-            # may still be training and must be able to close (and claim) after this one.
-            release(self.dist_ctx)
-            if self._claim is not None:
-                self._claim.release()
+        self._finalizer.detach()
+        self._parts.close()
 
     def __enter__(self) -> Engine:
         return self

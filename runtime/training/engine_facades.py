@@ -8,8 +8,10 @@ protocol (forward, backward, step) and the plan in force.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -17,6 +19,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from runtime import device_wall
+from runtime.activations.manager import ActivationManager
 from runtime.checkpoint.checkpointer import Checkpointer
 from runtime.checkpoint.store import Checkpoint, CheckpointError
 from runtime.chunks.manager import ChunkManager
@@ -28,10 +32,34 @@ from runtime.loaders import DataPosition
 from runtime.param_groups import optimizer_groups
 from runtime.sampler import ShardedSampler
 from runtime.training.loss_scale import DynamicLossScaler
+from runtime.training.parts import EngineParts
 from runtime.training.optimizer_facade import EngineOptimizer, build_engine_optimizer
 from runtime.training.schedule import lr_factor
 
 _E = TypeVar("_E", bound="EngineFacades")
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _weak_call(method: Callable[[], bool]) -> Callable[[], bool]:
+    """``method`` without keeping its engine alive (the optimizer facade outlives no engine, but
+    a reference back would make every engine a cycle, freed only by the garbage collector)."""
+    ref = weakref.WeakMethod(method)
+    return lambda: bool(ref()())  # type: ignore[misc]
+
+
+def device_call(operation: str) -> Callable[[_F], _F]:
+    """An engine call: what it allocates on the device counts to the engine's budget under the
+    device wall (runtime/device_wall.py), whoever allocates it."""
+
+    def wrap(method: _F) -> _F:
+        @functools.wraps(method)
+        def call(self: EngineFacades, *args: Any, **kwargs: Any) -> Any:
+            with device_wall.engine_call(self._wall, f"engine.{operation}"):
+                return method(self, *args, **kwargs)
+
+        return call  # type: ignore[return-value]
+
+    return wrap
 
 
 class EngineFacades:
@@ -41,8 +69,7 @@ class EngineFacades:
     settings: TrainingSettings
     dist_ctx: DistContext
     device_info: DeviceInfo
-    chunks: ChunkManager
-    checkpointer: Checkpointer
+    _parts: EngineParts
     data_position: DataPosition
     loss_scaler: DynamicLossScaler | None
     global_step: int
@@ -68,12 +95,27 @@ class EngineFacades:
     _optimizer: EngineOptimizer | None = None
 
     _reporter: ProgressReporter
+    _wall: device_wall.Account | None = None
+    """This engine's count under the device wall (None: the wall is down)."""
 
     def log(self, text: str) -> None:
         """Print on rank 0 only."""
         self._reporter.print(text)
 
     # ---------------------------------------------------------------- accessors
+
+    @property
+    def chunks(self) -> ChunkManager:
+        """The chunk manager of the plan in force (a plan switch replaces it)."""
+        return self._parts.chunks
+
+    @property
+    def activations(self) -> ActivationManager:
+        return self._parts.activations
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        return self._parts.checkpointer
 
     @property
     def device(self) -> torch.device:
@@ -122,7 +164,7 @@ class EngineFacades:
                 self.module,
                 self.settings.optimizer,
                 lrs=self._scheduled_lrs(),
-                step_applied=self.was_step_applied,
+                step_applied=_weak_call(self.was_step_applied),
             )
         return self._optimizer
 
@@ -194,6 +236,7 @@ class EngineFacades:
         self.module.eval()
         return self
 
+    @device_call("state_dict")
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full-precision parameters (gathered from every rank's shard) and buffers, by the
         model's own names (a tied parameter under each of its names); detached copies."""
@@ -203,6 +246,7 @@ class EngineFacades:
             result[name] = params[name] if name in params else tensor.detach().clone()
         return result
 
+    @device_call("export")
     def export(
         self,
         path: str | os.PathLike[str],
@@ -249,6 +293,7 @@ class EngineFacades:
 
     # ---------------------------------------------------------------- checkpoints
 
+    @device_call("save_checkpoint")
     def save_checkpoint(self, directory: str | os.PathLike[str] | None = None) -> Path:
         """Save the training state as ``<directory>/step-<global_step>`` (default: the spec's
         ``checkpoint.dir``); every rank calls it, between updates. Returns the checkpoint's path
@@ -276,12 +321,14 @@ class EngineFacades:
             "precision": self.settings.precision.value,
         }
 
+    @device_call("load_checkpoint")
     def load_checkpoint(self, path: str | os.PathLike[str]) -> Path:
         """Continue from a checkpoint: ``path`` is one checkpoint directory or a checkpoint root
         (its latest complete checkpoint is taken). Parameters, Adam state, step counts, loss
         scale, random streams and data position are restored; the world size may differ."""
         return self._load(self.checkpointer.locate(Path(path)))
 
+    @device_call("resume")
     def resume(self) -> Path | None:
         """What ``initialize`` does with ``checkpoint.resume``: auto loads the latest complete
         checkpoint in ``checkpoint.dir`` if there is one, a path loads that, never nothing."""

@@ -1,15 +1,18 @@
 """What the engines alive in one process must not both take: the device, a checkpoint directory.
 
-A teacher and a student, or an actor and a critic, are two engines alive at once in one process.
-Most of what an engine owns is its own (chunks, side streams, activation files, run folder,
-process group: see ``runtime.distributed``); this module keeps the few claims that would
-collide, registered at ``initialize`` and released at ``close``:
+A teacher and a student, or an actor and a critic, are two engines alive at once in one process;
+so are a notebook's engine and the one its re-run cell makes, two Trainers of one script, and an
+engine an exception left behind. Most of what an engine owns is its own (chunks, side streams,
+activation files, run folder, process group: see ``runtime.distributed``); this module keeps the
+few claims that would collide, registered at ``initialize`` and released at ``close`` (or when
+the engine is dropped: ``runtime.training.parts``):
 
-- **The device budget.** ``memory.device_budget: auto`` means "the whole device" (CUDA: its total
-  minus a reserve). Two engines that each planned for the whole device would together run out of
-  memory mid-step, so an ``auto`` budget is what is left after the budgets the live engines set
-  by hand, and a second ``auto`` while the first engine holds an ``auto`` budget is refused with
-  what to set.
+- **The device.** ``memory.device_budget: auto`` is what is free now: the device's capacity
+  (CUDA: its total minus a reserve) less what the live engines hold. An engine with a hand-set
+  budget holds that budget; an ``auto`` engine holds its budget until its plan predicts a peak,
+  and then that peak (with the search's margin): the rest is free for the next engine. Only
+  when nothing is left, or the planner finds no plan in what is, is a new engine refused, with
+  each live engine named (where it was made) and how to free it.
 - **A checkpoint directory.** Two engines saving ``step-N`` into one directory would overwrite
   each other's checkpoints and resume from the wrong one.
 - **Seeding.** ``initialize`` seeds the process's random streams (``seed + rank``) only when no
@@ -25,7 +28,13 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from runtime import device_wall
 from runtime.config.spec_io import SpecError
+
+PLAN_MARGIN = 0.05
+"""An auto engine holds its plan's predicted device peak times (1 + this): the search's margin."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -37,13 +46,37 @@ class EngineClaim:
     device_budget_bytes: int
     device_budget_auto: bool
     checkpoint_dir: Path | None
+    created_at: str = "(unknown)"
+    """Where the caller made the engine (file:line), for messages."""
+    holds_bytes: int = 0
+    """What this engine holds of the device (see the module docstring)."""
+    wall: device_wall.Account | None = None
+    """The device wall's count of this engine's device tier (None: the wall is down)."""
     released: bool = False
+
+    def hold_plan(self, predicted_peak_bytes: int | None) -> None:
+        """A plan is in force: an auto engine now holds its predicted peak, not its budget."""
+        if self.device_budget_auto and predicted_peak_bytes is not None:
+            self.holds_bytes = min(self.device_budget_bytes, int(predicted_peak_bytes * (1 + PLAN_MARGIN)))
+
+    def describe(self) -> str:
+        if not self.device_budget_auto:
+            what = "its memory.device_budget"
+        elif self.holds_bytes < self.device_budget_bytes:
+            what = "its plan's predicted peak"
+        else:
+            what = "auto: its plan predicts no peak yet"
+        return (
+            f"engine {self.label} (made at {self.created_at}) holds {_gib(self.holds_bytes)} ({what}): "
+            "close it (engine.close(), trainer.end()) or drop every reference to it"
+        )
 
     def release(self) -> None:
         with _LOCK:
             if not self.released:
                 self.released = True
                 _LIVE.remove(self)
+                device_wall.close_account(self.wall)
 
 
 _LIVE: list[EngineClaim] = []
@@ -57,19 +90,19 @@ def others_alive() -> bool:
         return bool(_LIVE)
 
 
-def claim(*, device_budget: int | None, measured_auto_bytes: int, checkpoint_dir: Path | None) -> EngineClaim:
+def claim(
+    *,
+    device_budget: int | None,
+    measured_auto_bytes: int,
+    checkpoint_dir: Path | None,
+    device: torch.device | None = None,
+    created_at: str = "(unknown)",
+) -> EngineClaim:
     """Register a new engine. ``device_budget``: the spec's bytes, or None for auto, which then
-    becomes ``measured_auto_bytes`` less the budgets the live engines set. Raises ``SpecError``
-    naming what to set when the new engine would collide with a live one."""
+    becomes ``measured_auto_bytes`` (the device's capacity) less what the live engines hold.
+    Raises ``SpecError`` naming what to do when the new engine would collide with a live one."""
     with _LOCK:
         for other in _LIVE:
-            if device_budget is None and other.device_budget_auto:
-                raise SpecError(
-                    f"memory.device_budget: auto: engine {other.label} of this process already planned "
-                    f"for the whole device ({other.device_budget_bytes / 2**30:.2f} GiB, auto), so a second "
-                    "engine cannot claim it too; set memory.device_budget on each engine so that they add "
-                    f"up to at most {other.device_budget_bytes / 2**30:.2f} GiB (e.g. half each)"
-                )
             if checkpoint_dir is not None and other.checkpoint_dir == checkpoint_dir:
                 raise SpecError(
                     f"checkpoint.dir: {checkpoint_dir} is used by engine {other.label} of this process; "
@@ -77,13 +110,12 @@ def claim(*, device_budget: int | None, measured_auto_bytes: int, checkpoint_dir
                 )
         budget = device_budget
         if budget is None:
-            budget = measured_auto_bytes - sum(other.device_budget_bytes for other in _LIVE)
+            budget = measured_auto_bytes - sum(other.holds_bytes for other in _LIVE)
             if budget <= 0:
-                taken = sum(other.device_budget_bytes for other in _LIVE)
                 raise SpecError(
-                    f"memory.device_budget: auto leaves nothing: the engines alive in this process set "
-                    f"{taken / 2**30:.2f} GiB of the {measured_auto_bytes / 2**30:.2f} GiB available; "
-                    "lower their memory.device_budget or set this engine's"
+                    f"memory.device_budget: auto leaves nothing of the {_gib(measured_auto_bytes)} available: "
+                    + "; ".join(other.describe() for other in _LIVE)
+                    + "; or set this engine's memory.device_budget"
                 )
         _COUNTER[0] += 1
         entry = EngineClaim(
@@ -91,6 +123,23 @@ def claim(*, device_budget: int | None, measured_auto_bytes: int, checkpoint_dir
             device_budget_bytes=budget,
             device_budget_auto=device_budget is None,
             checkpoint_dir=checkpoint_dir,
+            created_at=created_at,
+            holds_bytes=budget,
         )
+        if device is not None:
+            entry.wall = device_wall.open_account(f"engine {entry.label}", budget, device)
         _LIVE.append(entry)
         return entry
+
+
+def crowded_note(entry: EngineClaim) -> str:
+    """For a refusal of ``entry``'s auto budget: which live engines hold the rest ("" if none)."""
+    with _LOCK:
+        others = [other for other in _LIVE if other is not entry]
+    if not entry.device_budget_auto or not others:
+        return ""
+    return "; the rest of the device is held by " + "; ".join(other.describe() for other in others)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"

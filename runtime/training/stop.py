@@ -82,8 +82,8 @@ class _SignalHub:
         if not self._requests:
             self._signum = None
             for signum in STOP_SIGNALS:
-                if signal.getsignal(signum) is signal.SIG_IGN:
-                    continue
+                if signum in self._previous or signal.getsignal(signum) is signal.SIG_IGN:
+                    continue  # still ours (the last request left from another thread), or ignored
                 self._previous[signum] = signal.signal(signum, self._on_signal)
         self._requests.append(request)
         if self._signum is not None:
@@ -96,11 +96,19 @@ class _SignalHub:
             self._restore()
 
     def _restore(self) -> None:
+        """The handlers from before, where this thread may set them (the main thread): the last
+        request may leave from another one (an engine dropped and collected there); the hub's
+        handler then stays, and passes every signal on (see ``_on_signal``)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if not self._requests:  # no engine left to stop: the signal is the previous handler's
+            self._pass_on(signum, frame)
+            return
         if self._signum is None:
             self._signum = signum
             for request in self._requests:
@@ -116,10 +124,14 @@ class _SignalHub:
                 except OSError:
                     pass
             return
-        previous = self._previous.get(signum, signal.SIG_DFL)
         for request in self._requests:
             request._installed = False
         self._requests.clear()
+        self._pass_on(signum, frame)
+
+    def _pass_on(self, signum: int, frame: FrameType | None) -> None:
+        """Put the previous handlers back and give them the signal."""
+        previous = self._previous.get(signum, signal.SIG_DFL)
         self._restore()
         if callable(previous):
             previous(signum, frame)

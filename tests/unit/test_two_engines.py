@@ -109,11 +109,43 @@ def test_second_initialize_leaves_the_random_streams_as_they_were(tmp_path: Path
         first.close()
 
 
-def test_two_auto_device_budgets_are_refused_with_what_to_set(tmp_path: Path) -> None:
-    first = runtime.initialize(tiny_gpt(0), config=job(tmp_path, device_budget="auto"))
+def test_a_second_auto_budget_is_what_the_first_engines_plan_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A notebook cell run again, two Trainers in one script: the second auto engine gets the
+    device less what the first one's plan holds (its predicted peak with the search's margin),
+    not a refusal."""
+    capacity = 64 * 2**20
+    monkeypatch.setattr("runtime.entry.auto_device_budget", lambda device, ranks: capacity)
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    first = runtime.initialize(tiny_gpt(0), config=job(tmp_path, device_budget="auto"), example_batch=data.batch(0, 0, 0))
     try:
-        with pytest.raises(SpecError, match=r"memory\.device_budget: auto: engine \d+ .* set memory\.device_budget on each"):
+        peak = first.plan.predicted_peak_device_bytes
+        assert peak is not None and first.plan.device_budget_bytes == capacity
+        second = runtime.initialize(tiny_gpt(1), config=job(tmp_path, device_budget="auto"))
+        assert second.plan.device_budget_bytes == capacity - int(peak * 1.05)
+        train_updates(second, data, range(1))
+        second.close()
+    finally:
+        first.close()
+    # The closed engines gave everything back: the whole capacity again.
+    with runtime.initialize(tiny_gpt(1), config=job(tmp_path, device_budget="auto")) as third:
+        assert third.plan.device_budget_bytes == capacity
+
+
+def test_an_auto_budget_with_nothing_left_names_each_live_engine_and_how_to_free_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("runtime.entry.auto_device_budget", lambda device, ranks: 64 * 2**20)
+    first = runtime.initialize(tiny_gpt(0), config=job(tmp_path, device_budget="64MiB"))
+    try:
+        with pytest.raises(SpecError) as refused:
             runtime.initialize(tiny_gpt(1), config=job(tmp_path, device_budget="auto"))
+        message = str(refused.value)
+        line = first._claim.created_at
+        assert line.startswith(__file__ + ":"), line
+        assert f"engine {first._claim.label} (made at {line}) holds 0.06 GiB (its memory.device_budget)" in message
+        assert "close it (engine.close(), trainer.end()) or drop every reference to it" in message
     finally:
         first.close()
     # The refused engine claimed nothing, and the closed one gave its claim back.

@@ -1,0 +1,73 @@
+"""``protrain-run --dry-run``: the spec and the plan it resolves to, printed, and the process
+ends (exit 0): no process group, no training step, no files."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from rich.console import Console
+from torch import nn
+
+from runtime.batches import to_device
+from runtime.chunks.layout import model_params
+from runtime.config.settings import PlanningSettings
+from runtime.config.spec_io import ResolvedSpec, SpecError
+from runtime.console import plan_table
+from runtime.device import select_device
+from runtime.planning.budgets import resolve_budgets
+from runtime.planning.model_facts import check_supported, execution_order
+from runtime.planning.planner import Profilers, build_planner
+from runtime.weights import held_on
+
+
+def dry_run(
+    model: nn.Module,
+    resolved: ResolvedSpec,
+    planning: PlanningSettings,
+    example_batch: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    *,
+    whole: bool,
+    profilers: Profilers | None,
+) -> None:
+    """Print the spec and the plan it resolves to, then end the process: no process group, no
+    training step, no files. ``whole``: whether the model is held whole (not streamed); it is
+    profiled whole where its parameters are on the device."""
+    console = Console(highlight=False)
+    device = select_device(0)
+    example_batch = to_device(example_batch, device.device)
+    params = model_params(model, execution_order(model, example_batch, device))
+    planner = build_planner(
+        model,
+        planning,
+        params=params,
+        world_size=resolved.world_size,
+        budgets=resolve_budgets(planning, device, ranks_on_host=resolved.world_size),
+        loss_fn=loss_fn,
+        device=device,
+        dist_ctx=None,
+        profilers=profilers,
+    )
+    plan = planner.initial_plan(example_batch if whole and held_on(model, device.device) else None)
+    console.print(
+        f"[bold]Spec[/bold] from {resolved.source}"
+        + (f" with {', '.join(resolved.overrides)}" if resolved.overrides else "")
+    )
+    console.print_json(json.dumps(resolved.spec.model_dump(mode="json")))
+    console.print(plan_table(plan, title=f"Plan for {resolved.world_size} rank(s)"))
+    if plan.predicted_step_s is None and planner.searchable:
+        console.print(
+            "Not profiled here (no example batch, or weights streamed into chunks): the run starts "
+            "under this rule, profiles a batch through the chunk engine and switches to the fastest "
+            "plan that fits."
+        )
+    try:
+        check_supported(plan, planning.precision)
+    except SpecError as err:
+        console.print(f"[red]This plan cannot run:[/red] {err}")
+        raise SystemExit(2) from None
+    console.print("dry run: no process group, no training step.")
+    raise SystemExit(0)
