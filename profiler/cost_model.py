@@ -43,8 +43,9 @@ buffer when forward ends and are reused by backward without a fetch.
 Peak device memory (bytes per rank)::
 
     persistent chunks  full compute copy + fp32 master shard (shared with the copy for one rank
-                       in fp32) + fp32 gradient shard + two fp32 Adam moments (frozen: a shard
-                       in compute precision)
+                       in fp32) + fp32 gradient shard + two fp32 Adam moments, the shards of
+                       rank 0's real elements (no padding); frozen: the full copy alone (the
+                       shard is a view of it)
     + n_buffer x chunk + saved activations + the larger of the transient peak and one chunk's
       gradient buffer (none when every gradient goes straight into a persistent fp32 shard):
       measured, the peak falls where forward ends and backward starts
@@ -197,11 +198,11 @@ def chunk_costs(model: ModelProfile, hardware: HardwareProfile, chunk_size: int)
         rows["update_passes"].append(2 * 4 * shard / hardware.memory_bytes_per_s if chunk.trainable else 0.0)
         rows["refresh"].append(gather if chunk.trainable else 0.0)
         if chunk.trainable:
-            rows["persistent_bytes"].append(chunk_bytes + shard * ((0 if alias else 4) + 4 + 8))
+            rows["persistent_bytes"].append(chunk_bytes + stored * ((0 if alias else 4) + 4 + 8))
             rows["host_fp32_tensor_bytes"].append(host_bytes.tensor_bytes(stored, 4))
             rows["host_frozen_bytes"].append(0)
         else:
-            rows["persistent_bytes"].append(chunk_bytes + shard * e)
+            rows["persistent_bytes"].append(chunk_bytes)  # its shard is a view of the full copy
             rows["host_fp32_tensor_bytes"].append(0)
             rows["host_frozen_bytes"].append(host_bytes.tensor_bytes(stored, e))
     need = min_buffers_by_persist(packing, model.module_params)

@@ -250,7 +250,8 @@ class GradientReducer:
 
             def add_on_device() -> None:
                 with job_label("reduce", chunk.index):
-                    grad_shard.add_(self._reduce_part(buffer))
+                    # The shard holds this rank's real elements: a prefix of its part.
+                    grad_shard.add_(self._reduce_part(buffer)[: grad_shard.numel()])
 
             reduced = self.queue.submit(add_on_device)
             self.grad_pool.reducing(buffer, reduced)

@@ -23,6 +23,7 @@ from runtime.chunks.store import (
     ShardTraining,
     shard_segments,
 )
+from runtime import device_wall
 from runtime.cpu_adam import ShardAdamW
 from runtime.device import DeviceInfo
 from runtime.distributed import DistContext, broadcast_from_main_
@@ -133,33 +134,43 @@ class _ChunkBuilder:
             # at a time (never the whole model on the device). Read values are the same file
             # everywhere.
             broadcast_from_main_([flat], self.dist_ctx)
-        # A persistent shard keeps its padding (device memory, gathered as is); a host shard
-        # holds the real elements only.
-        stored = shard if persistent else rank_numel(info.used, shard, rank)
+        # Every shard holds this rank's real elements only (a prefix of its part of the chunk):
+        # padding exists in the full copies and the collectives alone.
+        stored = rank_numel(info.used, shard, rank)
         mine = flat[rank * shard : rank * shard + stored]
         segments = shard_segments(self.layout, info, rank)
-        full = flat.to(device=self.device.device, dtype=self.compute_dtype) if persistent else None
+        full = None
+        if persistent:
+            full = torch.empty(self.layout.chunk_numel, dtype=self.compute_dtype, device=self.device.device)
+            full.copy_(flat)
         training = None
         if not info.trainable:
-            master = self._place(mine.to(self.compute_dtype), persistent)
+            # A frozen persistent chunk is stored once: its shard is a view of its full copy.
+            master = self._view_of(full, stored) if full is not None else self._place(mine.to(self.compute_dtype), False)
         else:
             if full is not None and self.dist_ctx.world_size == 1 and self.compute_dtype == torch.float32:
-                # One rank, fp32 compute: the full copy already is the fp32 shard; keep one.
-                master = full
+                master = full[:stored]  # one rank, fp32 compute: the full copy is the fp32 shard
             else:
                 master = self._place(mine, persistent)
             training = self._training(master, segments, persistent)
+        del flat, mine
         if full is not None:
             return PersistentChunk(
                 info, segments, master, training, Residency.PERSISTENT, device_full=full
             )
         return OffloadedChunk(info, segments, master, training, Residency.HOST)
 
+    def _view_of(self, full: torch.Tensor, stored: int) -> torch.Tensor:
+        """This rank's stored elements, in place in ``full``."""
+        start = self.dist_ctx.rank * self.layout.shard_numel
+        return full[start : start + stored]
+
     def _flat(self, info: ChunkInfo) -> torch.Tensor:
         """The whole chunk in fp32 in host memory, from the parameters (wherever they are: a
         model held in host memory is read there, so only its chunks reach the device) or
         ``read_param``."""
-        flat = torch.zeros(self.layout.chunk_numel, dtype=torch.float32)
+        with device_wall.host_allocations():  # assembled in host memory, whatever the device
+            flat = torch.zeros(self.layout.chunk_numel, dtype=torch.float32)
         for index in info.params:
             offset = self.layout.slots[index].offset
             param = self.params[index]
@@ -174,11 +185,8 @@ class _ChunkBuilder:
     def _training(self, master: torch.Tensor, segments: list[Segment], persistent: bool) -> ShardTraining:
         numel = master.numel()
         kept = persistent or self.keeps_gradients
-        grad_shard = self._place(torch.zeros(numel), persistent) if kept else None
-        moments = (
-            self._place(torch.zeros(numel), persistent),
-            self._place(torch.zeros(numel), persistent),
-        )
+        grad_shard = self._zeros(numel, persistent) if kept else None
+        moments = (self._zeros(numel, persistent), self._zeros(numel, persistent))
         optimizer = ShardAdamW(
             master,
             [
@@ -193,9 +201,21 @@ class _ChunkBuilder:
         return ShardTraining(grad_shard=grad_shard, optimizer=optimizer)
 
     def _place(self, tensor: torch.Tensor, persistent: bool) -> torch.Tensor:
-        if persistent or self.host_arena is None:
-            # One copy on the device (``to`` then ``clone`` would briefly hold two).
-            return tensor.to(self.device.device, copy=True) if persistent else tensor.clone()
+        """A copy of ``tensor`` where the chunk's state lives: the device, or the host arena."""
+        if persistent:
+            return tensor.to(self.device.device, copy=True)
+        if self.host_arena is None:
+            with device_wall.host_allocations():
+                return tensor.clone()
         out = self.host_arena.allocate(tensor.numel(), tensor.dtype)
         out.copy_(tensor)
         return out
+
+    def _zeros(self, numel: int, persistent: bool) -> torch.Tensor:
+        """Zeroed fp32 state of ``numel`` elements where the chunk's state lives."""
+        if persistent:
+            return torch.zeros(numel, device=self.device.device)
+        if self.host_arena is None:
+            with device_wall.host_allocations():
+                return torch.zeros(numel)
+        return self.host_arena.allocate(numel, torch.float32)  # mmap pages start zeroed

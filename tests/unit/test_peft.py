@@ -179,3 +179,53 @@ def test_adapter_only_export_of_a_model_without_adapters_is_refused(tmp_path: Pa
         with pytest.raises(ValueError, match="exclude each other"):
             engine.export(tmp_path / "both", hf=True, adapter_only=True)
     assert not (tmp_path / "adapter").exists()
+
+
+def test_a_persistent_frozen_base_is_stored_once_and_adapter_chunks_hold_no_padding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A LoRA base kept on the device takes one copy (7B in bf16: 13.5 GB, not 27 GB): each frozen
+    chunk's shard is a view of its full copy. The adapter chunk, mostly empty, carries fp32
+    state for its parameters only, not for its padding. The device tier counted by the wall (not
+    by the engine's own books) is what the cost model predicts for the layout, plus the engine's
+    bookkeeping tensors (step counters, per-parameter flags: bytes)."""
+    from profiler.cost_model import chunk_costs
+    from profiler.profile import ModelProfile
+    from tests.unit.test_cost_model import hardware
+
+    monkeypatch.setenv("PROTRAIN_STRICT_DEVICE", "1")
+    model = lora_llama()
+    config = job(tmp_path, memory={"chunk_size": "64KiB", "device_budget": "256MiB"})
+    with runtime.initialize(model, config=config) as engine:
+        chunks = engine.chunks
+        assert engine.plan.n_persist == engine.plan.num_chunks, "every chunk on the device"
+        frozen = [c for c in chunks.chunks if c.training is None]
+        adapters = [c for c in chunks.chunks if c.training is not None]
+        assert frozen and adapters
+        for chunk in frozen:
+            assert chunk.master.untyped_storage().data_ptr() == chunk.full.untyped_storage().data_ptr()
+        for chunk in adapters:
+            state = [chunk.master, chunk.grad_shard, chunk.optimizer.exp_avg, chunk.optimizer.exp_avg_sq]
+            assert {t.numel() for t in state} == {chunk.info.used}, "no state for padding"
+        assert adapters[0].info.used < chunks.layout.chunk_numel // 4, "the test needs a mostly empty chunk"
+        measured = engine._wall.live_bytes
+        base = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+        frozen_bytes = sum(c.full.numel() * c.full.element_size() for c in frozen)
+        assert frozen_bytes <= 1.25 * base, "one copy of the base (and its chunks' padding)"
+        profile = ModelProfile(
+            batch_shape=(2, 32),
+            precision="fp32",
+            element_size=4,
+            param_sizes=tuple((p.numel, p.trainable) for p in chunks.layout.params),
+            param_block=(-1,) * len(chunks.layout.params),
+            module_params=(),
+            blocks=(),
+            other_forward_s=1e-3,
+            other_backward_s=1e-3,
+            other_activation_bytes=0,
+            transient_bytes=0,
+        )
+        costs = chunk_costs(profile, hardware(), engine.plan.chunk_size)
+        predicted = costs.persistent_bytes[-1]
+        assert predicted == chunks.device_state_bytes()
+        assert predicted <= measured <= predicted + 1024, (measured, predicted)
