@@ -46,9 +46,11 @@ Peak device memory (bytes per rank)::
                        in fp32) + fp32 gradient shard + two fp32 Adam moments, the shards of
                        rank 0's real elements (no padding); frozen: the full copy alone (the
                        shard is a view of it)
-    + n_buffer x chunk + saved activations + the larger of the transient peak and one chunk's
-      gradient buffer (none when every gradient goes straight into a persistent fp32 shard):
-      measured, the peak falls where forward ends and backward starts
+    + n_buffer x chunk + saved activations + the transient peak + one chunk's gradient buffer
+      (none when every gradient goes straight into a persistent fp32 shard): the peak falls where
+      forward ends and backward starts, the loss's gradient (the transient) beside the buffer
+      the first chunk's gradients fill (both counted by CUDA's allocator, and by the device
+      wall on CPU)
 
 Block modes other than keep (profiler/activation_cost.py) add their exposed transfer and
 recompute time to forward and backward, replace the saved activations by their own peak, and add
@@ -335,8 +337,9 @@ def predict(
     gradient_buffers = 0 if direct else chunk_bytes
     host = offloaded_host_bytes(costs, p, keeps_gradients=keeps_gradients)
     # The peak falls where forward ends and backward starts: every saved activation is alive,
-    # with either forward's transient or the first chunk's gradient buffer, not both.
-    peak = persistent + buffers + activation_bytes + max(costs.transient_bytes, gradient_buffers)
+    # with backward's first temporaries (the loss's gradient: the profile's transient, measured
+    # beyond the activations and gradients) while the first chunk's gradient buffer fills.
+    peak = persistent + buffers + activation_bytes + costs.transient_bytes + gradient_buffers
     kept = Prediction(
         step_s=step,
         forward_s=forward,

@@ -250,13 +250,17 @@ def _one_step(
     try:
         timer.start()
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            loss = loss_fn(run_forward())
+            # The output stays alive through backward, as in a training loop that holds it
+            # (``out = engine(...); engine.backward(out.loss)``): its logits are part of the peak.
+            output = run_forward()
+            loss = loss_fn(output)
         timer.stop()
         if chunked is not None:
             chunked.end_forward()
         started = clock()
         loss.backward()
         backward_s = clock() - started
+        del output
         if chunked is not None:
             chunked.end_step()
     finally:
