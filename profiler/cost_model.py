@@ -74,7 +74,7 @@ from itertools import accumulate
 
 from profiler import host_bytes
 from profiler.activation_cost import ActivationCost
-from profiler.chunking import Packing, min_buffers_by_persist, pack
+from profiler.chunking import PackedChunk, Packing, min_buffers_by_persist, pack
 from profiler.profile import HardwareProfile, ModelProfile
 
 
@@ -151,6 +151,19 @@ class Prediction:
     """The norm and zeroing passes after the optimizer."""
 
 
+def persistent_chunk_bytes(chunk: PackedChunk, *, chunk_numel: int, world_size: int, element_size: int) -> int:
+    """Device bytes of one persistent chunk on rank 0 (which holds the most): its full compute
+    copy and, trainable, the fp32 master (shared with the copy for one rank in fp32), gradient
+    and two Adam moments of rank 0's real elements; frozen, the copy alone (the shard is a view
+    of it)."""
+    full = chunk_numel * element_size
+    if not chunk.trainable:
+        return full
+    stored = host_bytes.rank_numel(chunk.used, chunk_numel // world_size, 0)
+    alias = world_size == 1 and element_size == 4
+    return full + stored * ((0 if alias else 4) + 4 + 8)
+
+
 def chunk_costs(model: ModelProfile, hardware: HardwareProfile, chunk_size: int) -> ChunkCosts:
     """Pack the parameters at ``chunk_size`` bytes and precompute the per-chunk terms."""
     e = model.element_size
@@ -199,12 +212,12 @@ def chunk_costs(model: ModelProfile, hardware: HardwareProfile, chunk_size: int)
         rows["trainable_chunks"].append(1 if chunk.trainable else 0)
         rows["update_passes"].append(2 * 4 * shard / hardware.memory_bytes_per_s if chunk.trainable else 0.0)
         rows["refresh"].append(gather if chunk.trainable else 0.0)
+        persistent = persistent_chunk_bytes(chunk, chunk_numel=chunk_numel, world_size=world, element_size=e)
+        rows["persistent_bytes"].append(persistent)
         if chunk.trainable:
-            rows["persistent_bytes"].append(chunk_bytes + stored * ((0 if alias else 4) + 4 + 8))
             rows["host_fp32_tensor_bytes"].append(host_bytes.tensor_bytes(stored, 4))
             rows["host_frozen_bytes"].append(0)
         else:
-            rows["persistent_bytes"].append(chunk_bytes)  # its shard is a view of the full copy
             rows["host_fp32_tensor_bytes"].append(0)
             rows["host_frozen_bytes"].append(host_bytes.tensor_bytes(stored, e))
     need = min_buffers_by_persist(packing, model.module_params)

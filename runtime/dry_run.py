@@ -65,7 +65,7 @@ def dry_run(
             "plan that fits."
         )
     try:
-        check_supported(plan, planning.precision)
+        check_supported(plan, planning.precision, [(p.numel, p.trainable) for p in params])
     except SpecError as err:
         console.print(f"[red]This plan cannot run:[/red] {err}")
         raise SystemExit(2) from None

@@ -259,7 +259,7 @@ def _build_engine(
     # (Engine.plan_on_batch, below).
     plan = planner.initial_plan(example_batch if whole else None)
     _check_same_plan_everywhere(plan, dist_ctx)
-    check_supported(plan, planning.precision)
+    check_supported(plan, planning.precision, [(p.numel, p.trainable) for p in params])
     target = PlanTarget(params=params, training=training, planning=planning, device=device, dist_ctx=dist_ctx)
     # The run folder first: a bad output_dir is refused before chunk threads and files exist.
     metrics = _open_metrics(resolved, run_dir, dist_ctx)

@@ -56,7 +56,9 @@ class MmapArena:
         return tensor.untyped_storage().data_ptr() == self._base.untyped_storage().data_ptr()
 
     def close(self) -> None:
-        """Release the region. Tensors from it must no longer be used."""
+        """Release the region (once; again does nothing). Tensors from it must no longer be used."""
+        if self._map.closed:
+            return
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self._base.data_ptr())
             self._pinned = False

@@ -370,6 +370,13 @@ class ChunkManager:
                 self.zero_grad()
                 self.reset_backward()
 
+    def release_device(self) -> None:
+        """After ``close``: drop every device tensor this manager holds (persistent copies and
+        shards, buffer slots); the parameters view the placeholder. A plan switch does this
+        before it builds the next layout, so the device never holds both."""
+        self.residency.slots.clear()
+        self.store.release_device()
+
     def close(self) -> None:
         """Stop the workers (each runs what is queued first: the side stream before the host
         worker, whose jobs may wait on the side stream's, and whose own it may wait on), let the

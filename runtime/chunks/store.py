@@ -302,6 +302,18 @@ class ChunkStore:
     def _in_host_arena(self, tensor: torch.Tensor) -> bool:
         return self.host_arena is not None and self.host_arena.contains(tensor)
 
+    def on_host(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is chunk state in host memory (not on the compute device)."""
+        return tensor.device != self.device.device or self._in_host_arena(tensor)
+
+    def release_device(self) -> None:
+        """Let go of every chunk and of what the parameters point at: each parameter views the
+        placeholder and has no gradient (the store is done with: a plan switch built another)."""
+        for index, param in enumerate(self.params):
+            param.data = self._placeholder(param)
+            param.grad = None
+        self.chunks.clear()
+
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter in full precision by its own names (tied ones under each name). The

@@ -31,7 +31,7 @@ from runtime.device import DeviceInfo
 from runtime.distributed import DistContext
 from runtime.param_groups import resolve_param_hyper
 from runtime.planning.model_facts import COMPUTE_DTYPES, compute_element_size, model_blocks
-from runtime.planning.plan_switch import move_state
+from runtime.planning.plan_switch import HeldState, move_state
 from runtime.weights import WeightReader
 
 
@@ -53,14 +53,14 @@ def apply_plan(
     *,
     target: PlanTarget,
     weights: WeightReader | None = None,
-    state_from: ChunkManager | None = None,
+    state_from: HeldState | None = None,
 ) -> tuple[ChunkManager, ActivationManager]:
     """The chunk and activation managers that carry out ``plan`` on ``model``. Parameter values
     come from the model's parameters, from ``weights`` (a model built on the meta device), or
-    from ``state_from``: another plan's chunks over the same parameters, whose parameters,
-    moments and step counts move into the new layout (every rank calls it then; the caller
-    closes the old managers, the old activation manager before this call: the new one may
-    reuse its file directory)."""
+    from ``state_from``: another plan's state over the same parameters, held on the host
+    (``plan_switch.hold_on_host``), whose parameters, moments and step counts move into the new
+    layout (every rank calls it then; the caller closed the old managers first, the activation
+    manager too: the new one may reuse its file directory)."""
     if state_from is not None:
         read_param: Callable[[str], torch.Tensor] | None = _zeros(target.params)
     else:

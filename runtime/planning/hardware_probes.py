@@ -27,6 +27,8 @@ from runtime.activations.ssd_store import measure_disk_rates
 from runtime.cpu_adam import ShardAdamW
 from runtime.device import (
     DeviceInfo,
+    counts_every_byte,
+    device_allocated_bytes,
     host_worker_threads,
     release_free_memory,
     synchronize,
@@ -80,9 +82,10 @@ def hardware_profile(
 def measure_hardware(
     device: DeviceInfo, dist_ctx: DistContext | None, *, world_size: int, device_budget: int | None = None
 ) -> HardwareProfile:
-    """Each probe's device buffers together take at most an eighth of ``device_budget``: the
-    probes run inside the engine's budget, as everything it allocates does."""
-    room = None if device_budget is None else max(1 << 20, device_budget // 8)
+    """Each probe's device buffers together take at most an eighth of what is left of
+    ``device_budget``: the probes run inside the engine's budget, as everything it allocates
+    does."""
+    room = None if device_budget is None else max(64 << 10, _free(device, device_budget) // 8)
     h2d, d2h = _copy_rates(device, _fit(COPY_PROBE_BYTES, room))
     # With the host worker's thread count: its rate is what the cost model's host term needs.
     threads = host_worker_threads(device)
@@ -129,6 +132,12 @@ def agree_hardware(profile: HardwareProfile, dist_ctx: DistContext) -> HardwareP
     all_reduce_min_(values, dist_ctx)
     agreed = {name: sign * value for sign, name, value in zip(signs, measured, values.tolist(), strict=True)}
     return HardwareProfile.from_dict({**body, **agreed})
+
+
+def _free(device: DeviceInfo, budget: int) -> int:
+    """What is left of ``budget`` now, where the readings count every byte (CUDA; CPU under the
+    device wall): an engine that profiles through its chunks holds them already."""
+    return budget - device_allocated_bytes(device) if counts_every_byte(device) else budget
 
 
 def _fit(nbytes: int, room: int | None) -> int:

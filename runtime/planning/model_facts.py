@@ -9,12 +9,14 @@ The plan itself is made by ``runtime.planning.planner.Planner``; these functions
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from profiler.chunking import candidate_chunk_bytes
+from profiler.chunking import candidate_chunk_bytes, pack
+from profiler.cost_model import persistent_chunk_bytes
 from profiler.feasibility import chunk_knob_conflict, spec_size
 from profiler.plan import Plan
 from profiler.plan_builder import KnobRequest, activations_searchable
@@ -78,18 +80,23 @@ def is_searchable(request: KnobRequest, *, num_blocks: int) -> bool:
     )
 
 
-def model_state_bytes(plan: Plan, element_size: int) -> int:
-    """Device bytes of the plan's model state: persistent chunks (full compute copy + fp32
-    master, gradient and two Adam moments of the shard) and the buffers the others pass through."""
-    chunk_numel = plan.chunk_size // element_size
-    shard_numel = -(-chunk_numel // plan.world_size)
-    needed = plan.n_persist * (chunk_numel * element_size + shard_numel * 16)
-    return needed + plan.n_buffer * chunk_numel * element_size
+def model_state_bytes(plan: Plan, element_size: int, param_sizes: Sequence[tuple[int, bool]]) -> int:
+    """Device bytes of the plan's model state on rank 0, as the cost model counts them
+    (``profiler.cost_model.persistent_chunk_bytes``): its persistent chunks and the buffers
+    the others pass through. ``param_sizes``: (numel, trainable) in first-use order."""
+    packing = pack(param_sizes, plan.chunk_size // element_size, plan.world_size)
+    persistent = sum(
+        persistent_chunk_bytes(
+            chunk, chunk_numel=packing.chunk_numel, world_size=plan.world_size, element_size=element_size
+        )
+        for chunk in packing.chunks[: plan.n_persist]
+    )
+    return persistent + plan.n_buffer * packing.chunk_numel * element_size
 
 
-def check_supported(plan: Plan, precision: Precision) -> None:
+def check_supported(plan: Plan, precision: Precision, param_sizes: Sequence[tuple[int, bool]]) -> None:
     """Refuse, before any training step, model state that cannot fit the device budget."""
-    needed = model_state_bytes(plan, compute_element_size(precision))
+    needed = model_state_bytes(plan, compute_element_size(precision), param_sizes)
     if needed > plan.device_budget_bytes:
         raise SpecError(
             f"memory.device_budget: the model state of this plan needs {needed / 2**20:.1f} MiB per rank "

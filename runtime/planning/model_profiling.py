@@ -5,7 +5,12 @@ peak), returned as the profiler's plain ``ModelProfile``.
 The model is profiled either before it is chunked, its parameters where the caller put them
 (the model fits the device), or through the chunk engine (``ChunkedRun``: chunks gathered as
 training gathers them, the time compute waits for them taken off the clock), which is how a
-model whose state does not fit the device is profiled. Backward time per block is the measured
+model whose state does not fit the device is profiled. Through the chunk engine the saved
+activations are measured and then copied to host memory until backward needs them
+(``offload_saved``), as ProTrain's profiler frees what it measured: a step whose activations
+would not fit beside the chunks is still profiled; the copies' time is off the clock, and the
+transient peak then also holds the activations one block brings back in backward (an over-count
+of at most a block's, on the safe side). Backward time per block is the measured
 backward total shared in proportion to forward time (per block backward hooks would wrap every
 block's outputs). The transient peak is read with the plan check's counter at the plan check's
 hooks (``runtime.memory_counter``). Every rank must plan alike, so ``agree_model`` takes the
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +31,7 @@ from torch import nn
 
 from profiler.instruments import OUTSIDE, BlockTimer, PeakSampler, SavedBytes
 from profiler.profile import BlockProfile, ModelProfile
+from runtime import device_wall
 from runtime.chunks.layout import ParamInfo
 from runtime.device import DeviceInfo, synchronize
 from runtime.distributed import DistContext, all_reduce_min_
@@ -69,6 +76,7 @@ def profile_model(
     profile_steps: int,
     chunked: ChunkedRun | None = None,
     agree_max: Callable[[float], float] = lambda seconds: seconds,
+    offload_saved: bool = False,
 ) -> ModelProfile:
     """Forward, loss and backward on the example batch, ``warmup_steps`` uninstrumented then
     up to ``profile_steps`` instrumented (the fastest kept). Measuring stops early once a step's
@@ -78,7 +86,8 @@ def profile_model(
     sees the model exactly as before (module buffers, e.g. running statistics, included).
     ``chunked``: the steps run through the chunk engine (which drops their gradients).
     ``agree_max(seconds)``: the largest of every rank's figure, so that all ranks stop after
-    the same step (their steps issue collectives under the chunk engine)."""
+    the same step (their steps issue collectives under the chunk engine). ``offload_saved``:
+    saved activations wait in host memory (see the module docstring)."""
     devices = [device.device.index or 0] if device.is_cuda else []
     runs: list[dict[str, Any]] = []
     buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
@@ -86,12 +95,16 @@ def profile_model(
         previous_s: float | None = None
         for _ in range(warmup_steps):
             started = time.perf_counter()
-            _one_step(model, run_forward, loss_fn, blocks, device, instruments=False, chunked=chunked)
+            _one_step(
+                model, run_forward, loss_fn, blocks, device, instruments=False, chunked=chunked, offload=offload_saved
+            )
             previous_s = agree_max(time.perf_counter() - started)
         for _ in range(max(1, profile_steps)):
             started = time.perf_counter()
             runs.append(
-                _one_step(model, run_forward, loss_fn, blocks, device, instruments=True, chunked=chunked)
+                _one_step(
+                    model, run_forward, loss_fn, blocks, device, instruments=True, chunked=chunked, offload=offload_saved
+                )
             )
             wall_s = agree_max(time.perf_counter() - started)
             if previous_s is not None and abs(wall_s - previous_s) <= STEADY_STEPS * wall_s:
@@ -170,19 +183,28 @@ def _one_step(
     *,
     instruments: bool,
     chunked: ChunkedRun | None,
+    offload: bool = False,
 ) -> dict[str, Any]:
     """One forward, loss and backward; measured when ``instruments``. Under the chunk engine
     its saved-tensor recipes are kept (a view of a buffer slot must be re-gathered in backward)
-    and its gradients are not the profiler's to clear (they may view the fp32 shards)."""
+    and its gradients are not the profiler's to clear (they may view the fp32 shards).
+    ``offload``: saved activations wait in host memory (see the module docstring)."""
     if chunked is None:
         for param in model.parameters():
             param.grad = None
     pack_inner = chunked.pack if chunked is not None else _same
     unpack = chunked.unpack if chunked is not None else _same
+    to_host: _SavedOnHost | None = None
+    if offload:
+        model_state = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        if chunked is not None:
+            model_state |= chunked.model_state()
+        to_host = _SavedOnHost(pack_inner, unpack, model_state)
+        pack_inner, unpack = to_host.pack, to_host.unpack
     if not instruments:
         hooks = (
             torch.autograd.graph.saved_tensors_hooks(pack_inner, unpack)
-            if chunked is not None
+            if chunked is not None or to_host is not None
             else contextlib.nullcontext()
         )
         with hooks:
@@ -195,10 +217,11 @@ def _one_step(
             chunked.end_step()
         return {}
     stall_s = chunked.stall_s if chunked is not None else lambda: 0.0
+    copies_s = (lambda: to_host.seconds) if to_host is not None else lambda: 0.0
 
     def clock() -> float:
         synchronize(device)
-        return time.perf_counter() - stall_s()
+        return time.perf_counter() - stall_s() - copies_s()
 
     timer = BlockTimer(clock, len(blocks))
     saved = SavedBytes(len(blocks), where=lambda: timer.current)
@@ -213,18 +236,22 @@ def _one_step(
     def pack(tensor: torch.Tensor) -> Any:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in param_storages and storage.nbytes() > 0:
-            saved.record((storage.data_ptr(), tensor.device), storage.nbytes())
+            saved.record(_token(storage), storage.nbytes())
         return pack_inner(tensor)
 
+    def on_device() -> int:
+        """Saved bytes on the device now: none while they wait in host memory."""
+        return 0 if to_host is not None else saved.total
+
     def sample_forward() -> None:
-        peak.sample(saved.total)
+        peak.sample(on_device())
 
     def sample_backward(param: torch.Tensor) -> None:
         # Plain PyTorch keeps every gradient to the end; the chunk engine takes each one into
         # memory it already holds (counted in the base reading).
         if param.grad is not None and chunked is None:
             grad_bytes[0] += param.grad.numel() * param.grad.element_size()
-        peak.sample(saved.total + grad_bytes[0])
+        peak.sample(on_device() + grad_bytes[0])
 
     input_bytes = [0] * len(blocks)
 
@@ -278,6 +305,55 @@ def _one_step(
 
 def _same(value: Any) -> Any:
     return value
+
+
+_tokens = itertools.count()
+
+
+def _token(storage: torch.UntypedStorage) -> int:
+    """A storage's identity for as long as it lives and never again: an address is reused once
+    a storage is freed (saved activations copied to the host free theirs at once)."""
+    token = getattr(storage, "_protrain_saved_token", None)
+    if token is None:
+        token = next(_tokens)
+        storage._protrain_saved_token = token  # type: ignore[attr-defined]
+    return int(token)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _OnHost:
+    """A saved activation waiting in host memory, and the device it goes back to."""
+
+    host: torch.Tensor
+    device: torch.device
+
+
+class _SavedOnHost:
+    """Saved-tensor hooks that copy each saved activation (not model state, not a chunk-memory
+    recipe of ``pack``) to host memory and back to the device when backward unpacks it; the
+    copies' seconds add up in ``seconds`` (taken off the profiler's clock)."""
+
+    def __init__(self, pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor], model_state: set[int]) -> None:
+        self._pack, self._unpack, self._model_state = pack, unpack, model_state
+        self.seconds = 0.0
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        packed = self._pack(tensor)
+        if packed is not tensor or tensor.numel() == 0 or tensor.untyped_storage().data_ptr() in self._model_state:
+            return packed
+        started = time.perf_counter()
+        with device_wall.host_allocations():
+            host = tensor.detach().to("cpu", copy=True)
+        self.seconds += time.perf_counter() - started
+        return _OnHost(host, tensor.device)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _OnHost):
+            return self._unpack(packed)
+        started = time.perf_counter()
+        back = packed.host.to(packed.device, copy=True)
+        self.seconds += time.perf_counter() - started
+        return back
 
 
 def _param_blocks(params: tuple[ParamInfo, ...], block_path: str, num_blocks: int) -> tuple[int, ...]:

@@ -43,7 +43,7 @@ from runtime.batches import batch_shape, call_model, default_loss
 from runtime.chunks.layout import ParamInfo
 from runtime.config.settings import PlanningSettings
 from runtime.config.spec_io import SpecError
-from runtime.device import DeviceInfo, release_free_memory
+from runtime.device import DeviceInfo, counts_every_byte, release_free_memory
 from runtime.distributed import DistContext, all_reduce_max, all_reduce_sum_
 from runtime.model_cache import cache_configs, caches_off
 from runtime.planning.hardware_probes import hardware_key, hardware_profile, with_disk_rates
@@ -143,7 +143,10 @@ class Planner:
     origin: ProfileOrigin = field(default_factory=ProfileOrigin)
     """The cache entries ``profiles`` were read from (the plan check drops stale ones)."""
     batch_tried: bool = False
-    """``plan_on`` ran (a batch is profiled through the chunk engine once)."""
+    """``plan_on`` ran (a batch is profiled through the chunk engine once, or twice: see
+    ``offloaded_plan``)."""
+    failure: str | None = None
+    """Why the last profiling step did not fit the device (its out-of-memory error), if so."""
 
     @property
     def searchable(self) -> bool:
@@ -175,10 +178,23 @@ class Planner:
         """Profile on ``batch`` through the chunk engine and search; None when the profiling step
         does not fit the device. A loss the profiler cannot find raises ``LossNotFoundError``."""
         self.batch_tried = True
+        self.failure = None
         try:
             return self._profile_and_search(batch, chunked)
         except NoPlanFitsError as err:
             raise SpecError(f"memory: {err}") from None
+
+    def offloaded_plan(self, plan: Plan) -> Plan | None:
+        """Profiling on a batch did not fit beside ``plan``'s persistent chunks: the conservative
+        rule's plan (every chunk offloaded, the fewest buffers) to profile under instead, and one
+        more ``plan_on``; None when ``plan`` offloads every chunk already or ``n_persist`` was set
+        by hand."""
+        if plan.n_persist == 0 or self.settings.request.n_persist is not None:
+            return None
+        self.batch_tried = False
+        offloaded = self._resident(dataclasses.replace(self.settings.request, n_persist=0))
+        rule = "conservative: profiling on a batch did not fit beside the persistent chunks, so every chunk is offloaded"
+        return Plan.from_dict({**offloaded.to_dict(), "rule": rule})
 
     def search_at(self, device_budget: int) -> Plan:
         """The latest profiles searched at ``device_budget``; ``ValueError`` when nothing fits
@@ -209,7 +225,8 @@ class Planner:
         request = self.settings.request
         element_size = compute_element_size(self.settings.precision)
         plan = self._resident(request)
-        if request.n_persist is None and model_state_bytes(plan, element_size) > self.budgets[0]:
+        sizes = [(p.numel, p.trainable) for p in self.subject.params]
+        if request.n_persist is None and model_state_bytes(plan, element_size, sizes) > self.budgets[0]:
             plan = self._resident(dataclasses.replace(request, n_persist=0))
             rule = "conservative: the model state does not fit the device budget, so every chunk is offloaded"
             plan = Plan.from_dict({**plan.to_dict(), "rule": rule})
@@ -253,11 +270,14 @@ class Planner:
         if profile is not None:
             self.origin.cached.append(path)
         else:
+            self.failure = None
             profile = self._measure(batch, shape, chunked)
             failed = torch.tensor([1.0 if profile is None else 0.0], dtype=torch.float64)
             if dist_ctx is not None:
                 all_reduce_sum_(failed, dist_ctx)
             if failed.item() > 0 or profile is None:
+                # Every rank acts on the failure alike (the next plans must match).
+                self.failure = self.failure or "another rank's profiling step did not fit its device"
                 return None
             if dist_ctx is not None:
                 profile = agree_model(profile, dist_ctx)
@@ -334,11 +354,15 @@ class Planner:
                 profile_steps=settings.profile_steps,
                 chunked=chunked,
                 agree_max=lambda seconds: seconds if dist_ctx is None else all_reduce_max(seconds, dist_ctx),
+                # Through the chunk engine the device is tight: activations wait on the host (where
+                # the readings tell the two apart; the CPU's heap alone holds both).
+                offload_saved=chunked is not None and counts_every_byte(device),
             )
-        except torch.OutOfMemoryError:
+        except torch.OutOfMemoryError as err:
             if chunked is None:  # the chunk engine clears its own (see ChunkManager.profiling)
                 for param in model.parameters():
                     param.grad = None
+            self.failure = str(err).splitlines()[0] if str(err) else type(err).__name__
             return None
         finally:
             release_free_memory(device)

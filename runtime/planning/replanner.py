@@ -35,6 +35,7 @@ from runtime.distributed import DistContext, all_reduce_max
 from runtime.planning.apply_plan import PlanTarget, apply_plan
 from runtime.planning.model_profiling import ChunkedRun
 from runtime.planning.plan_check import judge as judge_plan_check
+from runtime.planning.plan_switch import hold_on_host
 from runtime.planning.planner import Planner
 
 REPLAN_MARGIN = 0.10
@@ -70,8 +71,12 @@ class Replanner:
         return self.planner.wants_batch
 
     def apply(self, plan: Plan, *, state_from: ChunkManager) -> tuple[ChunkManager, ActivationManager]:
-        """``plan``'s managers, the training state moved over from ``state_from``."""
-        return apply_plan(self.model, plan, target=self.target, state_from=state_from)
+        """``plan``'s managers, the training state moved over from ``state_from`` (closed here:
+        its state goes to the host and its device memory is freed before the new layout is
+        built, so the device never holds both)."""
+        state_from.close()
+        held = hold_on_host(state_from)
+        return apply_plan(self.model, plan, target=self.target, state_from=held)
 
     def plan_on(
         self, batch: Any, *, chunks: ChunkManager, activations: ActivationManager, asked: bool
@@ -98,9 +103,23 @@ class Replanner:
             for module, training in modes:
                 module.training = training
         if plan is None:
-            self.log("plan: profiling on a batch did not fit the device; keeping the plan")
             return None
         return dataclasses.replace(plan, rule=f"planned on a batch through the chunk engine: {plan.rule}")
+
+    def did_not_fit(self, plan: Plan) -> Plan | None:
+        """Profiling on a batch under ``plan`` did not fit the device: the plan with every chunk
+        offloaded to profile under instead (the engine switches to it and asks ``plan_on``
+        again), or, when ``plan`` offloads them already, ``SpecError``: no plan can run."""
+        offloaded = self.planner.offloaded_plan(plan)
+        if offloaded is not None:
+            self.log("plan: profiling on a batch did not fit beside the persistent chunks; offloading every chunk")
+            return offloaded
+        raise SpecError(
+            f"memory: no plan fits the device budget of {plan.device_budget_bytes / 2**20:.2f} MiB per rank: "
+            f"a profiling step with every chunk offloaded through {plan.n_buffer} buffer(s) of "
+            f"{plan.chunk_size / 2**10:.0f} KiB and the activations waiting in host memory did not fit "
+            f"({self.planner.failure}); lower micro_batch_size or raise memory.device_budget"
+        )
 
     def judge(self, check: dict[str, Any]) -> dict[str, Any]:
         """A step time far off the prediction of a plan made from cached profiles: they were

@@ -175,6 +175,11 @@ class Engine(EngineFacades):
         if self._replanner is None:
             return
         plan = self._replanner.plan_on(batch, chunks=self.chunks, activations=self.activations, asked=asked)
+        if plan is None and self._replanner.planner.failure is not None:  # the step did not fit
+            self.switch_plan(self._replanner.did_not_fit(self.plan))
+            plan = self._replanner.plan_on(batch, chunks=self.chunks, activations=self.activations, asked=asked)
+            if plan is None and self._replanner.planner.failure is not None:
+                self._replanner.did_not_fit(self.plan)  # raises: nothing smaller to profile under
         if plan is None:
             return
         if same_layout(plan, self.plan):
@@ -348,9 +353,7 @@ class Engine(EngineFacades):
         self.checkpointer.wait()
         # The old activation manager goes first: the new one may reuse its file directory.
         self.activations.close()
-        old_chunks = self.chunks
-        self._parts.chunks, self._parts.activations = self._replanner.apply(plan, state_from=old_chunks)
-        old_chunks.close()
+        self._parts.chunks, self._parts.activations = self._replanner.apply(plan, state_from=self.chunks)
         self.checkpointer.use(self.chunks)
         self._adopt(plan, static_device_bytes=self.chunks.device_state_bytes())
 

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import runtime
@@ -16,6 +17,7 @@ from profiler.profile import ModelProfile
 from runtime.batches import call_model
 from runtime.blocks import find_blocks
 from runtime.chunks.residency import Residency
+from runtime.config.spec_io import SpecError
 from runtime.planning.model_profiling import ChunkedRun
 from runtime.planning.replanner import chunked_run
 from runtime.training.engine import Engine
@@ -108,7 +110,7 @@ def test_a_model_larger_than_the_device_is_planned_on_its_first_batch(tmp_path: 
     chunks, searches, and switches; the run equals plain PyTorch."""
     data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
     expected, _ = train_reference(tiny_gpt(), data, steps=STEPS, lr=1e-3, weight_decay=0.1)
-    budget = model_state_bytes(tiny_gpt()) // 2
+    budget = model_state_bytes(tiny_gpt()) * 3 // 5  # below the state; above the smallest plan
     engine = runtime.initialize(tiny_gpt(), config=job(tmp_path, device_budget=budget))
     assert engine.plan.rule.startswith("conservative") and engine.plan.n_persist == 0
     train_updates(engine, data, range(1))  # profiled, planned and switched here
@@ -132,7 +134,7 @@ def test_a_streamed_model_is_planned_on_the_example_batch_through_its_chunks(tmp
     expected, _ = train_reference(tiny_gpt(seed=5), data, steps=STEPS, lr=1e-3, weight_decay=0.1)
     with init_empty_weights():
         empty = tiny_gpt(seed=0)
-    budget = model_state_bytes(tiny_gpt()) // 2
+    budget = model_state_bytes(tiny_gpt()) * 3 // 5  # below the state; above the smallest plan
     engine = runtime.initialize(
         empty,
         config=job(tmp_path, device_budget=budget, n_checkpoint=1),
@@ -165,3 +167,36 @@ def test_profiling_with_the_fewest_buffers_a_plan_allows(tmp_path: Path) -> None
     assert engine.plan.rule.startswith("planned on a batch through the chunk engine"), engine.plan.rule
     assert_state_equal(engine.state_dict(), expected)
     engine.close()
+
+
+def test_a_batch_that_does_not_fit_beside_the_resident_chunks_is_profiled_with_them_offloaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The model state fits the budget (the resident rule keeps every chunk on the device) but a
+    step beside it does not: profiling the first batch runs out of memory under the wall, as it
+    would on a GPU; the engine offloads every chunk, profiles again and switches to the searched
+    plan; the run equals plain PyTorch."""
+    monkeypatch.setenv("PROTRAIN_STRICT_DEVICE", "1")
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    expected, _ = train_reference(tiny_gpt(), data, steps=STEPS, lr=1e-3, weight_decay=0.1)
+    budget = model_state_bytes(tiny_gpt()) * 5 // 4  # the state (chunk padding included) and a bit
+    engine = runtime.initialize(tiny_gpt(), config=job(tmp_path, device_budget=budget))
+    assert engine.plan.rule.startswith("resident") and engine.plan.n_persist == engine.plan.num_chunks
+    train_updates(engine, data, range(STEPS))
+    assert "profiling on a batch did not fit beside the persistent chunks" in capsys.readouterr().out
+    assert engine.plan.rule.startswith("planned on a batch through the chunk engine: search"), engine.plan.rule
+    assert engine.plan.n_persist < engine.plan.num_chunks
+    assert_state_equal(engine.state_dict(), expected)
+    engine.close()
+
+
+def test_a_step_that_does_not_fit_even_with_every_chunk_offloaded_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PROTRAIN_STRICT_DEVICE", "1")
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    with pytest.raises(SpecError) as refused:
+        runtime.initialize(tiny_gpt(), config=job(tmp_path, device_budget="300KiB"), example_batch=data.batch(0, 0, 0))
+    text = str(refused.value)
+    assert text.startswith("memory: no plan fits the device budget of 0.29 MiB per rank: a profiling step with every chunk offloaded"), text
+    assert "DeviceBudgetExceeded" in text or "over its memory.device_budget" in text
