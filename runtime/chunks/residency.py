@@ -151,6 +151,8 @@ class ChunkResidency:
         self._pinned: set[int] = set()
         self._recomputing = False
         self._privatized: set[int] = set()
+        self._stand_ins: list[tuple[nn.Module, str, nn.Parameter]] = []
+        """Frozen parameters replaced in their modules while a block is recomputed."""
         self._fetches: dict[int, DeviceEvent] = {}
         offloaded_fp32 = any(not c.persistent and c.master.dtype != store.compute_dtype for c in self.chunks)
         self.uploads = (
@@ -353,13 +355,27 @@ class ChunkResidency:
             for chunk_index in self._privatized:
                 self.store.point_params(self.chunks[chunk_index])
             self._privatized.clear()
+            for module, name, original in self._stand_ins:
+                module._parameters[name] = original
+            self._stand_ins.clear()
 
     def _privatize(self, module: nn.Module) -> None:
-        for param in module.parameters(recurse=False):
+        """The module's parameters that live in buffer slots read private copies while the
+        block is recomputed. checkpoint saves a trainable parameter as a detached alias of its
+        data then (the copy, whatever the parameter points at later), but a frozen one as the
+        parameter itself, which points back at a slot (or the placeholder) once the
+        recomputation ends: a frozen one is replaced in its module by a parameter of its own,
+        the original put back afterwards."""
+        for name, param in list(module.named_parameters(recurse=False)):
             chunk_index = self.store.chunk_of(param)
-            if not self.chunks[chunk_index].persistent:
+            if self.chunks[chunk_index].persistent:
+                continue
+            if param.requires_grad:
                 param.data = param.data.clone()
                 self._privatized.add(chunk_index)
+            else:
+                module._parameters[name] = nn.Parameter(param.data.clone(), requires_grad=False)
+                self._stand_ins.append((module, name, param))
 
     # ------------------------------------------------------------------ saved views of slots
 

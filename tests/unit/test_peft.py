@@ -118,6 +118,23 @@ def test_lora_trains_like_plain_peft_and_the_base_stays_frozen(tmp_path: Path, p
     assert trained and all(not torch.equal(state[k], initial[k]) for k in trained)
 
 
+def test_recomputed_blocks_read_their_frozen_weights_after_the_buffers_moved_on(tmp_path: Path, plain: Any) -> None:
+    """Every block recomputed, every chunk offloaded through two small buffers: a recomputed
+    block's frozen base weights (layer norms, projections) come from buffers that later chunks
+    take over before that block's backward is done. checkpoint keeps a frozen parameter itself,
+    not a copy of its data, so it must still hold the recomputation's values then (it held the
+    NaN placeholder, and every adapter gradient was NaN)."""
+    fp32, losses, fp64 = plain
+    memory = {"chunk_size": "64KiB", "n_persist": 0, "n_buffer": 2, "block_modes": ["checkpoint", "checkpoint"]}
+    with runtime.initialize(lora_llama(), config=job(tmp_path, memory=memory)) as engine:
+        frozen = [c for c in engine.chunks.chunks if not c.info.trainable]
+        assert len(frozen) > 2 and engine.chunks.n_buffer == 2
+        got_losses = train_engine(engine)
+        state = engine.state_dict()
+    assert got_losses == pytest.approx(losses, rel=1e-5)
+    assert_matches_reference(state, fp32, fp64)
+
+
 def test_adapter_export_loads_with_peft_and_gives_the_same_logits(tmp_path: Path) -> None:
     engine = runtime.initialize(lora_llama(), config=job(tmp_path))
     with engine:
