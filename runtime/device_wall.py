@@ -207,9 +207,14 @@ class _CountingMode(TorchDispatchMode):
         for tensor in new:
             error = self._count(tensor, func) or error
         if error is not None:
-            # Freed before raising (the traceback keeps this frame): the refused memory goes.
+            # Freed before raising (the traceback keeps this frame): the refused memory goes;
+            # and the frame lets go of the error, or the two would keep each other (and every
+            # frame of the traceback, with the activations they hold) until a garbage collection.
             del out, new, tensor
-            raise error
+            try:
+                raise error
+            finally:
+                error = None
         return out
 
     def _count(self, tensor: torch.Tensor, func: Any) -> DeviceBudgetExceeded | None:

@@ -220,7 +220,7 @@ class ActivationManager:
         storage = tensor.untyped_storage()
         address = storage.data_ptr()
         if address in self._model_state:
-            return tensor
+            return tensor.detach()  # not the tensor itself: see KeptTensor
         if storage.nbytes() < self.min_offload_bytes:
             self.stats.kept_small += 1
             return KeptTensor(tensor)

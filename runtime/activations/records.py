@@ -33,12 +33,18 @@ from profiler.plan import BlockMode
 class KeptTensor:
     """A saved tensor the dispatcher keeps where it is. Autograd skips its own in-place check
     for tensors that pass through saved-tensor hooks, so the version is noted here and checked
-    when backward unpacks it, with autograd's message."""
+    when backward unpacks it, with autograd's message.
+
+    It holds a detached alias (same memory, same version counter), never the tensor itself: an
+    output saved by the node that made it would then hold its own node (tensor -> grad_fn ->
+    saved variable -> tensor), a cycle through C++ the garbage collector cannot see, which a
+    forward never followed by its backward (an error between them, a profiling step that ran
+    out of memory) leaked with every activation of the step."""
 
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
+        self.tensor = tensor.detach()
         self.version = tensor._version
 
     def unpack(self) -> torch.Tensor:

@@ -192,7 +192,7 @@ def _one_step(
     if chunked is None:
         for param in model.parameters():
             param.grad = None
-    pack_inner = chunked.pack if chunked is not None else _same
+    pack_inner = chunked.pack if chunked is not None else _detached
     unpack = chunked.unpack if chunked is not None else _same
     to_host: _SavedOnHost | None = None
     if offload:
@@ -307,6 +307,12 @@ def _same(value: Any) -> Any:
     return value
 
 
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    """What a pack hook keeps of a tensor it leaves in place: a detached alias, never the tensor
+    (``runtime.activations.records.KeptTensor`` says why)."""
+    return tensor if tensor.grad_fn is None else tensor.detach()
+
+
 _tokens = itertools.count()
 
 
@@ -330,7 +336,7 @@ class _OnHost:
 
 class _SavedOnHost:
     """Saved-tensor hooks that copy each saved activation (not model state, not a chunk-memory
-    recipe of ``pack``) to host memory and back to the device when backward unpacks it; the
+    recipe of the inner ``pack``) to host memory and back to the device when backward unpacks it; the
     copies' seconds add up in ``seconds`` (taken off the profiler's clock)."""
 
     def __init__(self, pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor], model_state: set[int]) -> None:
@@ -339,7 +345,9 @@ class _SavedOnHost:
 
     def pack(self, tensor: torch.Tensor) -> Any:
         packed = self._pack(tensor)
-        if packed is not tensor or tensor.numel() == 0 or tensor.untyped_storage().data_ptr() in self._model_state:
+        if not isinstance(packed, torch.Tensor) or tensor.numel() == 0:
+            return packed  # a recipe for a view of a chunk buffer, or nothing to move
+        if tensor.untyped_storage().data_ptr() in self._model_state:
             return packed
         started = time.perf_counter()
         with device_wall.host_allocations():

@@ -172,7 +172,10 @@ def chunked_run(chunks: ChunkManager) -> ChunkedRun:
 
     def pack(tensor: torch.Tensor) -> Any:
         alias = chunks.pack_alias(tensor)
-        return tensor if alias is None else alias
+        if alias is not None:
+            return alias
+        # A detached alias, never the tensor (runtime.activations.records.KeptTensor says why).
+        return tensor if tensor.grad_fn is None else tensor.detach()
 
     def unpack(packed: Any) -> torch.Tensor:
         return chunks.unpack_alias(packed) if isinstance(packed, SavedAlias) else packed
