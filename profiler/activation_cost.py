@@ -4,7 +4,10 @@ activation bytes alive at the device peak. Pure functions over saved profiles; n
 Per block ``i`` (forward ``f``, backward ``b``, saved bytes ``a``, input bytes ``x``)::
 
     keep        a alive from the block's forward to its backward
-    checkpoint  only x alive; backward recomputes the forward first (+f) and holds a meanwhile
+    checkpoint  only x alive; backward recomputes the forward first (+f) and holds a meanwhile,
+                and a private copy of the block's parameters (those in buffer slots, which
+                other chunks may take over before the block's backward ends: counted for all,
+                a bound)
     swap        a copied to host after the block's forward (a / d2h), back before its backward
                 (a / h2d); nothing alive in between
     ssd         a written to disk after the block's forward (a / ssd_write), read back before its
@@ -77,6 +80,7 @@ def activation_cost(model: ModelProfile, hardware: HardwareProfile, modes: Seque
             backward_extra += block.activation_bytes / hardware.h2d_bytes_per_s
     backward_extra += _backward_waits(model, hardware, modes, saved)
 
+    weights = _block_parameter_bytes(model)
     peak = below = model.other_activation_bytes + sum(alive)  # the end of forward
     # Offloaded blocks below each block, nearest first: the ones its backward has prefetched.
     offloaded_below: list[int] = [i for i, mode in enumerate(modes) if mode in OFFLOADED]
@@ -85,7 +89,8 @@ def activation_cost(model: ModelProfile, hardware: HardwareProfile, modes: Seque
         while offloaded_below and offloaded_below[-1] >= index:
             offloaded_below.pop()
         ahead = offloaded_below[-PREFETCH_BLOCKS:]
-        peak = max(peak, below + saved[index] + sum(saved[i] for i in ahead))
+        copies = weights[index] if modes[index] == CHECKPOINT else 0
+        peak = max(peak, below + saved[index] + copies + sum(saved[i] for i in ahead))
     return ActivationCost(
         forward_extra_s=forward_extra,
         backward_extra_s=backward_extra,
@@ -93,6 +98,15 @@ def activation_cost(model: ModelProfile, hardware: HardwareProfile, modes: Seque
         host_bytes=sum(a for a, mode in zip(saved, modes, strict=True) if mode == SWAP),
         ssd_bytes=sum(a for a, mode in zip(saved, modes, strict=True) if mode == SSD),
     )
+
+
+def _block_parameter_bytes(model: ModelProfile) -> list[int]:
+    """Per block, its parameters' bytes in the compute dtype."""
+    weights = [0] * len(model.blocks)
+    for (numel, _), block in zip(model.param_sizes, model.param_block, strict=True):
+        if 0 <= block < len(weights):
+            weights[block] += numel * model.element_size
+    return weights
 
 
 def _alive_after_forward(mode: str, saved: int, inputs: int) -> int:

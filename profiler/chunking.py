@@ -19,13 +19,17 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from profiler.host_bytes import rank_numel
+
 MIB = 1 << 20
 PREFERRED_MIN_CHUNK_BYTES = 32 * MIB
 """Below this, per-chunk collective and copy latency starts to dominate on real hardware."""
 MAX_CHUNK_BYTES = 256 * MIB
-MIN_CHUNKS_FOR_SMALL_MODELS = 8
-"""A model smaller than 8 x 32 MiB is still split into about this many chunks, so that
-offloading it can be planned at all (and tested on tiny models)."""
+MIN_CHUNKS_FOR_SMALL_MODELS = 64
+"""A model smaller than 64 x 32 MiB is still split into up to about this many chunks (never
+below its largest parameter), so that offloading it can be planned at all, and fit a budget of a
+quarter of its fp32 size: with every chunk offloaded the device holds two buffers and a gradient
+buffer, 3/8 of the model at 8 chunks (tested on tiny models under the device wall)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +101,7 @@ def pack(sizes: Sequence[tuple[int, bool]], chunk_numel: int, world_size: int) -
 def candidate_chunk_bytes(total_bytes: int, largest_param_bytes: int) -> list[int]:
     """The grid, scaled to the model: sizes 2^k x {1, 1.25, 1.5, 1.75} from a floor to a cap.
 
-    Floor: 32 MiB, or about total/8 for models smaller than 8 x 32 MiB; never below the largest
+    Floor: 32 MiB, or about total/64 for models smaller than 64 x 32 MiB; never below the largest
     parameter. Cap: 256 MiB or twice the floor, whichever is larger, but not above the whole
     model (and never below the floor).
     """
@@ -132,6 +136,13 @@ def search_chunk_size(sizes: Sequence[tuple[int, bool]], element_size: int, worl
     return -best[1]
 
 
+def smallest_chunk_size(sizes: Sequence[tuple[int, bool]], element_size: int) -> int:
+    """The largest parameter's bytes (at least a KiB): with every chunk offloaded, the chunk
+    size at which the device holds the least of the model (a rule's plan until a profile lets
+    the search choose)."""
+    return max(1024, max((numel for numel, _ in sizes), default=1) * element_size)
+
+
 def min_buffers(packing: Packing, module_params: Sequence[Sequence[int]], n_persist: int) -> int:
     """The fewest device chunk buffers with which every module can run: a module's own
     parameters must be resident together, so it is the most non-persistent chunks one module's
@@ -164,3 +175,16 @@ def min_buffers_by_persist(packing: Packing, module_params: Sequence[Sequence[in
         running = max(running, most[p])
         need[p] = max(1, running)
     return tuple(need)
+
+
+def persistent_chunk_bytes(chunk: PackedChunk, *, chunk_numel: int, world_size: int, element_size: int) -> int:
+    """Device bytes of one persistent chunk on rank 0 (which holds the most): its full compute
+    copy and, trainable, the fp32 master (shared with the copy for one rank in fp32), gradient
+    and two Adam moments of rank 0's real elements; frozen, the copy alone (the shard is a view
+    of it)."""
+    full = chunk_numel * element_size
+    if not chunk.trainable:
+        return full
+    stored = rank_numel(chunk.used, chunk_numel // world_size, 0)
+    alias = world_size == 1 and element_size == 4
+    return full + stored * ((0 if alias else 4) + 4 + 8)

@@ -74,7 +74,7 @@ from itertools import accumulate
 
 from profiler import host_bytes
 from profiler.activation_cost import ActivationCost
-from profiler.chunking import PackedChunk, Packing, min_buffers_by_persist, pack
+from profiler.chunking import Packing, min_buffers_by_persist, pack, persistent_chunk_bytes
 from profiler.profile import HardwareProfile, ModelProfile
 
 
@@ -149,19 +149,6 @@ class Prediction:
     ssd_bytes: int = 0
     update_s: float = 0.0
     """The norm and zeroing passes after the optimizer."""
-
-
-def persistent_chunk_bytes(chunk: PackedChunk, *, chunk_numel: int, world_size: int, element_size: int) -> int:
-    """Device bytes of one persistent chunk on rank 0 (which holds the most): its full compute
-    copy and, trainable, the fp32 master (shared with the copy for one rank in fp32), gradient
-    and two Adam moments of rank 0's real elements; frozen, the copy alone (the shard is a view
-    of it)."""
-    full = chunk_numel * element_size
-    if not chunk.trainable:
-        return full
-    stored = host_bytes.rank_numel(chunk.used, chunk_numel // world_size, 0)
-    alias = world_size == 1 and element_size == 4
-    return full + stored * ((0 if alias else 4) + 4 + 8)
 
 
 def chunk_costs(model: ModelProfile, hardware: HardwareProfile, chunk_size: int) -> ChunkCosts:
@@ -332,9 +319,15 @@ def predict(
     backward += costs.unattributed_backward_s
     activation_bytes = costs.activation_bytes
     segment = hardware.adam_segment_s
-    device_adam = _span(costs.adam_params, 0, p) / hardware.device_adam_params_per_s
+    device_rate, host_rate = hardware.device_adam_params_per_s, hardware.cpu_adam_params_per_s
+    if not hardware.copies_overlap_compute:
+        # One memory and one set of cores (CPU): the same kernel on the same state at either
+        # place. Two measurements of it differ by noise alone, and a host rate above the
+        # device's would make offloading look faster than keeping chunks, which it never is.
+        device_rate = host_rate = min(device_rate, host_rate)
+    device_adam = _span(costs.adam_params, 0, p) / device_rate
     device_adam += _span(costs.adam_segments, 0, p) * segment + _span(costs.refresh, 0, p)
-    cpu_adam = _span(costs.adam_params, p, n) / hardware.cpu_adam_params_per_s
+    cpu_adam = _span(costs.adam_params, p, n) / host_rate
     cpu_adam += _span(costs.adam_segments, p, n) * segment
     host_adds = _span(costs.host_adds if keeps_gradients else costs.host_widens, p, n)
     cpu_adam += host_adds  # the same host worker, in order

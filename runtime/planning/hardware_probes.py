@@ -86,6 +86,8 @@ def measure_hardware(
     ``device_budget``: the probes run inside the engine's budget, as everything it allocates
     does."""
     room = None if device_budget is None else max(64 << 10, _free(device, device_budget) // 8)
+    if room is not None and dist_ctx is not None:  # the collective probe's size: every rank's the same
+        room = int(all_reduce_min_(torch.tensor([float(room)], dtype=torch.float64), dist_ctx)[0])
     h2d, d2h = _copy_rates(device, _fit(COPY_PROBE_BYTES, room))
     # With the host worker's thread count: its rate is what the cost model's host term needs.
     threads = host_worker_threads(device)

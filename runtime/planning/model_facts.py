@@ -15,8 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from profiler.chunking import candidate_chunk_bytes, pack
-from profiler.cost_model import persistent_chunk_bytes
+from profiler.chunking import candidate_chunk_bytes, pack, persistent_chunk_bytes
 from profiler.feasibility import chunk_knob_conflict, spec_size
 from profiler.plan import Plan
 from profiler.plan_builder import KnobRequest, activations_searchable

@@ -21,6 +21,8 @@ ones (to count or time the measurements) instead of patching a module.
 from __future__ import annotations
 
 import dataclasses
+import gc
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +40,7 @@ from profiler.plan_builder import (
     searched_plan,
 )
 from profiler.profile import HardwareProfile, ModelProfile, cache_key
+from profiler.chunking import min_buffers, pack, smallest_chunk_size
 from profiler.search import NoPlanFitsError
 from runtime.batches import batch_shape, call_model, default_loss
 from runtime.chunks.layout import ParamInfo
@@ -192,9 +195,9 @@ class Planner:
         if plan.n_persist == 0 or self.settings.request.n_persist is not None:
             return None
         self.batch_tried = False
-        offloaded = self._resident(dataclasses.replace(self.settings.request, n_persist=0))
-        rule = "conservative: profiling on a batch did not fit beside the persistent chunks, so every chunk is offloaded"
-        return Plan.from_dict({**offloaded.to_dict(), "rule": rule})
+        return self._offloaded(
+            "conservative: profiling on a batch did not fit beside the persistent chunks, so every chunk is offloaded"
+        )
 
     def search_at(self, device_budget: int) -> Plan:
         """The latest profiles searched at ``device_budget``; ``ValueError`` when nothing fits
@@ -227,10 +230,23 @@ class Planner:
         plan = self._resident(request)
         sizes = [(p.numel, p.trainable) for p in self.subject.params]
         if request.n_persist is None and model_state_bytes(plan, element_size, sizes) > self.budgets[0]:
-            plan = self._resident(dataclasses.replace(request, n_persist=0))
             rule = "conservative: the model state does not fit the device budget, so every chunk is offloaded"
-            plan = Plan.from_dict({**plan.to_dict(), "rule": rule})
+            plan = self._offloaded(rule)
         return plan
+
+    def _offloaded(self, rule: str) -> Plan:
+        """Every chunk offloaded through the fewest buffers, of the smallest chunk size the
+        search would try (unless set by hand): the least model state a plan holds."""
+        request = self.settings.request
+        sizes = [(p.numel, p.trainable) for p in self.subject.params]
+        element_size = compute_element_size(self.settings.precision)
+        chunk_size = request.chunk_size or smallest_chunk_size(sizes, element_size)
+        n_buffer = request.n_buffer
+        if n_buffer is None:  # the fewest every module needs, no prefetch buffer
+            packing = pack(sizes, max(1, chunk_size // element_size), self.subject.world_size)
+            n_buffer = min_buffers(packing, self.subject.owned, 0)
+        plan = self._resident(dataclasses.replace(request, n_persist=0, chunk_size=chunk_size, n_buffer=n_buffer))
+        return Plan.from_dict({**plan.to_dict(), "rule": rule})
 
     def _resident(self, request: KnobRequest) -> Plan:
         subject, settings = self.subject, self.settings
@@ -337,8 +353,9 @@ class Planner:
                 with torch.autocast(device_type=device.autocast_type, dtype=autocast):
                     return call_model(model, batch)
 
+        profile: ModelProfile | None = None
         try:
-            return self.profilers.model(
+            profile = self.profilers.model(
                 model,
                 run_forward,
                 loss_fn=subject.loss_fn or default_loss,
@@ -363,6 +380,12 @@ class Planner:
                 for param in model.parameters():
                     param.grad = None
             self.failure = str(err).splitlines()[0] if str(err) else type(err).__name__
-            return None
+            # The error may outlive this block (autograd's engine keeps the error of a failed
+            # backward): its frames let go of the step's output and loss, and so of the graph
+            # with every activation it saved.
+            traceback.clear_frames(err.__traceback__)
         finally:
             release_free_memory(device)
+        if profile is None:
+            gc.collect()  # what the failed step held, and any cycle through its traceback, goes now
+        return profile

@@ -57,8 +57,9 @@ def test_checkpoint_keeps_inputs_and_recomputes_each_forward() -> None:
     cost = activation_cost(model(), hardware(), ["checkpoint"] * 4)
     assert cost.backward_extra_s == 4 * 1.0
     # End of forward: 50 + 4 x 10 = 90; the last block's backward recomputes its 100 bytes with
-    # the three inputs below it alive: 50 + 30 + 100.
-    assert cost.peak_bytes == 180
+    # the three inputs below it alive, beside the private copy of its 1,024 bytes of parameters
+    # the recomputation reads: 50 + 30 + 100 + 1024.
+    assert cost.peak_bytes == 1204
 
 
 def test_swap_hides_copies_behind_compute_where_they_overlap() -> None:
@@ -98,9 +99,9 @@ def test_slow_disk_writes_show_in_forward_and_slow_reads_in_backward() -> None:
 
 def test_mixed_layout_peaks_where_prefetched_blocks_meet_kept_ones() -> None:
     cost = activation_cost(model(), hardware(), ["ssd", "swap", "checkpoint", "keep"])
-    # Block 3's backward: outside 50 + checkpoint input 10 + its own 100 + blocks 1 and 0
-    # prefetched 200.
-    assert cost.peak_bytes == 360
+    # Block 2's backward (recomputed): outside 50 + its own 100 + its parameters' private copy
+    # 1,024 + blocks 1 and 0 prefetched 200 (block 3's, 360 without the copy, is lower).
+    assert cost.peak_bytes == 1374
     assert cost.host_bytes == 100 and cost.ssd_bytes == 100
     assert cost.backward_extra_s >= 1.0  # the checkpointed block's recomputation at least
 

@@ -312,7 +312,9 @@ def test_shared_cores_add_up_and_the_update_passes_are_counted() -> None:
     got = predict(model, cpu, costs, n_persist=2, n_buffer=2)
     update = 4 * 2 * 4 * (1 << 20) / 1e10  # norm read + zero write, 4 bytes, every shard
     assert got.cpu_adam_s == pytest.approx(2 * (1 << 20) / 1e9 + 2 * 1e-4)  # two one-parameter chunks
-    assert got.device_adam_s == pytest.approx(2 * (1 << 20) / 1e10 + 2 * 1e-4)
+    # One memory, one set of cores: the device's Adam runs at the host's rate (the slower of the
+    # two measurements of one kernel), so offloading never looks faster than keeping a chunk.
+    assert got.device_adam_s == pytest.approx(2 * (1 << 20) / 1e9 + 2 * 1e-4)
     assert got.step_s == pytest.approx(
         got.forward_s + got.backward_s + got.device_adam_s + got.cpu_adam_s + update
     )
