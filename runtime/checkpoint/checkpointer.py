@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from runtime import device_wall
 from runtime.checkpoint import rng
 from runtime.checkpoint.params import ParameterSpace, expected_entries
 from runtime.checkpoint.store import (
@@ -112,8 +113,9 @@ class Checkpointer:
     @contextlib.contextmanager
     def _dcp_call(self) -> Iterator[None]:
         """DCP warns on every single-process call that it assumes one process (so do we), and
-        whenever it touches a ShardedTensor that the type is deprecated (see ``params``)."""
-        with warnings.catch_warnings():
+        whenever it touches a ShardedTensor that the type is deprecated (see ``params``). What
+        it allocates is host memory: tensors staged to and from the files."""
+        with warnings.catch_warnings(), device_wall.host_allocations():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
             yield
@@ -164,11 +166,12 @@ class Checkpointer:
 
         self._on_main(prepare, f"preparing {temp}")
         space = self._parameter_space()
-        state = space.for_save(copy=self.settings.async_save)
-        state_dict = state.state_dict
-        for name, tensor in self._buffers().items():
-            state_dict[BUFFER + name] = tensor.detach().to("cpu", copy=True)
-        state_dict.update(rng.capture(self.dist_ctx.rank))
+        with device_wall.host_allocations():  # host copies of device state, for the writer
+            state = space.for_save(copy=self.settings.async_save)
+            state_dict = state.state_dict
+            for name, tensor in self._buffers().items():
+                state_dict[BUFFER + name] = tensor.detach().to("cpu", copy=True)
+            state_dict.update(rng.capture(self.dist_ctx.rank))
         manifest = {
             **trainer_state,
             "global_step": step,
@@ -305,10 +308,11 @@ class Checkpointer:
         self._check_params(checkpoint)
         self._check_intact(checkpoint)
         space = self._parameter_space()
-        state = space.for_load()
-        state_dict = state.state_dict
         buffers = self._buffers()
-        staged_buffers = {name: torch.empty_like(t, device="cpu") for name, t in buffers.items()}
+        with device_wall.host_allocations():  # host staging of device state, for the reader
+            state = space.for_load()
+            staged_buffers = {name: torch.empty_like(t, device="cpu") for name, t in buffers.items()}
+        state_dict = state.state_dict
         state_dict.update({BUFFER + name: t for name, t in staged_buffers.items()})
         reader = dcp.FileSystemReader(checkpoint.path)
 
@@ -320,7 +324,8 @@ class Checkpointer:
 
         saved_keys = self._on_main(read_keys, f"reading {checkpoint.path}")
         same_world = checkpoint.manifest.get("world_size") == self.dist_ctx.world_size
-        rng_targets = rng.load_targets(self.dist_ctx.rank, saved_keys) if same_world else {}
+        with device_wall.host_allocations():
+            rng_targets = rng.load_targets(self.dist_ctx.rank, saved_keys) if same_world else {}
         state_dict.update(rng_targets)
         missing = sorted(key for key in state_dict if key not in saved_keys)
         if missing:

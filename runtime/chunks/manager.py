@@ -37,7 +37,9 @@ import torch
 from torch import nn
 
 from runtime.chunks.layout import ChunkLayout
+from runtime import device_wall
 from runtime.chunks.optimizer import ChunkOptimizer
+from runtime.chunks.readout import ChunkReadout
 from runtime.chunks.reduce import GradientReducer
 from runtime.chunks.residency import ChunkResidency, SavedAlias, check_buffers
 from runtime.chunks.side_stream import CollectiveQueue
@@ -321,10 +323,25 @@ class ChunkManager:
 
     # ------------------------------------------------------------------ reading the state
 
+    @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter in full precision by its own names (tied ones under each name)."""
+        """Every parameter in full precision by its own names (tied ones under each name), in
+        host memory, read out one chunk at a time (``readout``); every rank calls it."""
         self.drain()
-        return self.store.full_parameters()
+        readout = ChunkReadout(self.store)
+        result: dict[str, torch.Tensor] = {}
+        try:
+            for info, values in readout.chunks():
+                assert values is not None
+                for index in info.params:
+                    param, offset = self.layout.params[index], self.layout.slots[index].offset
+                    with device_wall.host_allocations():
+                        value = values[offset : offset + param.numel].view(param.shape).clone()
+                    for name in (param.name, *param.aliases):
+                        result[name] = value
+        finally:
+            readout.close()
+        return result
 
     def model_state_storages(self) -> set[int]:
         """Storage addresses of chunk memory (slots, persistent copies, shards): a saved tensor

@@ -43,7 +43,7 @@ from runtime.chunks.layout import ChunkInfo, ChunkLayout
 from runtime.chunks.residency import Residency, check_move
 from runtime.cpu_adam import ShardAdamW
 from runtime.device import DeviceInfo
-from runtime.distributed import DistContext, all_gather_flat
+from runtime.distributed import DistContext
 from runtime.host_memory import MmapArena
 
 
@@ -313,26 +313,6 @@ class ChunkStore:
             param.data = self._placeholder(param)
             param.grad = None
         self.chunks.clear()
-
-    @torch.no_grad()
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter in full precision by its own names (tied ones under each name). The
-        caller has drained the collective queue: the all-gathers here come from the main thread."""
-        result: dict[str, torch.Tensor] = {}
-        for chunk in self.chunks:
-            shard = padded_shard(chunk.master, self.layout.shard_numel, self.device.device)
-            if self.dist_ctx.world_size == 1:
-                full = shard.clone()
-            else:
-                full = torch.empty(self.layout.chunk_numel, dtype=shard.dtype, device=self.device.device)
-                all_gather_flat(full, shard, self.dist_ctx.group)
-            for index in chunk.info.params:
-                info = self.layout.params[index]
-                offset = self.layout.slots[index].offset
-                value = full[offset : offset + info.numel].view(info.shape).clone()
-                for name in (info.name, *info.aliases):
-                    result[name] = value
-        return result
 
 
 def padded_shard(stored: torch.Tensor, shard_numel: int, device: torch.device) -> torch.Tensor:

@@ -28,9 +28,10 @@ The Trainer's loop runs as it is; the mixin replaces its seams (transformers 5.x
   the scheduler (``step_was_skipped``);
 - clipping and the reported gradient norm are the engine's (``gradient_clipping`` =
   ``max_grad_norm``);
-- ``save_model`` gathers the consolidated weights on every rank (Trainer's ``_save`` returns
-  early on non-writers, which would leave the others in the gather) and rank 0 writes them with
-  ``save_pretrained`` (a PEFT model writes its adapter);
+- ``save_model`` (and so every checkpoint) streams the weights out of the chunks on every rank
+  (``engine.save_pretrained``: Trainer's ``_save`` returns early on non-writers, which would
+  leave the others in the gathers) and rank 0 writes them as ``save_pretrained`` would (a PEFT
+  model its adapter), with the processing class and the training arguments beside them;
 - checkpoints: ``checkpoint-N`` holds the engine's checkpoint under ``protrain/`` beside the
   Trainer's files; resuming loads it once the engine exists, so the run continues exactly.
 """
@@ -45,6 +46,7 @@ from typing import Any
 
 import torch
 from transformers import Trainer
+from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import enable_full_determinism, set_seed
 
 import runtime
@@ -189,16 +191,30 @@ class ProTrainMixin:
     # ---------------------------------------------------------------- saving and resuming
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Consolidated weights that ``from_pretrained`` loads (a PEFT model: its adapter);
-        every rank must call it (the weights are gathered), rank 0 writes."""
+        """Consolidated weights that ``from_pretrained`` loads (a PEFT model: its adapter),
+        streamed out of the engine's chunks (``engine.save_pretrained``: never the whole model
+        at once), with what the Trainer saves beside them (the processing class, the training
+        arguments); every rank must call it (the chunks are gathered), rank 0 writes."""
         if self._engine is None:  # never trained: the model still holds its own weights
             self._refuse_if_ended()
             super().save_model(output_dir, _internal_call)  # type: ignore[misc]
             return
-        state = self._engine.state_dict()  # a collective: every rank gathers
-        self._save(output_dir or self.args.output_dir, state_dict=state)  # type: ignore[attr-defined]
+        directory = output_dir or self.args.output_dir
+        self._engine.save_pretrained(directory)
+        if self.args.should_save:
+            self._save_beside_weights(directory)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)  # type: ignore[attr-defined]
+
+    def _save_beside_weights(self, directory: str) -> None:
+        """What ``Trainer._save`` writes beside the weights: the processing class (or the data
+        collator's tokenizer) and the training arguments."""
+        processing = self.processing_class  # type: ignore[attr-defined]
+        if processing is None:
+            processing = getattr(self.data_collator, "tokenizer", None)  # type: ignore[attr-defined]
+        if processing is not None:
+            processing.save_pretrained(directory)
+        torch.save(self.args, os.path.join(directory, TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """The engine's checkpoint (parameters, Adam state, loss scale, random streams; every

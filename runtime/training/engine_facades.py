@@ -35,6 +35,7 @@ from runtime.training.loss_scale import DynamicLossScaler
 from runtime.training.parts import EngineParts
 from runtime.training.optimizer_facade import EngineOptimizer, build_engine_optimizer
 from runtime.training.schedule import lr_factor
+from runtime.safetensors_stream import DEFAULT_MAX_SHARD_SIZE
 
 _E = TypeVar("_E", bound="EngineFacades")
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -238,12 +239,19 @@ class EngineFacades:
 
     @device_call("state_dict")
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full-precision parameters (gathered from every rank's shard) and buffers, by the
-        model's own names (a tied parameter under each of its names); detached copies."""
+        """Full-precision parameters and buffers by the model's own names (a tied parameter under
+        each of its names), as host (CPU) tensors: the whole model in host memory at once, read
+        out of its chunks one chunk at a time (the device holds one chunk and one shard buffer
+        more, at most). For a model whose full precision does not fit host memory, ``export``
+        streams it to files instead. Every rank calls it (the chunks are gathered) and gets it."""
         params = self.chunks.full_parameters()
         result: dict[str, torch.Tensor] = {}
         for name, tensor in self.module.state_dict().items():
-            result[name] = params[name] if name in params else tensor.detach().clone()
+            if name in params:
+                result[name] = params[name]
+            else:
+                with device_wall.host_allocations():
+                    result[name] = tensor.detach().to("cpu", copy=True)
         return result
 
     @device_call("export")
@@ -254,25 +262,66 @@ class EngineFacades:
         hf: bool = False,
         adapter_only: bool = False,
         dtype: torch.dtype | None = None,
+        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+        overwrite: bool = False,
     ) -> Path:
-        """Write the trained weights for use without ProTrain (every rank calls it; rank 0
-        writes): one consolidated safetensors file at ``path`` (tied weights stored once, see
-        ``runtime.export``), with ``hf=True`` a Hugging Face directory for a transformers model,
-        with ``adapter_only=True`` the PEFT adapter directory of a ``peft.PeftModel`` (what
-        ``PeftModel.from_pretrained(base, path)`` loads). ``dtype`` casts floating tensors (e.g.
-        ``torch.bfloat16``); default: as trained (fp32 masters)."""
-        from runtime.export import export_from_main_rank
+        """Write the trained weights for use without ProTrain, streamed out of the chunks (at
+        most one chunk and one shard buffer more on the device, one chunk in host memory; every
+        rank calls it, rank 0 writes): safetensors at ``path`` (tied weights stored once, see
+        ``runtime.export``; past ``max_shard_size``, Hugging Face's meaning, shards beside an
+        index ``<path>.index.json``), with ``hf=True`` a Hugging Face directory for a
+        transformers model, with ``adapter_only=True`` the PEFT adapter directory of a
+        ``peft.PeftModel`` (what ``PeftModel.from_pretrained(base, path)`` loads; only the
+        chunks holding adapter parameters are read). ``dtype`` casts floating tensors (e.g.
+        ``torch.bfloat16``); default: as trained (fp32 masters). ``overwrite``: replace a
+        non-empty directory."""
+        from runtime.export.from_engine import export_engine
 
         if hf and adapter_only:
             raise ValueError("export: hf=True and adapter_only=True exclude each other; choose one")
-        state = self.state_dict()  # a collective: every rank takes part in the gathers
+        kind = "adapter" if adapter_only else "hf" if hf else "safetensors"
         target = Path(path)
-        export_from_main_rank(
-            self.module, state, target, hf=hf, adapter_only=adapter_only, dtype=dtype, dist_ctx=self.dist_ctx
+        export_engine(
+            module=self.module,
+            chunks=self.chunks,
+            dist_ctx=self.dist_ctx,
+            target=target,
+            kind=kind,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            overwrite=overwrite,
         )
-        kind = "PEFT adapter directory" if adapter_only else "Hugging Face directory" if hf else "safetensors"
-        self.log(f"exported {kind} {target}")
+        words = {"adapter": "PEFT adapter directory", "hf": "Hugging Face directory", "safetensors": "safetensors"}
+        self.log(f"exported {words[kind]} {target}")
         return target
+
+    @device_call("save_pretrained")
+    def save_pretrained(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        dtype: torch.dtype | None = None,
+        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    ) -> Path:
+        """What the model's own ``save_pretrained`` writes, into ``directory`` (made when missing;
+        other files in it stay, the old weight files are replaced), streamed as ``export`` does:
+        a PEFT model's adapters, a transformers model's config and weights, another model's
+        weights as ``model.safetensors``. What a Trainer's ``save_model`` and checkpoints use."""
+        from runtime.export.from_engine import export_engine, save_kind
+
+        kind = save_kind(self.module)
+        target = Path(directory) / "model.safetensors" if kind == "safetensors" else Path(directory)
+        export_engine(
+            module=self.module,
+            chunks=self.chunks,
+            dist_ctx=self.dist_ctx,
+            target=target,
+            kind=kind,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            into=True,
+        )
+        return Path(directory)
 
     # ---------------------------------------------------------------- data
 

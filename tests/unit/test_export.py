@@ -15,7 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 import runtime
-from runtime import export
+from runtime import safetensors_stream
 from runtime.export import TIED_METADATA_KEY, export_hf, export_safetensors, load_safetensors_export
 from runtime.models.gpt import GPT, PRESETS
 from tests.helpers import TINY_LLAMA, assert_state_equal
@@ -163,14 +163,24 @@ def test_views_sharing_memory_that_are_not_ties_are_stored_apart(tmp_path: Path)
     assert_state_equal(values, {name: tensor.clone() for name, tensor in state.items()})
 
 
+def fail_after(monkeypatch: pytest.MonkeyPatch, tensors: int, error: str) -> None:
+    """The writer fails (a full disk, say) once ``tensors`` tensors are in the file."""
+    add = safetensors_stream.ShardedWriter.add
+    count = [0]
+
+    def failing(self: safetensors_stream.ShardedWriter, name: str, tensor: torch.Tensor) -> None:
+        if count[0] == tensors:
+            raise OSError(error)
+        count[0] += 1
+        add(self, name, tensor)
+
+    monkeypatch.setattr(safetensors_stream.ShardedWriter, "add", failing)
+
+
 def test_failed_write_leaves_neither_the_file_nor_a_temporary(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def half_written(tensors: dict[str, torch.Tensor], filename: Path, metadata: dict[str, str]) -> None:
-        Path(filename).write_bytes(b"half a file")
-        raise OSError("disk full")
-
-    monkeypatch.setattr(export, "save_file", half_written)
+    fail_after(monkeypatch, 3, "disk full")
     source = tiny_gpt(0)
     with pytest.raises(OSError, match="disk full"):
         export_safetensors(source.state_dict(), tmp_path / "model.safetensors", model=source)
@@ -182,11 +192,7 @@ def test_failed_write_keeps_the_previous_file(tmp_path: Path, monkeypatch: pytes
     path = tmp_path / "model.safetensors"
     export_safetensors(source.state_dict(), path, model=source)
     before = path.read_bytes()
-
-    def failing(*args: Any, **kwargs: Any) -> None:
-        raise OSError("boom")
-
-    monkeypatch.setattr(export, "save_file", failing)
+    fail_after(monkeypatch, 3, "boom")
     with pytest.raises(OSError, match="boom"):
         export_safetensors(source.state_dict(), path, model=source, dtype=torch.bfloat16)
     assert path.read_bytes() == before
@@ -251,11 +257,7 @@ def test_hf_refuses_a_non_empty_directory_unless_overwrite(tmp_path: Path) -> No
 
 def test_hf_failed_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     source = tiny_llama(0, tied=True)
-
-    def failing(*args: Any, **kwargs: Any) -> None:
-        raise OSError("disk full")
-
-    monkeypatch.setattr(type(source), "save_pretrained", failing)
+    fail_after(monkeypatch, 3, "disk full")
     with pytest.raises(OSError, match="disk full"):
         export_hf(source, state_of(source), tmp_path / "hf")
     assert list(tmp_path.iterdir()) == []
