@@ -32,6 +32,11 @@ if not os.environ.get("PROTRAIN_TESTS_HOME"):
     os.environ["PROTRAIN_TESTS_HOME"] = os.environ["HOME"] = scratch_home
     atexit.register(shutil.rmtree, scratch_home, True)
 
+# The device wall (runtime/device_wall.py, DESIGN section 6) is up for every test, and for the
+# processes tests start: a plan, save or export that would run out of memory on a GPU of the
+# budget's size fails here too. PROTRAIN_STRICT_DEVICE=0 lowers it (a benchmark's figures).
+os.environ.setdefault("PROTRAIN_STRICT_DEVICE", "1")
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Parallel workers share the cores: one compute thread each (as torchrun gives each rank a
     # share), set before any test imports torch. With a thread per core in every worker, OpenMP

@@ -3,12 +3,13 @@ predicted).
 
 It reads the profiler's counter at the profiler's hooks (``runtime.memory_counter``), so that the
 two figures the plan check compares through the plan differ by what the plan gets wrong, not by
-how they were measured. On CUDA that is the allocator's peak between hooks: every byte on the
-device. On CPU the "device" is the C heap, which also holds whatever else the process allocates,
-so the peak is the engine's static device state (persistent chunks, their fp32 state, the chunk
-buffers: counted from its tensors) plus the largest rise of the heap's in-use bytes above the
-reading when the probe started, read at the hooks (peaks inside one operator are not seen: the
-CPU figure can only be low, never high, by that much).
+how they were measured. On CUDA that is the allocator's peak between hooks, and on CPU under the
+device wall (``runtime.device_wall``) the engine's own count, read the same way: every byte on
+the device. Otherwise on CPU the "device" is the C heap, which also holds whatever else the
+process allocates, so the peak is the engine's static device state (persistent chunks, their
+fp32 state, the chunk buffers: counted from its tensors) plus the largest rise of the heap's
+in-use bytes above the reading when the probe started, read at the hooks (peaks inside one
+operator are not seen: the CPU figure can only be low, never high, by that much).
 """
 
 from __future__ import annotations
