@@ -110,6 +110,18 @@ def test_a_larger_model_than_the_budget_still_returns_its_state_dict_chunk_by_ch
     assert sum(v.numel() for v in state.values()) > 4 * budget // 4
 
 
+def deep_lora() -> torch.nn.Module:
+    """LoRA (query and value) over a 16-layer Llama of width 128: 2.5M parameters (9.4 MiB in
+    fp32), none above 128 KiB, so a quarter of its fp32 size holds the smallest plan."""
+    import peft
+
+    torch.manual_seed(0)
+    config = {**TINY_LLAMA, "num_hidden_layers": 16, "hidden_size": 128, "intermediate_size": 256}
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    return peft.get_peft_model(base, lora)
+
+
 def tiny_llama(seed: int, *, tied: bool) -> torch.nn.Module:
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA, tie_word_embeddings=tied))
@@ -137,7 +149,9 @@ def test_a_sharded_hf_export_loads_with_from_pretrained_ties_and_all(tmp_path: P
 def test_an_adapter_export_reads_only_the_chunks_holding_adapters(
     tmp_path: Path, strict: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tests.unit.test_peft import lora_llama
+    """A quarter of the LoRA model's fp32 size: it trains an update, and its adapter export reads
+    the adapter chunks alone (the frozen base is not gathered) and loads with PEFT."""
+    import peft
 
     read: list[int] = []
     chunks = ChunkReadout.chunks
@@ -148,11 +162,18 @@ def test_an_adapter_export_reads_only_the_chunks_holding_adapters(
             yield info, values
 
     monkeypatch.setattr(ChunkReadout, "chunks", counted)
-    model = lora_llama()
-    budget = fp32_bytes(model) // 2
-    memory = {"device_budget": budget, "chunk_size": "64KiB", "n_persist": 0, "n_buffer": 2}
-    with runtime.initialize(model, config={**job(tmp_path, budget), "memory": memory}) as engine:
+    model = deep_lora()
+    budget = fp32_bytes(model) // 4
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    with runtime.initialize(model, config=job(tmp_path, budget), example_batch=data.batch(0, 0, 0)) as engine:
+        out = engine(**data.batch(0, 0, 0))
+        engine.backward(out.loss)
+        engine.step()
+        trained = {n: p for n, p in engine.state_dict().items() if "lora_" in n}
+        read.clear()
         holding = {engine.chunks.store.chunk_of(p) for p in model.parameters() if p.requires_grad}
         engine.export(tmp_path / "adapter", adapter_only=True)
     assert sorted(read) == sorted(holding) and len(holding) < engine.plan.num_chunks
-    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+    fresh = peft.PeftModel.from_pretrained(deep_lora().get_base_model(), tmp_path / "adapter")
+    loaded = {n: p.detach() for n, p in fresh.named_parameters() if "lora_" in n}
+    assert_state_equal(loaded, trained)

@@ -152,6 +152,19 @@ def test_an_auto_budget_with_nothing_left_names_each_live_engine_and_how_to_free
     runtime.initialize(tiny_gpt(1), config=job(tmp_path, device_budget="auto")).close()
 
 
+def test_an_auto_budget_below_every_plan_names_the_engines_holding_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("runtime.entry.auto_device_budget", lambda device, ranks: 64 * 2**20)
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    with runtime.initialize(tiny_gpt(0), config=job(tmp_path, device_budget=64 * 2**20 - 200 * 2**10)) as first:
+        with pytest.raises(SpecError) as refused:
+            runtime.initialize(tiny_gpt(1), config=job(tmp_path, device_budget="auto"), example_batch=data.batch(0, 0, 0))
+        message = str(refused.value)
+        assert message.startswith("memory: no plan fits the device budget of 200.00 KiB per rank"), message
+        assert f"the rest of the device is held by engine {first._claim.label} (made at {__file__}:" in message
+
+
 def test_auto_budget_beside_a_set_one_is_what_the_set_one_left(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
