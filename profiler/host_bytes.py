@@ -88,3 +88,30 @@ def staging_bytes(
         if not keeps_gradients:
             total += region_bytes(shard_numel * FP32_BYTES)  # a gradient widened for CPU Adam
     return total
+
+
+def offloaded_region_bytes(
+    chunks: list[tuple[int, bool]], shard_numel: int, *, element_size: int, keeps_gradients: bool
+) -> int:
+    """What rank 0 (which holds the most) maps for the offloaded ``chunks`` ((used elements,
+    trainable) each): their state's region and the staging regions, as the runtime sizes them."""
+    if not chunks:
+        return 0
+    payload = sum(
+        chunk_state_bytes(rank_numel(used, shard_numel, 0), trainable=trainable, element_size=element_size, keeps_gradients=keeps_gradients)
+        for used, trainable in chunks
+    )
+    return region_bytes(payload) + staging_bytes(
+        shard_numel,
+        element_size=element_size,
+        offloaded_trainable=any(trainable for _, trainable in chunks),
+        keeps_gradients=keeps_gradients,
+    )
+
+
+def checkpoint_staging_bytes(param_sizes: list[tuple[int, bool]], *, element_size: int, world_size: int) -> int:
+    """What an asynchronous save copies to host memory on a rank before writing in the
+    background: its share of every parameter's fp32 master and two Adam moments (trainable), or
+    of its stored copy (frozen)."""
+    total = sum(numel * (3 * FP32_BYTES if trainable else element_size) for numel, trainable in param_sizes)
+    return -(-total // max(1, world_size))

@@ -57,6 +57,11 @@ class Plan:
     predicted_step_s: float | None = None
     predicted_peak_device_bytes: int | None = None
     predicted_peak_host_bytes: int | None = None
+    """What a rank's process holds in host memory at its peak: the plan's host regions (chunk
+    state, staging, swapped activations) and ``host_fixed_bytes``."""
+    host_fixed_bytes: int = 0
+    """Host memory beside what the plan places: the process's own at start (the interpreter,
+    torch, the caller's model until it is chunked) and an asynchronous save's staging."""
     predicted_ssd_bytes: int | None = None
     notes: tuple[str, ...] = field(default=())
     batch_shape: tuple[int, ...] = ()
@@ -138,6 +143,7 @@ class Plan:
             ),
             ("predicted peak device", _opt_bytes(self.predicted_peak_device_bytes)),
             ("predicted peak host", _opt_bytes(self.predicted_peak_host_bytes)),
+            ("of which outside the plan", _opt_bytes(self.host_fixed_bytes or None)),
             ("predicted SSD bytes", _opt_bytes(self.predicted_ssd_bytes)),
         ]
         rows += [(name, value, "model") for name, value in predictions if value is not None]

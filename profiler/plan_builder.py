@@ -155,6 +155,7 @@ def searched_plan(
     ssd_available: bool = False,
     updates_after_norm: bool = False,
     keeps_gradients: bool = True,
+    host_fixed_bytes: int = 0,
 ) -> tuple[Plan, SearchResult]:
     """The fastest plan that fits, by the cost model over the profiles; hand-set knobs stay.
     Activation counts left auto are searched with the chunk knobs (ssd only when
@@ -184,6 +185,7 @@ def searched_plan(
         activation_layouts=layouts,
         updates_after_norm=updates_after_norm,
         keeps_gradients=keeps_gradients,
+        host_fixed=host_fixed_bytes,
     )
     best = result.best
     if fixed is not None:
@@ -208,7 +210,8 @@ def searched_plan(
         batch_shape=model.batch_shape,
         predicted_step_s=best.prediction.step_s,
         predicted_peak_device_bytes=best.prediction.peak_device_bytes,
-        predicted_peak_host_bytes=best.prediction.host_bytes,
+        predicted_peak_host_bytes=best.prediction.host_bytes + host_fixed_bytes,
+        host_fixed_bytes=host_fixed_bytes,
         predicted_ssd_bytes=best.prediction.ssd_bytes or None,
         notes=tuple(
             f"runner-up: chunk_size {format_bytes(c.chunk_size)}, n_persist={c.n_persist} of {c.num_chunks}, "

@@ -89,8 +89,11 @@ def search(
     activation_layouts: Sequence[ActivationOption] | None = None,
     updates_after_norm: bool = False,
     keeps_gradients: bool = True,
+    host_fixed: int = 0,
 ) -> SearchResult:
-    """The fastest plan that fits ``device_budget`` and ``host_budget`` (bytes per rank);
+    """The fastest plan that fits ``device_budget`` and ``host_budget`` (bytes per rank; the
+    host holds ``host_fixed`` beside what a plan places: the process's own memory at start, an
+    asynchronous save's staging);
     ``chunk_size``/``n_persist``/``n_buffer``, when given, are fixed. ``extra_buffers`` caps the
     buffers tried beyond the fewest that work (for models of hundreds of chunks; None: all).
     Activations: ``activation_layouts`` to choose from (``activation_options``), or one fixed
@@ -114,8 +117,10 @@ def search(
     def device_fits(prediction: Prediction) -> bool:
         return prediction.peak_device_bytes * (1 + margin) <= device_budget
 
+    host_room = host_budget - host_fixed
+
     def fits(prediction: Prediction) -> bool:
-        return device_fits(prediction) and prediction.host_bytes <= host_budget
+        return device_fits(prediction) and prediction.host_bytes <= host_room
 
     # Layouts by the forward time they add: a layout's step is at least the all-kept step plus
     # that, so the scan of a chunk plan stops once it cannot beat the fastest fitting layout.
@@ -156,7 +161,7 @@ def search(
         if cost is None:
             return fits(kept)
         peak, host = memory_with_activations(kept, cost)
-        return peak * (1 + margin) <= device_budget and host <= host_budget
+        return peak * (1 + margin) <= device_budget and host <= host_room
 
     def evaluate(costs: ChunkCosts, p: int, b: int) -> tuple[Candidate, bool]:
         """The fastest layout that fits at (p, b), True; or, when none fits, the one with the
@@ -247,6 +252,7 @@ def search(
                 host_budget,
                 margin,
                 hand_set=_hand_set(chunk_size, n_persist, n_buffer),
+                host_fixed=host_fixed,
             )
         )
     ranked = _ranked(fitting)
@@ -345,7 +351,7 @@ def _hand_set(chunk_size: int | None, n_persist: int | None, n_buffer: int | Non
 
 
 def _nothing_fits(
-    smallest: Candidate, device_budget: int, host_budget: int, margin: float, *, hand_set: list[str]
+    smallest: Candidate, device_budget: int, host_budget: int, margin: float, *, hand_set: list[str], host_fixed: int = 0
 ) -> str:
     p = smallest.prediction
     needed = int(p.peak_device_bytes * (1 + margin))
@@ -361,10 +367,16 @@ def _nothing_fits(
             f"{_size(p.persistent_bytes)}; lower micro_batch_size (activations grow with it) or raise "
             "memory.device_budget" + ("; or let the hand-set knobs be auto" if hand_set else "")
         )
+    besides = (
+        f" beside the {_size(host_fixed)} the process holds outside it (at start: the interpreter, "
+        "torch, the caller's model until it is chunked; an async save's staging)"
+        if host_fixed
+        else ""
+    )
     return (
         f"no plan fits the host budget of {_size(host_budget)} per rank{fixed}: the offloaded model "
-        f"state needs {_size(p.host_bytes)} ({_size(p.host_bytes - host_budget)} more); raise "
-        "memory.host_budget or use more ranks (each holds 1/world of it)"
+        f"state needs {_size(p.host_bytes)}{besides} ({_size(p.host_bytes + host_fixed - host_budget)} "
+        "more); raise memory.host_budget or use more ranks (each holds 1/world of it)"
     )
 
 

@@ -17,7 +17,7 @@ from runtime.config.settings import PlanningSettings
 from runtime.config.spec_io import ResolvedSpec, SpecError
 from runtime.console import plan_table
 from runtime.device import select_device
-from runtime.planning.budgets import resolve_budgets
+from runtime.planning.budgets import process_rss_bytes, resolve_budgets
 from runtime.planning.model_facts import check_supported, execution_order
 from runtime.planning.planner import Profilers, build_planner
 from runtime.weights import held_on
@@ -50,6 +50,7 @@ def dry_run(
         device=device,
         dist_ctx=None,
         profilers=profilers,
+        host_baseline_bytes=process_rss_bytes(),
     )
     plan = planner.initial_plan(example_batch if whole and held_on(model, device.device) else None)
     console.print(
@@ -65,7 +66,8 @@ def dry_run(
             "plan that fits."
         )
     try:
-        check_supported(plan, planning.precision, [(p.numel, p.trainable) for p in params])
+        sizes = [(p.numel, p.trainable) for p in params]
+        check_supported(plan, planning.precision, sizes, keeps_gradients=planning.keeps_gradients)
     except SpecError as err:
         console.print(f"[red]This plan cannot run:[/red] {err}")
         raise SystemExit(2) from None

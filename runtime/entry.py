@@ -38,6 +38,7 @@ from runtime.console import MetricsFile, ProgressReporter, frozen_note, groups_t
 from runtime.device import DeviceInfo, select_device
 from runtime.distributed import (
     DistContext,
+    all_reduce_max,
     all_reduce_min_,
     broadcast_from_main_,
     env_int,
@@ -47,7 +48,7 @@ from runtime.distributed import (
 from runtime.dry_run import dry_run
 from runtime.metrics.trackers import require_tracker_packages
 from runtime.planning.apply_plan import PlanTarget, apply_plan
-from runtime.planning.budgets import auto_device_budget, resolve_budgets
+from runtime.planning.budgets import auto_device_budget, process_rss_bytes, resolve_budgets
 from runtime.planning.model_facts import check_supported, compute_element_size, execution_order, model_blocks
 from runtime.planning.planner import Profilers, build_planner
 from runtime.planning.replanner import Replanner
@@ -111,6 +112,7 @@ def initialize(
     count or time the measurements; see ``runtime.planning.planner.Profilers``).
     Under ``protrain-run --dry-run`` this prints the spec and plan and ends the process (exit 0).
     """
+    host_baseline = process_rss_bytes()  # the interpreter, torch, the caller's model: the plan counts it
     resolved, run_dir = resolve_job(config)
     spec = resolved.spec
     refuse_trainer_autos(spec)
@@ -155,6 +157,7 @@ def initialize(
                 claim=claim,
                 reseed=reseed,
                 profilers=profilers,
+                host_baseline=host_baseline,
             )
         except SpecError as err:
             _release_unbuilt(claim, dist_ctx)
@@ -226,6 +229,7 @@ def _build_engine(
     claim: live_engines.EngineClaim,
     reseed: bool,
     profilers: Profilers | None,
+    host_baseline: int = 0,
 ) -> Engine:
     """The composition root: the model placed and seeded, its planner, the first plan applied,
     the outputs, and the Engine over them (which then plans on the example batch, if the model
@@ -253,13 +257,16 @@ def _build_engine(
         device=device,
         dist_ctx=dist_ctx,
         profilers=profilers,
+        host_baseline_bytes=int(all_reduce_max(float(host_baseline), dist_ctx)),  # every rank plans alike
     )
     # Profiling the model whole needs it whole on the device: one whose weights are streamed
     # into chunks, or held in host memory, is profiled through the chunk engine instead
     # (Engine.plan_on_batch, below).
     plan = planner.initial_plan(example_batch if whole else None)
     _check_same_plan_everywhere(plan, dist_ctx)
-    check_supported(plan, planning.precision, [(p.numel, p.trainable) for p in params])
+    check_supported(
+        plan, planning.precision, [(p.numel, p.trainable) for p in params], keeps_gradients=planning.keeps_gradients
+    )
     target = PlanTarget(params=params, training=training, planning=planning, device=device, dist_ctx=dist_ctx)
     # The run folder first: a bad output_dir is refused before chunk threads and files exist.
     metrics = _open_metrics(resolved, run_dir, dist_ctx)

@@ -177,6 +177,9 @@ class PlanningSettings:
     keeps_gradients: bool = True
     """Offloaded chunks keep an fp32 gradient shard on the host (``keeps_gradients``), which
     the cost model counts."""
+    async_save: bool = False
+    """``checkpoint.async_save``: a save copies this rank's state to host memory first, which
+    the plan's host figure counts."""
 
 
 def planning_settings_from_spec(spec: Spec) -> PlanningSettings:
@@ -199,6 +202,7 @@ def planning_settings_from_spec(spec: Spec) -> PlanningSettings:
             loss_scaled=spec.effective_loss_scaling is not None,
             accumulation_steps=spec.gradient_accumulation_steps,
         ),
+        async_save=spec.checkpoint.async_save,
     )
 
 

@@ -2,9 +2,10 @@
 this process's affinity, torch's threads) and memory (RAM, the cgroup limit a container sets,
 the memory-lock limit, /dev/shm).
 
-The host budget ("auto") is the available RAM less a reserve; a cgroup limit below that is what
-actually ends a job (the kernel's OOM killer), so the report sets the two side by side. Files
-are read from a root folder argument so tests can hand in their own /proc and /sys.
+The host budget ("auto") is what this node has free for the job less a reserve: the smallest of
+available RAM, the cgroup headroom (what ends a job: the kernel's OOM killer) and Slurm's
+allocation, read by the one function the budget uses (``runtime.host_capacity``). Files are
+read from a root folder argument so tests can hand in their own /proc and /sys.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import psutil
 
 from runtime.env_report.rows import Row, Status, format_bytes, run_probe
+from runtime.host_capacity import cgroup_limit, free_host_bytes, slurm_source
 
 SIMD_FLAGS = {
     "AVX2": ("avx2",),
@@ -26,8 +28,6 @@ SIMD_FLAGS = {
     "SVE": ("sve",),
 }
 """What the report looks for in /proc/cpuinfo's flags (x86) or Features (Arm)."""
-CGROUP_UNLIMITED = 1 << 62
-"""cgroup v1 writes "no limit" as a page-rounded 2^63 - 1."""
 
 
 def cpu_rows(root: Path = Path("/")) -> list[Row]:
@@ -64,6 +64,8 @@ def memory_rows(root: Path = Path("/")) -> list[Row]:
         )
     ]
     rows += run_probe("cgroup memory limit", lambda: [cgroup_row(root, memory.available)])
+    rows += run_probe("Slurm memory", lambda: [slurm_row()])
+    rows += run_probe("free for the job", lambda: [free_row(root)])
     rows += run_probe("memory lock limit", lambda: [memlock_row()])
     rows += run_probe("/dev/shm", lambda: [_shm_row(root)])
     return rows
@@ -88,42 +90,23 @@ def cgroup_row(root: Path, available: int) -> Row:
     return Row("cgroup memory limit", text, limit)
 
 
-def cgroup_limit(root: Path) -> tuple[int | None, str] | None:
-    """(the smallest limit in bytes or None for unlimited, the file that set it or the folder
-    read); None when no memory cgroup is found."""
-    lines = (root / "proc/self/cgroup").read_text().splitlines()
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            return _tightest(root / "sys/fs/cgroup/memory", path, "memory.limit_in_bytes")
-    for line in lines:
-        if line.startswith("0::"):
-            return _tightest(root / "sys/fs/cgroup", line[3:], "memory.max")
-    return None
+def slurm_row() -> Row:
+    source = slurm_source(os.environ, ranks_on_host=_local_ranks())
+    return Row("Slurm memory", source.detail, source.free_bytes)
 
 
-def _tightest(mount: Path, path: str, name: str) -> tuple[int | None, str] | None:
-    """The smallest limit from the process's cgroup folder up to the mount (a container sees
-    its own cgroup as the root, so both the full path and the mount are tried)."""
-    folder = mount / path.strip("/")
-    if not folder.exists():
-        folder = mount
-    best: tuple[int, Path] | None = None
-    seen = False
-    while True:
-        target = folder / name
-        if target.exists():
-            seen = True
-            text = target.read_text().strip()
-            value = None if text == "max" else int(text)
-            if value is not None and value < CGROUP_UNLIMITED and (best is None or value < best[0]):
-                best = (value, target)
-        if folder == mount or mount not in folder.parents:
-            break
-        folder = folder.parent
-    if not seen:
-        return None
-    return (None, f"{name} under {mount}") if best is None else (best[0], str(best[1]))
+def free_row(root: Path) -> Row:
+    """What memory.host_budget auto divides among this node's ranks (``runtime.host_capacity``:
+    the smallest of available RAM, the cgroup headroom and Slurm's allocation)."""
+    free, source = free_host_bytes(root=root, ranks_on_host=_local_ranks())
+    return Row("free for the job", f"{format_bytes(free)} (the tightest: {source.name}; {source.detail})", free)
+
+
+def _local_ranks() -> int:
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    except ValueError:
+        return 1
 
 
 def memlock_row() -> Row:

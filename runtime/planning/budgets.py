@@ -7,6 +7,7 @@ import torch
 
 from runtime.config.settings import PlanningSettings
 from runtime.device import DeviceInfo
+from runtime.host_capacity import free_host_bytes
 
 DEVICE_RESERVE_FRACTION = 0.05
 """Kept free on a CUDA device for the CUDA context, NCCL and allocator slack."""
@@ -24,8 +25,18 @@ def auto_device_budget(device: DeviceInfo, ranks_on_host: int) -> int:
 
 
 def auto_host_budget(ranks_on_host: int) -> int:
-    """(available RAM - reserve) / ranks on this host."""
-    return max(0, psutil.virtual_memory().available - HOST_RESERVE_BYTES) // max(1, ranks_on_host)
+    """(what the node has free for the job - reserve) / ranks on this host, plus what this
+    process holds already (the host budget is what a rank's process may hold in all): the free
+    figure is the smallest of available RAM, the cgroup headroom and Slurm's allocation
+    (``runtime.host_capacity``)."""
+    free, _ = free_host_bytes(ranks_on_host=ranks_on_host)
+    share = max(0, free - HOST_RESERVE_BYTES) // max(1, ranks_on_host)
+    return share + process_rss_bytes()
+
+
+def process_rss_bytes() -> int:
+    """What this process holds in host memory now (resident set)."""
+    return int(psutil.Process().memory_info().rss)
 
 
 def resolve_budgets(settings: PlanningSettings, device: DeviceInfo, *, ranks_on_host: int) -> tuple[int, int]:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from profiler.chunking import candidate_chunk_bytes, pack, persistent_chunk_bytes
+from profiler.host_bytes import offloaded_region_bytes
 from profiler.feasibility import chunk_knob_conflict, spec_size
 from profiler.plan import Plan
 from profiler.plan_builder import KnobRequest, activations_searchable
@@ -93,15 +94,36 @@ def model_state_bytes(plan: Plan, element_size: int, param_sizes: Sequence[tuple
     return persistent + plan.n_buffer * packing.chunk_numel * element_size
 
 
-def check_supported(plan: Plan, precision: Precision, param_sizes: Sequence[tuple[int, bool]]) -> None:
-    """Refuse, before any training step, model state that cannot fit the device budget."""
-    needed = model_state_bytes(plan, compute_element_size(precision), param_sizes)
+def check_supported(
+    plan: Plan, precision: Precision, param_sizes: Sequence[tuple[int, bool]], *, keeps_gradients: bool = True
+) -> None:
+    """Refuse, before any training step, model state that cannot fit the device budget, and a
+    rule's plan (made without a profile, so not checked by the search) whose host memory does not
+    fit the host budget."""
+    element_size = compute_element_size(precision)
+    needed = model_state_bytes(plan, element_size, param_sizes)
     if needed > plan.device_budget_bytes:
         raise SpecError(
             f"memory.device_budget: the model state of this plan needs {needed / 2**20:.1f} MiB per rank "
             f"(n_persist={plan.n_persist}, n_buffer={plan.n_buffer} chunks of "
             f"{plan.chunk_size / 2**20:.2f} MiB) but the budget is "
             f"{plan.device_budget_bytes / 2**20:.1f} MiB; raise the budget, or lower memory.n_persist"
+        )
+    if plan.predicted_peak_host_bytes is not None:
+        return  # the search checked it
+    packing = pack(param_sizes, plan.chunk_size // element_size, plan.world_size)
+    offloaded = [(chunk.used, chunk.trainable) for chunk in packing.chunks[plan.n_persist :]]
+    shard = packing.chunk_numel // plan.world_size
+    regions = offloaded_region_bytes(offloaded, shard, element_size=element_size, keeps_gradients=keeps_gradients)
+    host = regions + plan.host_fixed_bytes
+    if host > plan.host_budget_bytes:
+        raise SpecError(
+            f"memory.host_budget: this plan holds {host / 2**30:.2f} GiB of host memory per rank "
+            f"({regions / 2**30:.2f} GiB of offloaded model state and staging, "
+            f"{plan.host_fixed_bytes / 2**30:.2f} GiB outside it: the process at start (the interpreter, "
+            "torch, the caller's model until it is chunked) and an async save's staging) but the budget is "
+            f"{plan.host_budget_bytes / 2**30:.2f} GiB; raise memory.host_budget, use more ranks, build the "
+            "model on the meta device and pass weights=, or set checkpoint.async_save: false"
         )
 
 

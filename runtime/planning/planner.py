@@ -41,6 +41,7 @@ from profiler.plan_builder import (
 )
 from profiler.profile import HardwareProfile, ModelProfile, cache_key
 from profiler.chunking import min_buffers, pack, smallest_chunk_size
+from profiler.host_bytes import checkpoint_staging_bytes
 from profiler.search import NoPlanFitsError
 from runtime.batches import batch_shape, call_model, default_loss
 from runtime.chunks.layout import ParamInfo
@@ -106,10 +107,13 @@ def build_planner(
     device: DeviceInfo,
     dist_ctx: DistContext | None,
     profilers: Profilers | None = None,
+    host_baseline_bytes: int = 0,
 ) -> Planner:
     """The Planner of one engine; hand-set chunk knobs no plan can honour raise ``SpecError``
     here, before any profiling. ``budgets``: (device, host) bytes per rank, already resolved from
-    "auto" and agreed across ranks. ``dist_ctx`` None means a dry run (one process, no group)."""
+    "auto" and agreed across ranks. ``dist_ctx`` None means a dry run (one process, no group).
+    ``host_baseline_bytes``: what the process held when ``initialize`` began (its host figure
+    counts it: the interpreter, torch, the caller's model until it is chunked)."""
     block_path, blocks = model_blocks(model, settings)
     owned = module_params(model, params)
     refuse_impossible_knobs(model, settings, params, owned, world_size=world_size)
@@ -129,6 +133,7 @@ def build_planner(
         budgets=budgets,
         dist_ctx=dist_ctx,
         profilers=profilers or Profilers(),
+        host_baseline_bytes=host_baseline_bytes,
     )
 
 
@@ -150,6 +155,21 @@ class Planner:
     ``offloaded_plan``)."""
     failure: str | None = None
     """Why the last profiling step did not fit the device (its out-of-memory error), if so."""
+    host_baseline_bytes: int = 0
+    """What the process held in host memory when ``initialize`` began."""
+
+    @property
+    def host_fixed_bytes(self) -> int:
+        """Host memory every plan holds beside its own regions: the process at start and, with
+        ``checkpoint.async_save``, a save's staging (``profiler.host_bytes``)."""
+        staging = 0
+        if self.settings.async_save:
+            staging = checkpoint_staging_bytes(
+                [(p.numel, p.trainable) for p in self.subject.params],
+                element_size=compute_element_size(self.settings.precision),
+                world_size=self.subject.world_size,
+            )
+        return self.host_baseline_bytes + staging
 
     @property
     def searchable(self) -> bool:
@@ -217,6 +237,7 @@ class Planner:
             ssd_available=self.profiles.hardware.ssd_write_bytes_per_s > 0 and settings.ssd_path is not None,
             updates_after_norm=settings.updates_after_norm,
             keeps_gradients=settings.keeps_gradients,
+            host_fixed_bytes=self.host_fixed_bytes,
         )
         return plan
 
@@ -250,7 +271,7 @@ class Planner:
 
     def _resident(self, request: KnobRequest) -> Plan:
         subject, settings = self.subject, self.settings
-        return resident_plan(
+        plan = resident_plan(
             request=request,
             param_sizes=[(p.numel, p.trainable) for p in subject.params],
             element_size=compute_element_size(settings.precision),
@@ -263,6 +284,7 @@ class Planner:
             chosen=settings.chosen,
             module_params=subject.owned,
         )
+        return dataclasses.replace(plan, host_fixed_bytes=self.host_fixed_bytes)
 
     # ---------------------------------------------------------------- profiling
 

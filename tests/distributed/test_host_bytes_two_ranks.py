@@ -45,7 +45,7 @@ def host_bytes_after_training(*, rank: int, output_dir: str, clip: float) -> dic
         ]
         return {
             "mapped": host_arena_bytes()[0] - before,
-            "predicted": engine.plan.predicted_peak_host_bytes,
+            "predicted": engine.plan.predicted_peak_host_bytes - engine.plan.host_fixed_bytes,
             "state_elements": sum(t.numel() for t in state),
             "parameters": sum(p.numel() for p in model.parameters()),
         }
