@@ -63,6 +63,7 @@ from runtime.integrations.hf_spec import (
 from runtime.training.engine import Engine
 from runtime.training.optimizer_facade import EngineOptimizer
 from runtime.training.schedule import build_scheduler
+from runtime.weights import WeightsSource
 
 ENGINE_CHECKPOINT = "protrain"
 """The engine's checkpoint inside a Trainer's ``checkpoint-N`` folder."""
@@ -80,16 +81,26 @@ class ProTrainMixin:
     accelerator: Any
 
     def __init__(
-        self, *args: Any, protrain: SpecSource = None, example_batch: Any = None, **kwargs: Any
+        self,
+        *args: Any,
+        protrain: SpecSource = None,
+        example_batch: Any = None,
+        weights: WeightsSource | None = None,
+        **kwargs: Any,
     ) -> None:
         """``protrain``: the job spec (a path, a dict of spec keys or a ``Spec``); None takes
         protrain-run's spec when it launched this process, else the defaults. ``example_batch``:
         a batch of the largest shape the run will see (batches of varying length: one padded to
         the longest), which the engine plans for up front; without it the plan is made for the
-        first training batch, and a longer one later is refused. Every other argument is the
-        Trainer's."""
+        first training batch, and a longer one later is refused. ``weights``: for a ``model``
+        built on the meta device (``accelerate.init_empty_weights()`` or ``torch.device("meta")``
+        around ``from_config``), where its values come from: a directory of safetensors files (what
+        ``save_pretrained`` wrote), a state dict or a callable, read one parameter at a time into
+        its chunk, so the model is never whole in host memory (``from_pretrained`` loads it whole on
+        every rank). Every other argument is the Trainer's."""
         self._protrain_source = protrain
         self._example_batch = example_batch
+        self._weights = weights
         self._protrain: Reconciled | None = None
         self._engine: Engine | None = None
         self._ended = False
@@ -143,7 +154,7 @@ class ProTrainMixin:
         # The Trainer seeded the random streams; building the engine (which reseeds) leaves them so.
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
-            engine = runtime.initialize(model, config=spec, example_batch=self._example_batch)
+            engine = runtime.initialize(model, config=spec, example_batch=self._example_batch, weights=self._weights)
         engine.lr_from_optimizer = True
         self._engine = engine
         return engine

@@ -451,3 +451,36 @@ def test_an_optimizer_of_the_callers_own_is_refused(tmp_path: Path) -> None:
             train_dataset=CausalWindows(4),
             optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None),
         )
+
+
+def test_a_meta_model_streams_its_weights_into_the_chunks_and_trains_what_the_trainer_trains(tmp_path: Path) -> None:
+    """``from_pretrained`` holds the whole model in host memory on every rank before the engine
+    chunks it; ``ProTrainTrainer(model=<built on the meta device>, weights=<save_pretrained
+    directory>)`` reads each parameter into its chunk instead, and trains as the Trainer does with
+    the loaded model."""
+    from accelerate import init_empty_weights
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from runtime.integrations.hf import ProTrainTrainer
+    from tests.hf_trainer_runs import training_args
+
+    tiny_model("llama").save_pretrained(tmp_path / "base")
+    plain = run_trainer(kind="llama", protrain=True, output_dir=str(tmp_path / "plain"))
+    with init_empty_weights():
+        meta = LlamaForCausalLM(LlamaConfig.from_pretrained(tmp_path / "base"))
+    assert all(p.is_meta for p in meta.parameters())
+    trainer = ProTrainTrainer(
+        model=meta,
+        args=training_args(tmp_path / "streamed"),
+        train_dataset=CausalWindows(26),
+        eval_dataset=CausalWindows(6, start=26),
+        protrain=MEMORY,
+        weights=str(tmp_path / "base"),
+    )
+    try:
+        trainer.train()
+        losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+        assert losses == pytest.approx(plain["losses"], rel=RTOL)
+        assert trainer.evaluate()["eval_loss"] == pytest.approx(plain["eval_loss"], rel=RTOL)
+    finally:
+        trainer.end()
