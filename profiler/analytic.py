@@ -14,6 +14,9 @@ Pure: no torch, nothing of ours but the profile types.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from fnmatch import fnmatchcase
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,9 +148,12 @@ def analytic_profile(
     seq_len: int,
     precision: str,
     sustained_flops: float,
+    frozen: Sequence[str] = (),
 ) -> ModelProfile:
     """A ModelProfile of one micro-batch of ``micro_batch_size x seq_len`` tokens at
-    ``sustained_flops`` (FLOP/s the matmuls reach)."""
+    ``sustained_flops`` (FLOP/s the matmuls reach). ``frozen``: shell-style patterns over the
+    parameter names ``parameter_list`` gives (``embed_tokens``, ``layers.3.qkv``, ``layers.*``):
+    those parameters are frozen (no gradient, no optimizer state; a fine-tuned base)."""
     if seq_len > shape.max_positions and shape.learned_positions:
         raise ValueError(f"seq_len {seq_len} exceeds the model's {shape.max_positions} positions")
     element_size = 4 if precision == "fp32" else 2
@@ -174,7 +180,7 @@ def analytic_profile(
         batch_shape=(micro_batch_size, seq_len),
         precision=precision,
         element_size=element_size,
-        param_sizes=tuple((numel, True) for numel, _, _ in params),
+        param_sizes=tuple((numel, not any(fnmatchcase(name, p) for p in frozen)) for numel, _, name in params),
         param_block=tuple(block for _, block, _ in params),
         module_params=tuple((index,) for index in range(len(params))),
         blocks=blocks,

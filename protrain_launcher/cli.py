@@ -46,7 +46,7 @@ LAUNCHER_OPTIONS: dict[str, str] = {
 
 COMMANDS = ("--what-if", "--report", "--plot")
 """Options that pick a command without a script, when they come before the script path."""
-FLAGS = frozenset({"-h", "--help", "--dry-run", "--largest", "--ssd", "--clipping", "--report", "--json"})
+FLAGS = frozenset({"-h", "--help", "--dry-run", "--largest", "--ssd", "--clipping", "--no-clipping", "--report", "--json"})
 """Options of protrain-run and its commands that take no value: every other option before the
 script path is followed by its value (unless written ``--option=value``)."""
 

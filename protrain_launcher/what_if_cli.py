@@ -4,6 +4,7 @@ no ranks, no torch).
 
     protrain-run --what-if configs/hardware/a100-80gb.yaml --model-config config.json
     protrain-run --what-if configs/hardware/a100-80gb.yaml --largest
+    protrain-run --what-if configs/hardware/h100-80gb.yaml --model-config llama-2-70b --config job.yaml
 
 This module reads the arguments; the planning and its tables are ``runtime/planning/what_if.py``
 and ``runtime/planning/memory_estimate.py``.
@@ -12,10 +13,14 @@ and ``runtime/planning/memory_estimate.py``.
 from __future__ import annotations
 
 import argparse
+from typing import TypeVar
 
 from protrain_launcher.request import EXIT_OK
 from runtime.config.spec_io import SpecError
-from runtime.planning.what_if import MODEL_NAMES, WhatIfRequest, run_what_if
+from runtime.planning.what_if import MODEL_NAMES, run_what_if
+from runtime.planning.what_if_request import SPEC_DEFAULT, WhatIfRequest, job_settings
+
+T = TypeVar("T")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,9 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="HF config.json (or its directory), the repo's GPT config, or a name: " + ", ".join(MODEL_NAMES),
     )
     target.add_argument("--largest", action="store_true", help="the largest GPT-family model that fits")
-    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument(
+        "--config",
+        metavar="JOB.yaml",
+        help="take micro_batch_size, gradient_accumulation_steps, precision, gradient_clipping, "
+        "hand-set memory knobs and budgets, memory.ssd.path and checkpoint.async_save from a job "
+        "spec; the flags below override it",
+    )
+    parser.add_argument("--micro-batch-size", type=int, help="default 1, or the job spec's")
     parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    parser.add_argument(
+        "--precision", choices=("bf16", "fp16", "fp32"), help="default bf16, or the job spec's"
+    )
     parser.add_argument(
         "--ssd",
         action="store_true",
@@ -44,35 +58,67 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--clipping",
-        action="store_true",
-        help="plan for gradient_clipping on: offloaded chunks keep an fp32 gradient shard until the "
-        "norm is known (16 host bytes per parameter; without clipping, accumulation or fp16, 12)",
+        action=argparse.BooleanOptionalAction,
+        help="plan for gradient_clipping on (the Hugging Face Trainer's default, max_grad_norm 1.0): "
+        "offloaded chunks keep an fp32 gradient shard until the norm is known, 16 host bytes per "
+        "parameter; off (the spec's default, unless --config sets it), 12",
     )
     parser.add_argument(
         "--gradient-accumulation-steps",
         type=int,
-        default=1,
-        help="above 1, gradients are kept across micro-batches: 16 host bytes per parameter",
+        help="above 1, gradients are kept across micro-batches: 16 host bytes per parameter "
+        "(default 1, or the job spec's)",
+    )
+    parser.add_argument(
+        "--frozen",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="freeze the parameters whose names match (shell-style, repeatable: 'layers.*' "
+        "freezes every block, '*' the whole base as under LoRA): one compute copy each, no "
+        "gradient or optimizer state. Names: embed_tokens, embed_positions, layers.N.qkv, "
+        "layers.N.attn_out, layers.N.fc|proj (gate|up|down), layers.N.norm_1|norm_2, final_norm, lm_head",
     )
     return parser
 
 
 def parse_what_if(argv: list[str]) -> WhatIfRequest:
-    """The request ``argv`` asks for; SpecError for a batch shape below 1."""
+    """The request ``argv`` asks for; SpecError for a batch shape below 1 or a job spec that
+    cannot be read."""
     args = build_parser().parse_args(argv)
-    if args.micro_batch_size < 1 or args.seq_len < 1 or args.gradient_accumulation_steps < 1:
+    job = job_settings(args.config) if args.config else None
+    micro_batch_size = _pick(args.micro_batch_size, job and job.micro_batch_size, 1)
+    accumulation = _pick(args.gradient_accumulation_steps, job and job.accumulation_steps, 1)
+    if micro_batch_size < 1 or args.seq_len < 1 or accumulation < 1:
         raise SpecError("--micro-batch-size, --seq-len and --gradient-accumulation-steps must be >= 1")
+    if args.clipping is not None:
+        clipping, clipping_from = bool(args.clipping), "--clipping" if args.clipping else "--no-clipping"
+    elif job is not None:
+        clipping, clipping_from = job.clipping, str(args.config)
+    else:
+        clipping, clipping_from = False, SPEC_DEFAULT
     return WhatIfRequest(
         hardware=args.hardware,
         model_config=args.model_config,
         largest=bool(args.largest),
-        micro_batch_size=args.micro_batch_size,
+        micro_batch_size=micro_batch_size,
         seq_len=args.seq_len,
-        precision=args.precision,
-        ssd=bool(args.ssd),
-        clipping=bool(args.clipping),
-        accumulation_steps=args.gradient_accumulation_steps,
+        precision=_pick(args.precision, job and job.precision, "bf16"),
+        ssd=bool(args.ssd) or bool(job and job.ssd),
+        clipping=clipping,
+        clipping_from=clipping_from,
+        accumulation_steps=accumulation,
+        frozen=tuple(args.frozen),
+        job=job,
+        config=args.config,
     )
+
+
+def _pick(flag: T | None, from_job: T | None, default: T) -> T:
+    """A flag given on the command line, else the job spec's value, else the default."""
+    if flag is not None:
+        return flag
+    return default if from_job is None else from_job
 
 
 def main(argv: list[str]) -> int:

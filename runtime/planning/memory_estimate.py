@@ -159,8 +159,14 @@ def needs_summary(
     by_key = {(row.offloaded, row.mode): row for row in rows}
     resident, offloaded, recomputed = by_key[False, KEEP], by_key[True, KEEP], by_key[False, CHECKPOINT]
     batch = " x ".join(str(dim) for dim in model.batch_shape)
+    frozen = sum(numel for numel, trainable in model.param_sizes if not trainable)
+    frozen_words = (
+        f" ({frozen / 1e9:.2f}B frozen: one {model.precision} copy each, no gradient or optimizer state)"
+        if frozen
+        else ""
+    )
     return (
-        f"{parameters / 1e9:.2f}B parameters in {model.precision}. Model state: "
+        f"{parameters / 1e9:.2f}B parameters in {model.precision}{frozen_words}. Model state: "
         f"{_gib(resident.state_bytes)} on the device when resident (compute copy, fp32 master, "
         f"gradient, two Adam moments), {_gib(offloaded.host_bytes)} on the host when offloaded "
         f"({'with' if keeps_gradients else 'without'} a gradient shard, and staging). "

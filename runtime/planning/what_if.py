@@ -17,6 +17,7 @@ The command line is read by ``protrain_launcher/what_if_cli.py``; this module pl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,16 +26,27 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from profiler.analytic import KNOWN_CONFIGS, TransformerShape, analytic_profile, shape_from_config
+from profiler.analytic import (
+    KNOWN_CONFIGS,
+    TransformerShape,
+    analytic_profile,
+    shape_from_config,
+)
+from profiler.host_bytes import checkpoint_staging_bytes
 from profiler.plan import Plan
 from profiler.plan_builder import KnobRequest, searched_plan
 from profiler.profile import HardwareProfile, ModelProfile
 from profiler.search import NoPlanFitsError
 from runtime.config.hardware_spec import HardwareFile, load_hardware
-from runtime.config.settings import keeps_gradients
 from runtime.config.spec_io import SpecError
 from runtime.console import plan_table
-from runtime.planning.memory_estimate import Budgets, estimate_rows, estimate_table, needs_summary
+from runtime.planning.memory_estimate import (
+    Budgets,
+    estimate_rows,
+    estimate_table,
+    needs_summary,
+)
+from runtime.planning.what_if_request import SEARCHED_KNOBS, WhatIfRequest
 
 DEVICE_RESERVE_FRACTION = 0.05
 """As runtime/planning/budgets.py: kept free on a CUDA device for the context, NCCL and allocator slack."""
@@ -62,45 +74,6 @@ GPT_FAMILY: tuple[tuple[str, int, int, int], ...] = (
     ("gpt-130b", 96, 10752, 84),
     ("gpt-175b", 96, 12288, 96),
 )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WhatIfRequest:
-    """One what-if question: a hardware file, and a model config or the whole GPT family."""
-
-    hardware: str
-    """The hardware file, as the user wrote it (errors name it so)."""
-    model_config: str | None
-    """A config.json path, a directory holding one, or a known config name; None with ``largest``."""
-    largest: bool
-    micro_batch_size: int
-    seq_len: int
-    precision: str
-    ssd: bool = False
-    """Let the search put activations on the hardware file's disk (it must describe one)."""
-    clipping: bool = False
-    """Plan for gradient clipping (the update waits for the norm; gradients are kept)."""
-    accumulation_steps: int = 1
-
-    @property
-    def updates_after_norm(self) -> bool:
-        return self.clipping or self.precision == "fp16"
-
-    @property
-    def keeps_gradients(self) -> bool:
-        return keeps_gradients(
-            gradient_clipping=1.0 if self.clipping else 0.0,
-            loss_scaled=self.precision == "fp16",
-            accumulation_steps=self.accumulation_steps,
-        )
-
-    def update_words(self) -> str:
-        """The update case assumed, for the tables' titles."""
-        clipping = "clipping on" if self.clipping else "clipping off"
-        window = f", {self.accumulation_steps} micro-batches a window" if self.accumulation_steps > 1 else ""
-        held = "16" if self.keeps_gradients else "12"
-        kept = "gradients kept" if self.keeps_gradients else "gradients applied as they arrive"
-        return f"{clipping}{window}: {kept}, {held} host bytes per offloaded parameter"
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +114,13 @@ def machine_from_file(spec: HardwareFile) -> Machine:
 
 
 def profile_model(
-    shape: TransformerShape, machine: Machine, *, micro_batch_size: int, seq_len: int, precision: str
+    shape: TransformerShape,
+    machine: Machine,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: str,
+    frozen: tuple[str, ...] = (),
 ) -> ModelProfile:
     """The analytic profile of one micro-batch at the machine's sustained rate; ValueError for a
     sequence longer than the model's learned positions."""
@@ -151,6 +130,7 @@ def profile_model(
         seq_len=seq_len,
         precision=precision,
         sustained_flops=machine.sustained_flops,
+        frozen=frozen,
     )
 
 
@@ -165,27 +145,33 @@ def plan_model(
     profile: ModelProfile | None = None,
     updates_after_norm: bool = False,
     keeps_gradients: bool = True,
+    knobs: KnobRequest | None = None,
+    chosen: tuple[str, ...] = SEARCHED_KNOBS,
+    host_fixed_bytes: int = 0,
 ) -> Plan:
     """The fastest plan that fits, or NoPlanFitsError saying why; ``ssd``: activations may go to
     the machine's disk (its rates must be known); ``updates_after_norm`` and ``keeps_gradients``
-    as the spec's clipping, precision and accumulation set them (runtime.config.settings)."""
+    as the spec's clipping, precision and accumulation set them (runtime.config.settings);
+    ``knobs`` a job file's hand-set memory knobs; ``host_fixed_bytes`` what the host holds
+    beside the plan (an async save's staging copy)."""
     if profile is None:
         profile = profile_model(
             shape, machine, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision
         )
     plan, _ = searched_plan(
-        request=KnobRequest(),
+        request=knobs or KnobRequest(),
         model=profile,
         hardware=machine.hardware,
         num_blocks=shape.layers,
         micro_batch_size=micro_batch_size,
         device_budget_bytes=machine.device_budget,
         host_budget_bytes=machine.host_budget,
-        chosen=("memory.chunk_size", "memory.n_persist", "memory.n_buffer"),
+        chosen=chosen,
         extra_buffers=EXTRA_BUFFERS,
         ssd_available=ssd,
         updates_after_norm=updates_after_norm,
         keeps_gradients=keeps_gradients,
+        host_fixed_bytes=host_fixed_bytes,
     )
     return plan
 
@@ -210,11 +196,10 @@ def family_shape(name: str, layers: int, hidden: int, heads: int, seq_len: int) 
 
 def run_what_if(request: WhatIfRequest) -> int:
     """Plan and print; returns protrain-run's exit code (1 when nothing fits). Bad input (a
-    hardware file or model config that cannot be read, ``ssd`` without a disk) raises SpecError."""
+    hardware file or model config that cannot be read, ``ssd`` without a disk, a job file's
+    budget above the hardware's) raises SpecError."""
     hardware_file = load_hardware(request.hardware)
-    if request.ssd and hardware_file.ssd is None:
-        raise SpecError(f"{request.hardware}: --ssd needs the hardware file's ssd section (its disk rates)")
-    machine = machine_from_file(hardware_file)
+    machine = machine_for(request, hardware_file)
     console = Console(highlight=False)
     name = hardware_file.name
     if request.largest:
@@ -222,20 +207,20 @@ def run_what_if(request: WhatIfRequest) -> int:
     assert request.model_config is not None, "the launcher requires --model-config or --largest"
     shape = _model_shape(request.model_config)
     try:
-        profile = profile_model(
-            shape,
-            machine,
-            micro_batch_size=request.micro_batch_size,
-            seq_len=request.seq_len,
-            precision=request.precision,
-        )
+        profile = _profile_for(shape, machine, request)
     except ValueError as err:  # a sequence longer than the model's learned positions
         raise SpecError(f"--seq-len: {err}") from None
+    if request.frozen and all(trainable for _, trainable in profile.param_sizes):
+        raise SpecError(
+            f"--frozen {' '.join(request.frozen)}: matches no parameter of {shape.name}; names are "
+            "embed_tokens, embed_positions, layers.N.(norm_1|qkv|attn_out|norm_2|fc|proj|gate|up|down), "
+            "final_norm, lm_head"
+        )
     title = f"{shape.name} ({shape.parameters / 1e9:.2f}B parameters) on {name}"
     plan: Plan | None = None
     failure = ""
     try:
-        plan = _plan_for(shape, machine, request, profile)
+        plan = plan_for(shape, machine, request, profile)
     except NoPlanFitsError as err:
         failure = str(err)
     budgets = Budgets(device=machine.device_budget, host=machine.host_budget)
@@ -251,7 +236,7 @@ def run_what_if(request: WhatIfRequest) -> int:
             plan,
             budgets,
             title=f"Memory estimate: {title}, batch {request.micro_batch_size} x {request.seq_len}, "
-            f"{request.precision}, {request.update_words()}; GiB per rank, budgets "
+            f"{request.precision}, {request.update_words()}{_job_words(request)}; GiB per rank, budgets "
             f"{_gib(budgets.device)} device, {_gib(budgets.host)} host",
         )
     )
@@ -263,6 +248,45 @@ def run_what_if(request: WhatIfRequest) -> int:
         return 1
     console.print(plan_table(plan, title=f"What-if plan: {title}"))
     return 0
+
+
+def machine_for(request: WhatIfRequest, hardware_file: HardwareFile) -> Machine:
+    """The hardware file's machine with a job file's hand-set budgets; SpecError where one
+    exceeds the hardware, or for ``ssd`` without a disk."""
+    if request.ssd and hardware_file.ssd is None:
+        raise SpecError(f"{request.hardware}: --ssd needs the hardware file's ssd section (its disk rates)")
+    machine = machine_from_file(hardware_file)
+    job = request.job
+    if job is None:
+        return machine
+    gpu_memory = hardware_file.gpu.memory
+    host_share = hardware_file.host.memory // hardware_file.gpu.count
+    if job.device_budget is not None and job.device_budget > gpu_memory:
+        raise SpecError(
+            f"{request.config}: memory.device_budget: {_gib(job.device_budget)} is more than the "
+            f"{_gib(gpu_memory)} GPU of {request.hardware}"
+        )
+    if job.host_budget is not None and job.host_budget > host_share:
+        raise SpecError(
+            f"{request.config}: memory.host_budget: {_gib(job.host_budget)} is more than a rank's "
+            f"share of {request.hardware}'s host memory ({_gib(host_share)})"
+        )
+    return dataclasses.replace(
+        machine,
+        device_budget=machine.device_budget if job.device_budget is None else job.device_budget,
+        host_budget=machine.host_budget if job.host_budget is None else job.host_budget,
+    )
+
+
+def _job_words(request: WhatIfRequest) -> str:
+    words = []
+    if request.frozen:
+        words.append(f"frozen {', '.join(request.frozen)}")
+    if request.job is not None and request.job.async_save:
+        words.append("async saves staged on the host")
+    if request.config:
+        words.append(f"settings from {request.config}")
+    return "".join(f", {word}" for word in words)
 
 
 def _model_shape(model_config: str) -> TransformerShape:
@@ -281,9 +305,33 @@ def _model_shape(model_config: str) -> TransformerShape:
         raise SpecError(f"{path}: {err}") from None
 
 
-def _plan_for(
+def _profile_for(shape: TransformerShape, machine: Machine, request: WhatIfRequest) -> ModelProfile:
+    return profile_model(
+        shape,
+        machine,
+        micro_batch_size=request.micro_batch_size,
+        seq_len=request.seq_len,
+        precision=request.precision,
+        frozen=request.frozen,
+    )
+
+
+def plan_for(
     shape: TransformerShape, machine: Machine, request: WhatIfRequest, profile: ModelProfile | None = None
 ) -> Plan:
+    """The plan the request gets for ``shape`` on ``machine`` (an async save's staging counted
+    beside it), or NoPlanFitsError."""
+    if profile is None:
+        profile = _profile_for(shape, machine, request)
+    staging = (
+        checkpoint_staging_bytes(
+            list(profile.param_sizes),
+            element_size=profile.element_size,
+            world_size=machine.hardware.world_size,
+        )
+        if request.job is not None and request.job.async_save
+        else 0
+    )
     return plan_model(
         shape,
         machine,
@@ -294,6 +342,9 @@ def _plan_for(
         profile=profile,
         updates_after_norm=request.updates_after_norm,
         keeps_gradients=request.keeps_gradients,
+        knobs=None if request.job is None else request.job.knobs,
+        chosen=SEARCHED_KNOBS if request.job is None else request.job.chosen,
+        host_fixed_bytes=staging,
     )
 
 
@@ -304,8 +355,8 @@ def _gib(num_bytes: int) -> str:
 def _largest(console: Console, machine: Machine, name: str, request: WhatIfRequest) -> int:
     table = Table(
         title=f"What-if: GPT-family models on {name}, batch {request.micro_batch_size} x "
-        f"{request.seq_len}, {request.precision}, {request.update_words()}, activations placed by "
-        "the search; GiB per rank",
+        f"{request.seq_len}, {request.precision}, {request.update_words()}{_job_words(request)}, "
+        "activations placed by the search; GiB per rank",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
@@ -314,19 +365,18 @@ def _largest(console: Console, machine: Machine, name: str, request: WhatIfReque
         table.add_column(column, no_wrap=True, justify="left" if column in ("model", "binds") else "right")
     largest: tuple[str, int] | None = None
     first_miss: str | None = None
-    for family_name, layers, hidden, heads in GPT_FAMILY:
-        shape = family_shape(family_name, layers, hidden, heads, request.seq_len)
+    for shape in _family(request.seq_len):
         size = f"{shape.parameters / 1e9:.1f}B"
         try:
-            plan = _plan_for(shape, machine, request)
+            plan = plan_for(shape, machine, request)
         except NoPlanFitsError as err:
             reason = "host memory" if "host budget" in str(err) else "device memory"
-            table.add_row(family_name, size, "no", "", "", "", "", reason)
-            first_miss = first_miss or f"{family_name} ({size}): {err}"
+            table.add_row(shape.name, size, "no", "", "", "", "", reason)
+            first_miss = first_miss or f"{shape.name} ({size}): {err}"
             continue
         step = plan.predicted_step_s or 0.0
         table.add_row(
-            family_name,
+            shape.name,
             size,
             "yes",
             f"{step:.2f}",
@@ -335,18 +385,49 @@ def _largest(console: Console, machine: Machine, name: str, request: WhatIfReque
             f"{(plan.predicted_peak_host_bytes or 0) / 2**30:.0f}",
             plan.rule.rsplit("; ", 1)[-1].split(":")[0],  # the binding, after the layout words
         )
-        largest = (family_name, shape.parameters)
+        largest = (shape.name, shape.parameters)
     console.print(table)
+    # The other clipping case too: the Hugging Face Trainer clips by default, the spec does not,
+    # and the answer differs by a model size where host memory binds.
+    other = dataclasses.replace(
+        request,
+        clipping=not request.clipping,
+        clipping_from="--clipping" if not request.clipping else "--no-clipping",
+    )
+    other_largest = _largest_that_fits(machine, other)
     if largest is None:
         console.print("[red]no model of the family fits[/red]" + (f": {first_miss}" if first_miss else ""))
-        return 1
+    else:
+        console.print(
+            f"largest that fits: {largest[0]} ({largest[1] / 1e9:.1f}B parameters), {request.update_words()}"
+        )
     console.print(
-        f"largest that fits: {largest[0]} ({largest[1] / 1e9:.1f}B parameters), {request.update_words()}"
-        + ("" if request.keeps_gradients else " (--clipping plans for gradient clipping)")
+        "with clipping "
+        + ("off" if request.clipping else "on")
+        + (
+            f" instead: {other_largest[0]} ({other_largest[1] / 1e9:.1f}B parameters), {other.update_words()}"
+            if other_largest
+            else f": none fits, {other.update_words()}"
+        )
     )
     if first_miss:
         console.print(f"first that does not: {first_miss}")
-    return 0
+    return 0 if largest is not None else 1
+
+
+def _family(seq_len: int) -> list[TransformerShape]:
+    return [family_shape(name, layers, hidden, heads, seq_len) for name, layers, hidden, heads in GPT_FAMILY]
+
+
+def _largest_that_fits(machine: Machine, request: WhatIfRequest) -> tuple[str, int] | None:
+    largest = None
+    for shape in _family(request.seq_len):
+        try:
+            plan_for(shape, machine, request)
+        except NoPlanFitsError:
+            continue
+        largest = (shape.name, shape.parameters)
+    return largest
 
 
 def _read_model_config(path: Path) -> dict[str, object]:

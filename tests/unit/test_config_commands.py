@@ -23,7 +23,8 @@ from protrain_launcher.cli import parse_command_line, resolve_spec
 from runtime.config.hardware_spec import load_hardware
 from runtime.config.spec import AUTO
 from runtime.config.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, load_spec, write_resolved
-from runtime.planning.what_if import HOST_RESERVE_BYTES, machine_from_file, plan_model
+from protrain_launcher.what_if_cli import parse_what_if
+from runtime.planning.what_if import HOST_RESERVE_BYTES, machine_for, plan_for
 from tests.config_commands import assert_trained_through_chunks, header_commands, tiny_command
 from tests.helpers import assert_state_equal
 
@@ -78,26 +79,26 @@ def test_full_size_plan_fits_the_configs_own_budgets(path: Path, capsys: pytest.
     argv = what_if_argv(path)
     assert protrain_run(argv) == 0, capsys.readouterr().err  # the header's planner command, as written
     options = dict(zip(argv[::2], argv[1::2], strict=True))
-    spec = load_spec(path)
-    assert int(options["--micro-batch-size"]) == spec.micro_batch_size
+    assert ROOT / options["--config"] == path, "the header's planner command must read this file"
     train = header_commands(path)[0]
     assert options["--seq-len"] == train[train.index("--seq-len") + 1]
-    machine = machine_from_file(load_hardware(ROOT / options["--what-if"]))
+    request = parse_what_if(argv)
+    spec = load_spec(path)
+    assert request.job is not None and request.job.async_save == spec.checkpoint.async_save
+    assert (request.micro_batch_size, request.precision) == (spec.micro_batch_size, spec.precision)
+    assert request.clipping == bool(spec.gradient_clipping)
+    hardware = load_hardware(ROOT / options["--what-if"])
+    machine = machine_for(request, hardware)
     host_ram = host_ram_claim_bytes(path)
-    memory = spec.memory
-    device_budget = machine.device_budget if memory.device_budget == AUTO else int(memory.device_budget)
-    host_budget = host_ram - HOST_RESERVE_BYTES if memory.host_budget == AUTO else int(memory.host_budget)
-    assert device_budget <= machine.device_budget, "the device budget exceeds the GPU the header names"
-    assert host_budget <= host_ram, "the host budget exceeds the host RAM the header names"
-    plan = plan_model(
-        shape_from_config(KNOWN_CONFIGS[options["--model-config"]]),
-        dataclasses.replace(machine, device_budget=device_budget, host_budget=host_budget),
-        micro_batch_size=spec.micro_batch_size,
-        seq_len=int(options["--seq-len"]),
-        precision=spec.precision,
-    )
+    if spec.memory.host_budget == AUTO:  # the header's RAM, not the hardware file's, is the claim
+        machine = dataclasses.replace(machine, host_budget=host_ram - HOST_RESERVE_BYTES)
+    assert machine.device_budget <= hardware.gpu.memory, "the device budget exceeds the GPU the header names"
+    assert machine.host_budget <= host_ram, "the host budget exceeds the host RAM the header names"
+    # The plan with what the job adds beside it (an async save's staging copy) fits the budgets.
+    plan = plan_for(shape_from_config(KNOWN_CONFIGS[options["--model-config"]]), machine, request)
     assert plan.predicted_peak_device_bytes is not None and plan.predicted_peak_host_bytes is not None
-    assert plan.predicted_peak_device_bytes <= device_budget and plan.predicted_peak_host_bytes <= host_budget
+    assert plan.predicted_peak_device_bytes <= machine.device_budget
+    assert plan.predicted_peak_host_bytes <= machine.host_budget
 
 
 def load_train_lm(monkeypatch: pytest.MonkeyPatch) -> ModuleType:

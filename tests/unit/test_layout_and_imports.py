@@ -51,6 +51,7 @@ def test_launcher_only_uses_the_spec_from_runtime() -> None:
                     "runtime.config.spec",
                     "runtime.config.spec_io",
                     "runtime.planning.what_if",
+                    "runtime.planning.what_if_request",
                     "runtime.env_report",
                     "runtime.tracing.timeline_file",
                 ), (

@@ -12,7 +12,9 @@ import torch
 
 from profiler.analytic import KNOWN_CONFIGS, analytic_profile, shape_from_config
 from protrain_launcher.cli import main
+from protrain_launcher.what_if_cli import parse_what_if
 from runtime.config.hardware_spec import load_hardware
+from runtime.planning.what_if import machine_for, plan_for
 
 ROOT = Path(__file__).resolve().parents[2]
 HARDWARE = ROOT / "configs" / "hardware"
@@ -73,28 +75,44 @@ EXPECTED_LARGEST = {
 clipping off; with it on, a size less."""
 
 
-@pytest.mark.parametrize("clipping", ["off", "on"])
-def test_largest_model_per_machine_and_what_binds(capsys: pytest.CaptureFixture[str], clipping: str) -> None:
-    per_parameter = HOST_BYTES_PER_PARAMETER[clipping]
+def largest_line(out: str, prefix: str) -> tuple[str, float, str]:
+    """(model, parameters, update words) of a "largest that fits" line of ``--largest``."""
+    match = re.search(prefix + r" (\S+) \(([\d.]+)B parameters\), (clipping \w+ \([^)]*\))", out)
+    assert match, out
+    return match.group(1), float(match.group(2)) * 1e9, match.group(3)
+
+
+@pytest.mark.parametrize("flags", [[], ["--clipping"]], ids=["default", "clipping"])
+def test_largest_model_per_machine_and_what_binds(capsys: pytest.CaptureFixture[str], flags: list[str]) -> None:
+    asked = "on" if flags else "off"
+    other = "off" if flags else "on"
     for machine in ("a100-80gb", "rtx3090-24gb"):
-        flags = ["--clipping"] if clipping == "on" else []
         assert main(["--what-if", str(HARDWARE / f"{machine}.yaml"), "--largest", *flags]) == 0
         out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
-        assert f"clipping {clipping}" in out and f"{per_parameter} host bytes per offloaded parameter" in out
-        fits = re.search(r"largest that fits: (\S+) \(([\d.]+)B parameters\)", out)
+        # The title says which case the table is, and where it came from: the spec's default
+        # (off, as a job spec without gradient_clipping runs) unless a flag asked.
+        source = "--clipping" if flags else "the spec's default"
+        assert f"clipping {asked} ({source})" in out.split("largest that fits")[0]
+        assert f"{HOST_BYTES_PER_PARAMETER[asked]} host bytes per offloaded parameter" in out
+        name, params_fit, words = largest_line(out, "largest that fits:")
+        assert name == EXPECTED_LARGEST[machine, asked] and words.startswith(f"clipping {asked}")
+        # Both answers: the Trainer clips by default, a spec does not.
+        other_name, other_params, other_words = largest_line(out, f"with clipping {other} instead:")
+        assert other_name == EXPECTED_LARGEST[machine, other] and other_words.startswith(f"clipping {other}")
         fails = re.search(
             r"first that does not: \S+ \(([\d.]+)B\): no plan fits the host budget of ([\d.]+) GiB", out
         )
-        assert fits and fails, out
-        assert fits.group(1) == EXPECTED_LARGEST[machine, clipping]
-        params_fit, params_fail = float(fits.group(2)) * 1e9, float(fails.group(1)) * 1e9
+        assert fails, out
+        params_fail = float(fails.group(1)) * 1e9
         host_budget = float(fails.group(2)) * 2**30
         # What this guards: host memory binds first, at 12 or 16 bytes per parameter, to the
         # resolution of the size grid. The largest fitting model's state fits the host budget, the
         # next size's would not: a planner that under-counts the host state (e.g. forgets the Adam
         # moments) picks a larger model, one that over-counts it (chunk padding, a gradient it
         # does not keep) a smaller one, and either breaks one side.
+        per_parameter = HOST_BYTES_PER_PARAMETER[asked]
         assert params_fit * per_parameter <= host_budget < params_fail * per_parameter
+        assert other_params * HOST_BYTES_PER_PARAMETER[other] <= host_budget
 
 
 def test_a_model_config_gets_a_plan_with_predictions(
@@ -122,3 +140,76 @@ def test_bad_what_if_input_exits_2_naming_the_file_and_key(
     config.write_text(json.dumps({"hidden_size": 64}))
     assert main(["--what-if", str(HARDWARE / "a100-80gb.yaml"), "--model-config", str(config)]) == 2
     assert "model.json: the model config has none of num_attention_heads, n_head" in capsys.readouterr().err
+
+
+def write_job(tmp_path: Path, text: str) -> Path:
+    job = tmp_path / "job.yaml"
+    job.write_text(text)
+    return job
+
+
+def test_a_job_spec_sets_batch_precision_clipping_accumulation_and_budgets(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    job = write_job(
+        tmp_path,
+        "micro_batch_size: 4\ngradient_accumulation_steps: 8\nprecision: fp32\ngradient_clipping: 1.0\n"
+        "memory: {device_budget: 20GiB, host_budget: 300GiB}\n",
+    )
+    hardware = str(HARDWARE / "rtx3090-24gb.yaml")
+    assert main(["--what-if", hardware, "--model-config", "llama-2-7b", "--config", str(job)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "batch 4 x 1024, fp32, clipping on (" + str(job) + "), 8 micro-batches a window" in out
+    assert "budgets 20.0 GiB device, 300.0 GiB host" in out
+    # A flag given on the command line wins over the file.
+    argv = ["--what-if", hardware, "--model-config", "llama-2-7b", "--config", str(job)]
+    assert main([*argv, "--no-clipping", "--micro-batch-size", "2", "--precision", "bf16"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "batch 2 x 1024, bf16, clipping off (--no-clipping), 8 micro-batches a window" in out
+
+
+def test_an_async_save_in_the_job_spec_counts_its_staging_copy(tmp_path: Path) -> None:
+    """checkpoint.async_save copies every parameter's fp32 master and two moments to the host
+    first: 12 bytes per parameter beside the plan's own host state."""
+    hardware = load_hardware(HARDWARE / "a100-80gb.yaml")
+    shape = shape_from_config(LLAMA_2_7B)
+    plans = {}
+    for async_save in (False, True):
+        job = write_job(tmp_path, f"checkpoint: {{dir: ckpt, async_save: {str(async_save).lower()}}}\n")
+        request = parse_what_if(["--what-if", str(HARDWARE / "a100-80gb.yaml"), "--largest", "--config", str(job)])
+        plans[async_save] = plan_for(shape, machine_for(request, hardware), request)
+    assert plans[True].host_fixed_bytes == 12 * shape.parameters
+    assert plans[True].predicted_peak_host_bytes == plans[False].predicted_peak_host_bytes + 12 * shape.parameters
+
+
+def test_a_frozen_base_needs_one_compute_copy_on_the_host(capsys: pytest.CaptureFixture[str]) -> None:
+    """--frozen '*' plans a LoRA-style base: offloaded, each frozen parameter is its bf16 copy
+    (2 bytes), not a master, two moments and a gradient (16 with clipping)."""
+    hardware = str(HARDWARE / "rtx3090-24gb.yaml")
+    host_row = re.compile(r"host \(\d+ buffers\)\s+kept\s+[\d,.]+\s+([\d,.]+)")
+    needs = {}
+    for frozen in ([], ["--frozen", "*"]):
+        assert main(["--what-if", hardware, "--model-config", "llama-2-7b", "--clipping", *frozen]) == 0
+        out = capsys.readouterr().out
+        match = host_row.search(out)
+        assert match, out
+        needs[bool(frozen)] = float(match.group(1).replace(",", "")) * 2**30
+    parameters = shape_from_config(LLAMA_2_7B).parameters
+    assert needs[False] == pytest.approx(16 * parameters, rel=0.05)
+    assert needs[True] == pytest.approx(2 * parameters, rel=0.05)
+    assert "6.74B frozen" in " ".join(out.split())
+
+
+def test_bad_job_specs_and_patterns_exit_2_naming_what_is_wrong(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hardware = str(HARDWARE / "rtx3090-24gb.yaml")
+    job = write_job(tmp_path, "micro_batch_size: many\n")
+    assert main(["--what-if", hardware, "--largest", "--config", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert f"{job}" in err and "micro_batch_size" in err
+    job = write_job(tmp_path, "memory: {device_budget: 40GiB}\n")
+    assert main(["--what-if", hardware, "--largest", "--config", str(job)]) == 2
+    assert f"{job}: memory.device_budget: 40.0 GiB is more than the 24.0 GiB GPU" in capsys.readouterr().err
+    assert main(["--what-if", hardware, "--model-config", "llama-2-7b", "--frozen", "encoder.*"]) == 2
+    assert "--frozen encoder.*: matches no parameter of llama-2-7b" in capsys.readouterr().err

@@ -1,0 +1,104 @@
+"""What a what-if question asks (``protrain-run --what-if``): the hardware file, the model, the
+batch, and the update case (clipping, accumulation, precision), from flags or from a job spec's
+``--config``, whose hand-set memory knobs, budgets and async saves join the plan too."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from profiler.plan_builder import KnobRequest
+from runtime.config.settings import keeps_gradients, planning_settings_from_spec
+from runtime.config.spec import AUTO, Precision
+from runtime.config.spec_io import load_spec
+
+SEARCHED_KNOBS = ("memory.chunk_size", "memory.n_persist", "memory.n_buffer")
+"""The knobs the search fills when no spec sets any (activations are placed by it too)."""
+SPEC_DEFAULT = "the spec's default"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobSettings:
+    """What a job spec says that the what-if planner uses."""
+
+    micro_batch_size: int
+    accumulation_steps: int
+    clipping: bool
+    precision: str | None
+    """None for ``auto`` (the Trainer's choice at run time)."""
+    knobs: KnobRequest
+    chosen: tuple[str, ...]
+    device_budget: int | None
+    """Hand-set ``memory.device_budget`` (None: the hardware file's GPU less a reserve)."""
+    host_budget: int | None
+    """Hand-set ``memory.host_budget`` (None: its host RAM less a reserve, per rank)."""
+    ssd: bool
+    """``memory.ssd.path`` is set: activations may go to the hardware file's disk."""
+    async_save: bool
+    """``checkpoint.async_save``: each save stages the rank's state in host memory first."""
+
+
+def job_settings(path: str) -> JobSettings:
+    """A job spec's settings; the spec is validated whole, as the launcher validates it (a bad
+    file raises SpecError naming the key)."""
+    spec = load_spec(path)
+    settings = planning_settings_from_spec(spec)
+    return JobSettings(
+        micro_batch_size=spec.micro_batch_size,
+        accumulation_steps=spec.gradient_accumulation_steps,
+        clipping=bool(spec.gradient_clipping),
+        precision=None if spec.precision == AUTO else Precision(spec.precision).value,
+        knobs=settings.request,
+        chosen=settings.chosen,
+        device_budget=settings.device_budget_bytes,
+        host_budget=settings.host_budget_bytes,
+        ssd=settings.ssd_path is not None,
+        async_save=settings.async_save,
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WhatIfRequest:
+    """One what-if question: a hardware file, and a model config or the whole GPT family."""
+
+    hardware: str
+    """The hardware file, as the user wrote it (errors name it so)."""
+    model_config: str | None
+    """A config.json path, a directory holding one, or a known config name; None with ``largest``."""
+    largest: bool
+    micro_batch_size: int
+    seq_len: int
+    precision: str
+    ssd: bool = False
+    """Let the search put activations on the hardware file's disk (it must describe one)."""
+    clipping: bool = False
+    """Plan for gradient clipping (the update waits for the norm; gradients are kept)."""
+    clipping_from: str = SPEC_DEFAULT
+    """Where ``clipping`` came from, for the titles: the spec's default, a flag or a job file."""
+    accumulation_steps: int = 1
+    frozen: tuple[str, ...] = ()
+    """Shell-style patterns over ``profiler.analytic.parameter_list``'s names: frozen parameters
+    (a fine-tuned base: one compute copy, no gradient, no optimizer state)."""
+    job: JobSettings | None = None
+    """A job spec's settings (``--config``): its hand-set memory knobs, budgets and async saves."""
+    config: str | None = None
+    """The job file the settings came from, for the titles."""
+
+    @property
+    def updates_after_norm(self) -> bool:
+        return self.clipping or self.precision == "fp16"
+
+    @property
+    def keeps_gradients(self) -> bool:
+        return keeps_gradients(
+            gradient_clipping=1.0 if self.clipping else 0.0,
+            loss_scaled=self.precision == "fp16",
+            accumulation_steps=self.accumulation_steps,
+        )
+
+    def update_words(self) -> str:
+        """The update case assumed, for the tables' titles."""
+        clipping = f"clipping {'on' if self.clipping else 'off'} ({self.clipping_from})"
+        window = f", {self.accumulation_steps} micro-batches a window" if self.accumulation_steps > 1 else ""
+        held = "16" if self.keeps_gradients else "12"
+        kept = "gradients kept" if self.keeps_gradients else "gradients applied as they arrive"
+        return f"{clipping}{window}: {kept}, {held} host bytes per offloaded parameter"
