@@ -23,7 +23,8 @@ import time
 from types import FrameType
 
 from protrain_launcher.env_names import BAD_INPUT_PREFIX, ERROR_FILE_ENV, LAUNCHER_PID_ENV
-from protrain_launcher.request import EXIT_BAD_INPUT  # standard library only: nothing heavy yet
+# standard library only: nothing heavy yet
+from protrain_launcher.request import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_RANK_FAILED
 from protrain_launcher.signal_hold import import_torch
 
 _PR_SET_PDEATHSIG = 1
@@ -102,28 +103,49 @@ def main() -> None:
         signal.signal(signal.SIGTERM, _on_sigterm)
         if len(sys.argv) < 2:
             print("usage: python -m protrain_launcher.rank_entry SCRIPT [ARGS...]", file=sys.stderr)
-            sys.exit(2)
-        code = run_script(sys.argv[1], sys.argv[2:])
+            code = EXIT_BAD_INPUT
+        else:
+            code = run_script(sys.argv[1], sys.argv[2:])
     except KeyboardInterrupt:
-        sys.exit(130)
-    finish_cleanly(code)
+        code = EXIT_INTERRUPTED
+    except SystemExit as stop:  # a stop (TrainingStopped, SIGTERM) or the script's own exit
+        code = _exit_code(stop)
+    except BaseException:  # noqa: BLE001 - the script's error: recorded for the agent, printed here
+        sys.excepthook(*sys.exc_info())
+        code = EXIT_RANK_FAILED
+    # Every end leaves the same way: a stop or a failure reaches here while the engine's worker
+    # threads may still be running torch work, and the interpreter's teardown would then abort
+    # the rank ("terminate called without an active exception") instead of exiting 130 or 1.
+    finish_cleanly(code, destroy_group=code in (EXIT_OK, EXIT_BAD_INPUT))
 
 
-def finish_cleanly(code: int = 0) -> None:
-    """End a rank whose script succeeded (or stopped on bad input, ``code`` 2) without the
-    interpreter's teardown. Finalisation
-    destroys torch's C++ objects in no fixed order while its worker threads may still be
-    running; a gloo or thread-pool thread then hitting a torn-down interpreter aborts with
-    "terminate called without an active exception" (seen in CI after a run had finished; see
-    pytorch/pytorch#179291). The script's atexit handlers run and the process group is destroyed
-    here, while everything is alive, then the process leaves with ``code``."""
+def _exit_code(stop: SystemExit) -> int:
+    """The exit status ``sys.exit(code)`` asks for, as the interpreter reads it."""
+    if stop.code is None:
+        return EXIT_OK
+    if isinstance(stop.code, int):
+        return stop.code
+    print(stop.code, file=sys.stderr)
+    return EXIT_RANK_FAILED
+
+
+def finish_cleanly(code: int = 0, *, destroy_group: bool = True) -> None:
+    """End a rank without the interpreter's teardown. Finalisation destroys torch's C++ objects
+    in no fixed order while its worker threads (the engine's, gloo's, the intra-op pool) may
+    still be running; one of them then hitting a torn-down interpreter aborts with "terminate
+    called without an active exception" (seen in CI after a run had finished and after Ctrl-C;
+    see pytorch/pytorch#179291). The script's atexit handlers run (they close a dropped engine
+    and finish a checkpoint written in the background) and, after a clean end
+    (``destroy_group``), the process group is destroyed, while everything is alive; then the
+    process leaves with ``code``. After a stop or a failure the group is left to the exit: a
+    peer may be gone or inside a collective."""
     import atexit
 
     # The script's atexit handlers first: one may still need the process group (a checkpoint
     # being written in the background finishes there).
     atexit._run_exitfuncs()
     distributed = sys.modules.get("torch.distributed")
-    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+    if destroy_group and distributed is not None and distributed.is_available() and distributed.is_initialized():
         distributed.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
