@@ -142,16 +142,18 @@ def test_bad_what_if_input_exits_2_naming_the_file_and_key(
     assert "model.json: the model config has none of num_attention_heads, n_head" in capsys.readouterr().err
 
 
-def write_job(tmp_path: Path, text: str) -> Path:
-    job = tmp_path / "job.yaml"
+def write_job(folder: Path, text: str) -> Path:
+    job = folder / "job.yaml"
     job.write_text(text)
     return job
 
 
 def test_a_job_spec_sets_batch_precision_clipping_accumulation_and_budgets(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    job = write_job(
+    monkeypatch.chdir(tmp_path)  # a short path: the console would break a long one across lines
+    job = Path("job.yaml")
+    write_job(
         tmp_path,
         "micro_batch_size: 4\ngradient_accumulation_steps: 8\nprecision: fp32\ngradient_clipping: 1.0\n"
         "memory: {device_budget: 20GiB, host_budget: 300GiB}\n",
