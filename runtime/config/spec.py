@@ -168,9 +168,12 @@ class MemorySpec(SpecModel):
     """Memory knobs. "auto" ones are filled by the planner; a value set by hand is kept."""
 
     device_budget: AutoSize = AUTO
-    """Device bytes per rank. auto: CUDA total minus a reserve; on CPU this rank's share of free RAM."""
+    """Device bytes per rank. auto: CUDA total minus a reserve, less what other live engines of
+    the process hold; on CPU this rank's share of free RAM."""
     host_budget: AutoSize = AUTO
-    """Host bytes per rank. auto: (available RAM - reserve) / ranks on this host."""
+    """Host bytes per rank. auto: the smallest of available RAM, the cgroup limit less its usage
+    and Slurm's allocation, less a 2 GiB reserve, shared by the ranks on this host, plus what
+    this process holds already."""
     chunk_size: AutoSize = AUTO
     """Bytes per model-state chunk."""
     n_persist: AutoNonNegInt = AUTO
@@ -268,7 +271,8 @@ class CheckpointSpec(SpecModel):
     resume: Resume = "auto"
     """auto: the latest complete checkpoint in dir; never; or a checkpoint directory."""
     async_save: Bool = False
-    """Write checkpoints in the background."""
+    """Write checkpoints in the background, from a copy in host memory (12 bytes per trainable
+    parameter per rank, counted in the plan's host figure)."""
     keep_last: PositiveInt = 2
     """Checkpoints kept in dir; older ones are removed."""
 

@@ -16,7 +16,7 @@ import runtime
 from runtime.data import LMBatches, stdlib_text_corpus
 from runtime.models.gpt import GPT, PRESETS
 
-# The launcher's spec with a device budget set by hand: two engines cannot both take "auto".
+# The launcher's spec with a device budget set by hand: 64 MiB each, well under the machine.
 config = runtime.current_spec().model_dump(mode="json")
 config["memory"]["device_budget"] = "64MiB"
 torch.manual_seed(1)
