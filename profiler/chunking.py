@@ -177,12 +177,23 @@ def min_buffers_by_persist(packing: Packing, module_params: Sequence[Sequence[in
     return tuple(need)
 
 
+def persistent_full_numel(used: int, *, trainable: bool, chunk_numel: int, world_size: int) -> int:
+    """Elements of a persistent chunk's full compute copy: its used elements, unless an
+    all-gather refills it after every update (trainable, several ranks), which needs the whole
+    padded chunk. Persistent chunks never pass through the uniform buffers, so their padding
+    would be device memory holding nothing."""
+    return chunk_numel if trainable and world_size > 1 else used
+
+
 def persistent_chunk_bytes(chunk: PackedChunk, *, chunk_numel: int, world_size: int, element_size: int) -> int:
     """Device bytes of one persistent chunk on rank 0 (which holds the most): its full compute
-    copy and, trainable, the fp32 master (shared with the copy for one rank in fp32), gradient
-    and two Adam moments of rank 0's real elements; frozen, the copy alone (the shard is a view
-    of it)."""
-    full = chunk_numel * element_size
+    copy (``persistent_full_numel``) and, trainable, the fp32 master (shared with the copy for
+    one rank in fp32), gradient and two Adam moments of rank 0's real elements; frozen, the copy
+    alone (the shard is a view of it)."""
+    full = (
+        persistent_full_numel(chunk.used, trainable=chunk.trainable, chunk_numel=chunk_numel, world_size=world_size)
+        * element_size
+    )
     if not chunk.trainable:
         return full
     stored = rank_numel(chunk.used, chunk_numel // world_size, 0)

@@ -8,9 +8,11 @@ keeps the fastest layout that fits. Knobs set by hand stay fixed; fixed modes ar
 Pruning, memory first (PAPERS.md "Search"): for one chunk size, device memory grows with
 ``n_buffer`` at fixed ``n_persist`` while step time never does, so only the fewest buffers, one
 more, and the most that fit (found by bisection) are predicted; and the smallest plan at
-``n_persist + 1`` never needs less than the smallest at ``n_persist`` (a persistent chunk takes
-at least a buffer's bytes and frees at most one buffer), so the ``n_persist`` loop stops at the
-first ``n_persist`` whose smallest plan does not fit. Neither drops the fastest plan that fits,
+``n_persist + 1`` needs at most one buffer less than the smallest at ``n_persist`` plus the
+chunk's persistent bytes, so the ``n_persist`` loop stops at the first ``n_persist`` whose
+smallest plan does not fit by more than the most any later one can save (usually nothing: a
+persistent chunk takes at least a buffer's bytes, except a frozen or a small last chunk, whose
+copy holds only its used elements). Neither drops the fastest plan that fits,
 so the best step time equals a brute-force search's, and a larger budget never gives a slower
 best plan.
 """
@@ -196,6 +198,7 @@ def search(
         n = costs.num_chunks
         if n_persist is not None and n_persist > n:
             continue  # another chunk size may give enough chunks; none does: _nothing_fits says so
+        most_saved = _most_saved_by_persisting(costs)
         for p in range(n + 1) if n_persist is None else [n_persist]:
             if p == n:
                 buffer_range: Iterable[int] = [0]
@@ -220,6 +223,10 @@ def search(
                     # even the leanest layout overflows the device here, more persistent chunks
                     # cannot fit either.
                     device_full = position == 0 and not device_fits(candidate.prediction)
+                    if device_full and p < n:
+                        # A later n_persist can only fit if its chunks save enough over this one.
+                        floor = candidate.prediction.peak_device_bytes - most_saved[p]
+                        device_full = floor * (1 + margin) > device_budget
                     break
                 if position == 0 and (smallest is None or _memory(candidate) < _memory(smallest)):
                     smallest = candidate
@@ -343,6 +350,27 @@ def _managed(candidate: Candidate) -> int:
 
 def _memory(candidate: Candidate) -> int:
     return candidate.prediction.peak_device_bytes
+
+
+def _most_saved_by_persisting(costs: ChunkCosts) -> list[int]:
+    """For each ``n_persist`` p, the most device bytes any larger ``n_persist`` can need less
+    than the smallest plan at p (0 when none can). Each further persistent chunk adds its bytes
+    and frees at most one buffer; all of them persistent also frees the gradient buffer where
+    gradients go straight into the shards. A chunk's persistent bytes are usually at least a
+    buffer's, and then no later plan needs less; a frozen chunk's copy holds only its used
+    elements, or a small last chunk, and then one may."""
+    n = costs.num_chunks
+    buffer = costs.chunk_numel * costs.element_size
+    # growth[q]: what n_persist=q adds over n_persist=0, at the fewest buffers it could have.
+    growth = [costs.persistent_bytes[q] - q * buffer for q in range(n + 1)]
+    if costs.direct_grads_possible:
+        growth[n] -= buffer
+    lowest_after = [0] * (n + 1)
+    running = growth[n]
+    for q in range(n, 0, -1):
+        running = min(running, growth[q])
+        lowest_after[q - 1] = running
+    return [max(0, growth[p] - lowest_after[p]) for p in range(n)] + [0]
 
 
 def _hand_set(chunk_size: int | None, n_persist: int | None, n_buffer: int | None) -> list[str]:

@@ -277,7 +277,12 @@ class ChunkResidency:
         store = self.store
         world = store.dist_ctx.world_size
         shard = store.layout.shard_numel
-        mine = out if world == 1 else out[store.dist_ctx.rank * shard :][:shard]
+        whole = out
+        if world > 1 and out.numel() < store.layout.chunk_numel:
+            # A frozen persistent copy holds its used elements only (refreshed after a load or a
+            # plan switch): the collective needs the padded chunk, for this call alone.
+            whole = torch.zeros(store.layout.chunk_numel, dtype=out.dtype, device=out.device)
+        mine = whole if world == 1 else whole[store.dist_ctx.rank * shard :][:shard]
         # A host shard holds the real elements only (a prefix): the rest of ``mine`` is padding,
         # which nothing reads.
         stored = master.numel()
@@ -288,7 +293,9 @@ class ChunkResidency:
         else:
             mine[:stored].copy_(master, non_blocking=True)
         if world > 1:
-            all_gather_flat(out, mine, store.dist_ctx.group)
+            all_gather_flat(whole, mine, store.dist_ctx.group)
+            if whole is not out:
+                out.copy_(whole[: out.numel()])
 
     @torch.no_grad()
     def refresh(self, *, frozen_too: bool) -> None:

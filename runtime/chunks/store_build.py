@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from profiler.chunking import persistent_full_numel
 from profiler.host_bytes import HOST_ALIGN_BYTES, chunk_state_bytes, rank_numel
 from runtime.chunks.layout import ChunkInfo, ChunkLayout
 from runtime.chunks.residency import Residency
@@ -141,8 +142,14 @@ class _ChunkBuilder:
         segments = shard_segments(self.layout, info, rank)
         full = None
         if persistent:
-            full = torch.empty(self.layout.chunk_numel, dtype=self.compute_dtype, device=self.device.device)
-            full.copy_(flat)
+            numel = persistent_full_numel(
+                info.used,
+                trainable=info.trainable,
+                chunk_numel=self.layout.chunk_numel,
+                world_size=self.dist_ctx.world_size,
+            )
+            full = torch.empty(numel, dtype=self.compute_dtype, device=self.device.device)
+            full.copy_(flat[:numel])
         training = None
         if not info.trainable:
             # A frozen persistent chunk is stored once: its shard is a view of its full copy.
