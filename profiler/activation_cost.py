@@ -21,8 +21,10 @@ by the end of forward, and every wait in backward, is exposed time. On a machine
 not overlap compute (CPU: ``copies_overlap_compute`` False), a swap is a memcpy on the compute
 cores and adds in full; disk I/O waits for the drive and is simulated like on a GPU.
 
-Device peak of the activations: the larger of the end of forward (kept blocks' bytes, checkpoint
-inputs, everything outside the blocks) and, at each block's backward, the bytes alive below it plus
+Forward waits, at the end of each offloaded block, for the blocks before it to have left the
+device, so at most two consecutive offloaded blocks' bytes are in flight. Device peak of the
+activations: the larger of forward's (kept blocks' bytes, checkpoint inputs, everything outside
+the blocks, and those bytes in flight) and, at each block's backward, the bytes alive below it plus
 its own restored or recomputed bytes plus the prefetched bytes of the next offloaded blocks.
 """
 
@@ -81,7 +83,8 @@ def activation_cost(model: ModelProfile, hardware: HardwareProfile, modes: Seque
     backward_extra += _backward_waits(model, hardware, modes, saved)
 
     weights = _block_parameter_bytes(model)
-    peak = below = model.other_activation_bytes + sum(alive)  # the end of forward
+    below = model.other_activation_bytes + sum(alive)
+    peak = below + _in_flight_bytes(modes, saved)  # forward, up to its end
     # Offloaded blocks below each block, nearest first: the ones its backward has prefetched.
     offloaded_below: list[int] = [i for i, mode in enumerate(modes) if mode in OFFLOADED]
     for index in reversed(range(len(blocks))):
@@ -98,6 +101,14 @@ def activation_cost(model: ModelProfile, hardware: HardwareProfile, modes: Seque
         host_bytes=sum(a for a, mode in zip(saved, modes, strict=True) if mode == SWAP),
         ssd_bytes=sum(a for a, mode in zip(saved, modes, strict=True) if mode == SSD),
     )
+
+
+def _in_flight_bytes(modes: Sequence[str], saved: Sequence[int]) -> int:
+    """The most offloaded bytes still on the device in forward: the runtime waits, at the end of
+    each offloaded block, for the blocks before it to have left, so at most two consecutive
+    blocks' bytes are in flight (one's copies while the next one runs and saves)."""
+    offloaded = [a if mode in OFFLOADED else 0 for a, mode in zip(saved, modes, strict=True)]
+    return max((before + now for before, now in zip([0, *offloaded], offloaded)), default=0)
 
 
 def _block_parameter_bytes(model: ModelProfile) -> list[int]:
@@ -137,16 +148,28 @@ def _forward_exposed(
         exposed += sum(
             a / hardware.d2h_bytes_per_s for a, mode in zip(saved, modes, strict=True) if mode == SWAP
         )
-    for channel in _channels(hardware):
-        out_rate, _ = _rates(hardware, channel)
-        now = 0.0
-        busy_until = 0.0
-        for mode, block, nbytes in zip(modes, model.blocks, saved, strict=True):
-            now += block.forward_s
-            if mode == channel:
-                busy_until = max(busy_until, now) + nbytes / out_rate
-        # The head and the loss run after the last block: more room to finish the writes.
-        exposed += max(0.0, busy_until - now - model.other_forward_s)
+    busy_until = dict.fromkeys(_channels(hardware), 0.0)
+    staged_until = 0.0  # overlapping copies: when the copy engine has taken the bytes off the device
+    landed_before = 0.0  # when the offloaded blocks so far have all left the device
+    now = 0.0
+    for mode, block, nbytes in zip(modes, model.blocks, saved, strict=True):
+        now += block.forward_s
+        if mode not in OFFLOADED:
+            continue
+        # The end of an offloaded block waits for the blocks before it to have left the device.
+        waited = max(0.0, landed_before - now)
+        exposed += waited
+        now += waited
+        if mode in busy_until:
+            out_rate, _ = _rates(hardware, mode)
+            busy_until[mode] = max(busy_until[mode], now) + nbytes / out_rate
+        if hardware.copies_overlap_compute:  # swaps, and ssd staging in host memory (CUDA)
+            staged_until = max(staged_until, now) + nbytes / hardware.d2h_bytes_per_s
+            landed_before = staged_until
+        elif mode in busy_until:  # ssd on CPU: the bytes leave once written (a swap is in line)
+            landed_before = max(landed_before, busy_until[mode])
+    # The head and the loss run after the last block: more room to finish the writes.
+    exposed += sum(max(0.0, busy - now - model.other_forward_s) for busy in busy_until.values())
     return exposed
 
 

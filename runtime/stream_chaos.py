@@ -23,8 +23,9 @@ cover every chunk plan, activation mode and precision under both modes.
 Everything here costs nothing when chaos is off: pools read ``enabled()`` once when they are made.
 
 What each mode leaves out: forward polls its swap-outs with ``query()``, which never asks for
-lazily held work, so under ``lazy`` every swapped activation is served from memory and the
-swap-in path does not run at all; random delays reach a swap-in still on its way rarely (it is
+lazily held work, and waits for them only at the end of each later offloaded block (which bounds
+the bytes in flight), so under ``lazy`` the last swapped block is served from memory and its
+swap-in path does not run; random delays reach a swap-in still on its way rarely (it is
 prefetched blocks ahead). tests/unit/test_stream_chaos_catches.py lands the swap-outs at once to
 check the swap-in's wait under lazy chaos.
 

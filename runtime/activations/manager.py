@@ -146,21 +146,28 @@ class ActivationManager:
         def hook(_module: nn.Module, _inputs: Any, _output: Any) -> None:
             if self._block == index:
                 self._block = None
-            self._end_block()
+            self._end_block(index if self.phase is Phase.FORWARD else None)
 
         return hook
 
     @drops_files_on_io_error
-    def _end_block(self) -> None:
+    def _end_block(self, ended: int | None = None) -> None:
         """The block's forward is over: check that nothing it saved was changed in place since
         (those tensors were held until now, so a change right after saving cannot slip by as
-        the tensor dies), then watch them only weakly and let go of what has arrived."""
+        the tensor dies), then watch them only weakly and let go of what has arrived. After
+        offloaded block ``ended``, wait for the blocks before it to have left the device: at most
+        two blocks' bytes are then in flight (this one's, and the next one's while it runs),
+        whatever the copy engine's or the disk's pace, which is what the plan counts."""
         with self._lock:
             saved, self._saved_in_block = self._saved_in_block, []
             for record, tensor, version in saved:
                 record.check_version(tensor, version)
                 record.watch(tensor, version)
             del saved
+            if ended is not None:
+                for record in self._outbound:
+                    if record.block < ended:
+                        self._transfers.let_go_of_source(record)
             self._reap()
 
     def suspended(self) -> contextlib.AbstractContextManager[None]:

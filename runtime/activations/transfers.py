@@ -143,6 +143,20 @@ class ActivationTransfers:
         record.source = None
         return True
 
+    def let_go_of_source(self, record: StoredStorage) -> None:
+        """Wait until ``record``'s original may leave the device (its copy to host has landed;
+        on CPU its file is written), then drop it. What bounds the device bytes in flight in
+        forward: the cost model counts two offloaded blocks' worth (profiler/activation_cost.py)."""
+        if record.source is None or record.released:
+            return
+        started = time.perf_counter()
+        if record.outbound is not None:
+            record.outbound.wait()  # re-raises a failed copy
+        elif record.file is not None:
+            record.file.wait_written()  # raises SsdIoError for a failed write
+        self.arrived(record)  # drops the original (CUDA ssd: queues the write from host memory)
+        self.stats.wait_s += time.perf_counter() - started
+
     # ------------------------------------------------------------------ backward
 
     def start_inbound(self, record: StoredStorage) -> None:
