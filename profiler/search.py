@@ -5,22 +5,16 @@ Enumerates chunk size x ``n_persist`` x ``n_buffer`` x the blocks' activation la
 is predicted with each layout worth trying (the undominated ones; see ``activation_options``) and
 keeps the fastest layout that fits. Knobs set by hand stay fixed; fixed modes are one layout.
 
-Pruning, memory first (PAPERS.md "Search"): for one chunk size, device memory grows with
-``n_buffer`` at fixed ``n_persist`` while step time never does, so only the fewest buffers, one
-more, and the most that fit (found by bisection) are predicted; and the smallest plan at
-``n_persist + 1`` needs at most one buffer less than the smallest at ``n_persist`` plus the
-chunk's persistent bytes, so the ``n_persist`` loop stops at the first ``n_persist`` whose
-smallest plan does not fit by more than the most any later one can save (usually nothing: a
-persistent chunk takes at least a buffer's bytes, except a frozen or a small last chunk, whose
-copy holds only its used elements). Neither drops the fastest plan that fits,
-so the best step time equals a brute-force search's, and a larger budget never gives a slower
-best plan.
+Pruning, memory first (profiler/search_pruning.py): only a few buffer counts are predicted per
+``n_persist``, and the ``n_persist`` loop stops once no larger one can fit. Neither drops the
+fastest plan that fits, so the best step time equals a brute-force search's, and a larger budget
+never gives a slower best plan.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from profiler.activation_cost import ActivationCost, ActivationOption, activation_cost
@@ -35,6 +29,7 @@ from profiler.cost_model import (
 )
 from profiler.feasibility import chunk_knob_conflict
 from profiler.profile import HardwareProfile, ModelProfile
+from profiler.search_pruning import buffer_candidates, most_saved_by_persisting
 
 SAME_SPEED = 0.02
 """Relative step-time difference below which two plans count as equally fast: the cost model is
@@ -198,7 +193,7 @@ def search(
         n = costs.num_chunks
         if n_persist is not None and n_persist > n:
             continue  # another chunk size may give enough chunks; none does: _nothing_fits says so
-        most_saved = _most_saved_by_persisting(costs)
+        most_saved = most_saved_by_persisting(costs)
         for p in range(n + 1) if n_persist is None else [n_persist]:
             if p == n:
                 buffer_range: Iterable[int] = [0]
@@ -206,7 +201,7 @@ def search(
                 buffer_range = [n_buffer] if n_buffer >= costs.need[p] else []
             else:
                 most = n - p if extra_buffers is None else min(n - p, costs.need[p] + extra_buffers)
-                buffer_range = _buffer_candidates(
+                buffer_range = buffer_candidates(
                     costs.need[p], most, fits_with=lambda b, p=p, costs=costs: fits_at(costs, p, b)
                 )
             device_full = False
@@ -301,26 +296,6 @@ def _costs_by_size(
             continue
 
 
-def _buffer_candidates(low: int, high: int, *, fits_with: Callable[[int], bool]) -> list[int]:
-    """Buffer counts worth predicting for one ``n_persist``. Step time never grows with more
-    buffers (more chunks reused at the start of backward, prefetch from two on) and device
-    memory only grows, so the fastest plan at this ``n_persist`` is the largest count that fits:
-    found by bisection. The fewest (for the smallest plan and the memory-first pruning) and one
-    more (the first that prefetches) are kept too, for the runners-up and equal-speed ties."""
-    if low >= high or not fits_with(low):
-        return list(range(low, high + 1))[:2]
-    if fits_with(high):  # plenty of memory: no bisection needed
-        return sorted({low, low + 1, high})
-    lo, hi = low, high  # lo fits; find the largest that fits
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits_with(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return sorted({low, min(low + 1, lo), lo})
-
-
 def _ranked(candidates: list[Candidate]) -> list[Candidate]:
     """Fastest first. Plans within ``SAME_SPEED`` of the fastest count as equally fast (the model
     is not that exact); among them the one keeping the largest share of chunks on the device wins
@@ -350,27 +325,6 @@ def _managed(candidate: Candidate) -> int:
 
 def _memory(candidate: Candidate) -> int:
     return candidate.prediction.peak_device_bytes
-
-
-def _most_saved_by_persisting(costs: ChunkCosts) -> list[int]:
-    """For each ``n_persist`` p, the most device bytes any larger ``n_persist`` can need less
-    than the smallest plan at p (0 when none can). Each further persistent chunk adds its bytes
-    and frees at most one buffer; all of them persistent also frees the gradient buffer where
-    gradients go straight into the shards. A chunk's persistent bytes are usually at least a
-    buffer's, and then no later plan needs less; a frozen chunk's copy holds only its used
-    elements, or a small last chunk, and then one may."""
-    n = costs.num_chunks
-    buffer = costs.chunk_numel * costs.element_size
-    # growth[q]: what n_persist=q adds over n_persist=0, at the fewest buffers it could have.
-    growth = [costs.persistent_bytes[q] - q * buffer for q in range(n + 1)]
-    if costs.direct_grads_possible:
-        growth[n] -= buffer
-    lowest_after = [0] * (n + 1)
-    running = growth[n]
-    for q in range(n, 0, -1):
-        running = min(running, growth[q])
-        lowest_after[q - 1] = running
-    return [max(0, growth[p] - lowest_after[p]) for p in range(n)] + [0]
 
 
 def _hand_set(chunk_size: int | None, n_persist: int | None, n_buffer: int | None) -> list[str]:

@@ -1,13 +1,8 @@
-"""Where each chunk's compute copy is: the residency states, and the fetch scheduling behind them.
+"""Where each chunk's compute copy is: the fetch scheduling behind the residency states.
 
-A chunk's residency is one state and a table of allowed moves; an illegal move raises.
-
-    PERSISTENT            always on the device (the first n_persist chunks)
-    HOST ──fetch──▶ FETCHING ──arrived──▶ RESIDENT ──evict──▶ HOST
-                                                       (non-persistent chunks pass through buffers)
-
-A FETCHING chunk owns a slot that the side stream is gathering into; nothing may read it or
-evict it until the copy has arrived. A RESIDENT chunk's parameters point into its slot; a HOST
+A chunk's residency is one state with a table of allowed moves (residency_states.py). A FETCHING
+chunk owns a slot that the side stream is gathering into; nothing may read it or evict it until
+the copy has arrived. A RESIDENT chunk's parameters point into its slot; a HOST
 chunk's parameters point at a zero-byte NaN placeholder.
 
 ``ChunkResidency`` schedules the moves (DeepSpeed's ``partitioned_param_coordinator`` is the
@@ -32,13 +27,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from runtime import stream_chaos
+from runtime.chunks.residency_states import IllegalTransition, Residency
 from runtime.chunks.staging import Staged, StagingRing
 from runtime.chunks.trace_labels import job_label
 from runtime.device import DeviceEvent, synchronize
@@ -48,32 +43,6 @@ if TYPE_CHECKING:  # store.py imports the states from here; the chunks come in a
     from runtime.chunks.layout import ChunkLayout
     from runtime.chunks.side_stream import CollectiveQueue
     from runtime.chunks.store import Chunk, ChunkStore, OffloadedChunk
-
-
-class Residency(str, Enum):
-    PERSISTENT = "persistent"
-    HOST = "host"
-    FETCHING = "fetching"
-    RESIDENT = "resident"
-
-
-ALLOWED_MOVES: dict[Residency, frozenset[Residency]] = {
-    Residency.PERSISTENT: frozenset(),
-    Residency.HOST: frozenset({Residency.FETCHING}),
-    Residency.FETCHING: frozenset({Residency.RESIDENT}),
-    Residency.RESIDENT: frozenset({Residency.HOST}),
-}
-
-
-class IllegalTransition(RuntimeError):
-    pass
-
-
-def check_move(chunk_index: int, current: Residency, target: Residency) -> Residency:
-    """``target`` when the move is allowed; IllegalTransition naming the chunk otherwise."""
-    if target not in ALLOWED_MOVES[current]:
-        raise IllegalTransition(f"chunk {chunk_index}: {current.value} -> {target.value} is not allowed")
-    return target
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from runtime.chunks.layout import ChunkInfo, ChunkLayout
-from runtime.chunks.residency import Residency, check_move
+from runtime.chunks.residency_states import Residency, check_move
 from runtime.cpu_adam import ShardAdamW
 from runtime.device import DeviceInfo
 from runtime.distributed import DistContext

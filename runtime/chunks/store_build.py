@@ -14,7 +14,7 @@ from torch import nn
 from profiler.chunking import persistent_full_numel
 from profiler.host_bytes import HOST_ALIGN_BYTES, chunk_state_bytes, rank_numel
 from runtime.chunks.layout import ChunkInfo, ChunkLayout
-from runtime.chunks.residency import Residency
+from runtime.chunks.residency_states import Residency
 from runtime.chunks.store import (
     Chunk,
     ChunkStore,

@@ -35,7 +35,7 @@ from torch import nn
 from profiler.plan import Plan
 from runtime.activations.manager import ActivationManager
 from runtime.chunks.manager import ChunkManager
-from runtime.chunks.residency import Residency
+from runtime.chunks.residency_states import Residency
 from runtime.device import DeviceInfo
 from runtime.memory_counter import peak_reader, sample_at_hooks
 from runtime.tracing.timeline_file import Mark, Sample, Span, Timeline

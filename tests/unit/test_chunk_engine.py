@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import runtime
-from runtime.chunks.residency import IllegalTransition, Residency, check_move
+from runtime.chunks.residency_states import IllegalTransition, Residency, check_move
 from runtime.config.spec_io import SpecError
 from runtime.device import DeviceInfo
 from runtime.planning.apply_plan import update_mode
