@@ -16,7 +16,7 @@ from profiler.plan import BlockMode
 from profiler.profile import ModelProfile
 from runtime.batches import call_model
 from runtime.blocks import find_blocks
-from runtime.chunks.residency import Residency
+from runtime.chunks.residency_states import Residency
 from runtime.config.spec_io import SpecError
 from runtime.planning.model_profiling import ChunkedRun
 from runtime.planning.replanner import chunked_run
@@ -179,7 +179,7 @@ def test_a_batch_that_does_not_fit_beside_the_resident_chunks_is_profiled_with_t
     monkeypatch.setenv("PROTRAIN_STRICT_DEVICE", "1")
     data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
     expected, _ = train_reference(tiny_gpt(), data, steps=STEPS, lr=1e-3, weight_decay=0.1)
-    budget = model_state_bytes(tiny_gpt()) * 5 // 4  # the state (chunk padding included) and a bit
+    budget = model_state_bytes(tiny_gpt()) * 11 // 10  # the state and a tenth: a step needs more
     engine = runtime.initialize(tiny_gpt(), config=job(tmp_path, device_budget=budget))
     assert engine.plan.rule.startswith("resident") and engine.plan.n_persist == engine.plan.num_chunks
     train_updates(engine, data, range(STEPS))

@@ -108,12 +108,12 @@ def all_kept_plan(tmp_path: Path, batch: dict[str, torch.Tensor]) -> Plan:
 
 def test_activation_knobs_are_searched_when_activations_bind(tmp_path: Path) -> None:
     """Sixteen samples per micro-batch: saved activations dominate the tiny GPT's memory, so under
-    a budget of 60% of the all-kept plan the search recomputes or offloads blocks; the math stays
+    a budget of 65% of the all-kept plan the search recomputes or offloads blocks; the math stays
     plain PyTorch's."""
     data = lm_batches(micro_batch_size=16, accumulation=1, world_size=1)
     kept = all_kept_plan(tmp_path, data.batch(0, 0, 0))
     assert set(kept.block_modes) == {BlockMode.KEEP} and kept.predicted_peak_device_bytes is not None
-    budget = int(kept.predicted_peak_device_bytes * 0.6)
+    budget = int(kept.predicted_peak_device_bytes * 0.65)
     engine = runtime.initialize(
         tiny_gpt(), config=big_batch_job(tmp_path, budget), example_batch=data.batch(0, 0, 0)
     )

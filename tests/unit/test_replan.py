@@ -87,14 +87,14 @@ def test_without_an_example_batch_the_first_batch_is_profiled_and_searched(tmp_p
     kept_peak = all_kept_plan(tmp_path, data.batch(0, 0, 0)).predicted_peak_device_bytes
     assert kept_peak is not None
     # Tight enough that the search must recompute or offload; the resident rule ignores it.
-    config = big_batch_job(tmp_path, int(kept_peak * 0.6))
+    config = big_batch_job(tmp_path, int(kept_peak * 0.65))
     engine = runtime.initialize(tiny_gpt(), config=config)
     assert engine.plan.predicted_step_s is None and not engine.plan.rule.startswith("search")
     train_updates(engine, data, range(1))  # profiled, planned and switched here
     plan = engine.plan
     assert plan.rule.startswith("planned on a batch through the chunk engine: search")
     assert plan.predicted_peak_device_bytes is not None
-    assert plan.predicted_peak_device_bytes * 1.05 <= int(kept_peak * 0.6)
+    assert plan.predicted_peak_device_bytes * 1.05 <= int(kept_peak * 0.65)
     train_updates(engine, data, range(1, STEPS))
     assert_state_equal(engine.state_dict(), expected)
     engine.close()

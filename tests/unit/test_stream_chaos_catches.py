@@ -68,8 +68,9 @@ def _skip_gradient_buffer_wait(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _land_swap_outs_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forward waits for each swap-out when it polls it, so every activation comes back through
-    host memory. Without this, lazy chaos (whose held copies never land by themselves) serves
-    every activation from memory, and random chaos most of them (see the lazy test)."""
+    host memory. Without this, lazy chaos (whose held copies land only when forward waits for
+    them, at the next offloaded block's end) serves the last block's activations from memory,
+    and random chaos many more (see the lazy test)."""
     original = ActivationTransfers.arrived
 
     def landed(self: ActivationTransfers, record: Any) -> bool:
@@ -171,11 +172,13 @@ def test_lazy_chaos_catches_every_missing_wait(
     assert_caught(tmp_path, name, monkeypatch, chaos, "lazy", 0)
 
 
-def test_lazy_chaos_alone_serves_every_swapped_activation_from_memory(
+def test_lazy_chaos_alone_serves_the_last_swapped_block_from_memory(
     tmp_path: Path, chaos: Callable[..., None]
 ) -> None:
     """Why the swap-in runs above are routed: forward polls its swap-outs without waiting, which
-    never asks for lazily held work, so no activation goes through host memory at all."""
+    never asks for lazily held work; it waits for a block's copies only at the end of the next
+    offloaded block (the bound on bytes in flight), so the last block's activations never go
+    through host memory."""
     chaos("lazy")
     engine = runtime.initialize(
         tiny_gpt(0, FOUR_BLOCKS),
@@ -191,7 +194,8 @@ def test_lazy_chaos_alone_serves_every_swapped_activation_from_memory(
         engine.backward(out.loss)
         engine.step()
         stats = engine.activations.stats
-        assert stats.records > 0 and stats.forwarded == stats.records and stats.bytes_swapped_in == 0
+        blocks = len(engine.plan.block_modes)
+        assert stats.records > 0 and stats.forwarded == stats.records // blocks and stats.bytes_swapped_in > 0
 
 
 @pytest.mark.parametrize("mode", ["1", "lazy"])
