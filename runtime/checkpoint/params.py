@@ -21,11 +21,17 @@ express even splits along dimensions, not a flat range cut across rows); torch m
 deprecated in favour of DTensor, so its FutureWarning is silenced here, on purpose.
 
 Tensors on the compute device are staged through host copies; host tensors (the offloaded
-chunks' state) are handed to DCP directly, so a synchronous save copies nothing.
+chunks' state, and on CPU every chunk's) are handed to DCP as ``exact_alias``es, so a synchronous
+save copies nothing. A plain view would not do: DCP's file writer clones a tensor whose storage
+is larger than its bytes, and (torch 2.13) keeps every clone of a rank's file until the file is
+written, which held a second copy of the whole optimizer state (+3.2 GiB on a 285M model). On
+CUDA the compute device's tensors (persistent chunks) are still copied to the host whole during
+a save.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -43,6 +49,19 @@ MODEL = "model."
 EXP_AVG = "optim.exp_avg."
 EXP_AVG_SQ = "optim.exp_avg_sq."
 STEP = "optim.step."
+
+def exact_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s memory (contiguous, on the host) as a tensor whose storage is exactly its
+    bytes, so a writer that copies views of larger storages writes it as it is. The alias keeps
+    ``tensor``, and so its memory, alive."""
+    if tensor.device.type != "cpu" or tensor.numel() == 0 or tensor.untyped_storage().nbytes() == tensor.nbytes:
+        return tensor
+    if not tensor.is_contiguous():
+        raise ValueError("exact_alias needs a contiguous tensor")
+    memory = (ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())
+    memory._owner = tensor  # type: ignore[attr-defined]
+    return torch.frombuffer(memory, dtype=tensor.dtype).view(tensor.shape)
+
 
 Box = tuple[list[int], list[int]]
 """(offsets, sizes) of a box inside a tensor."""
@@ -189,7 +208,7 @@ class ParameterSpace:
         shape = list(info.shape) or [1]
         if self.world_size == 1:
             assert local is not None
-            return local.view(shape)
+            return exact_alias(local.view(shape))
         from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
         from torch.distributed._shard.sharded_tensor.metadata import (
             ShardedTensorMetadata,
@@ -210,7 +229,7 @@ class ParameterSpace:
                 count = math.prod(sizes)
                 if piece.rank == self.rank:
                     assert local is not None
-                    local_shards.append(Shard(local.narrow(0, position, count).view(sizes), box))
+                    local_shards.append(Shard(exact_alias(local.narrow(0, position, count).view(sizes)), box))
                 position += count
         global_metadata = ShardedTensorMetadata(
             shards_metadata=metadata,
