@@ -55,6 +55,22 @@ class MmapArena:
         allocated last points just past the region's end)."""
         return tensor.untyped_storage().data_ptr() == self._base.untyped_storage().data_ptr()
 
+    def give_back(self, tensor: torch.Tensor) -> None:
+        """Hand the whole pages under ``tensor`` (carved from this region) back to the kernel: it
+        reads zeros afterwards. For state that has moved elsewhere (a plan switch), so the old
+        region shrinks while the new one fills. A page-locked region is unlocked first (the
+        kernel cannot drop locked pages), for good: nothing copies from it asynchronously again."""
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self._base.data_ptr())
+            self._pinned = False
+        start = tensor.data_ptr() - self._base.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        first, last = _round_up(start, PAGE_BYTES), end - end % PAGE_BYTES
+        if last > first:
+            # The region is a shared anonymous mapping (shmem): DONTNEED would unmap the pages
+            # and keep their memory; REMOVE frees it.
+            self._map.madvise(getattr(mmap, "MADV_REMOVE", mmap.MADV_DONTNEED), first, last - first)
+
     def close(self) -> None:
         """Release the region (once; again does nothing). Tensors from it must no longer be used."""
         if self._map.closed:

@@ -10,7 +10,8 @@ only then is the new layout built (``apply_plan``), and every old chunk gathered
 each rank copying out the pieces its new shards hold (``move_state``). Per-parameter step
 counts are agreed by a max over ranks (a rank holding none of a parameter learns it from the
 others). Device memory beyond the new layout: one old chunk, while it is gathered (several
-ranks). Host memory beyond both layouts: the old persistent state, and one old chunk three
+ranks). Host memory: each old chunk's host pages go back to the kernel once its state has moved,
+so beyond the new layout only the old state not yet moved is held, and one old chunk three
 times. Nothing changes the values: after the move every parameter, moment and step count is
 what it was (checked by the tests).
 """
@@ -27,6 +28,7 @@ from runtime.chunks.manager import ChunkManager
 from runtime.chunks.store import Chunk, Segment, padded_shard
 from runtime.device import DeviceInfo
 from runtime.distributed import DistContext, all_gather_flat, all_reduce_sum_
+from runtime.host_memory import MmapArena
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,8 @@ class HeldState:
     layout: ChunkLayout
     chunks: list[HeldChunk]
     device: DeviceInfo
+    arena: MmapArena | None
+    """The old offloaded chunks' host region: its pages go back as their state moves."""
 
 
 @torch.no_grad()
@@ -60,7 +64,7 @@ def hold_on_host(old: ChunkManager) -> HeldState:
         steps = None if chunk.training is None else _host_copy(chunk.optimizer.steps)
         chunks.append(HeldChunk(chunk.info, chunk.segments, state, steps))
     old.release_device()
-    return HeldState(layout=old.layout, chunks=chunks, device=old.device)
+    return HeldState(layout=old.layout, chunks=chunks, device=old.device, arena=old.store.host_arena)
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -105,6 +109,11 @@ def move_state(old: HeldState, new: ChunkManager, dist_ctx: DistContext) -> None
                     piece = full[source : source + numel]
                     destination[shard_offset : shard_offset + numel].copy_(piece)
         del fulls
+        # Moved: the old copy goes, so host memory holds one layout's state and one chunk.
+        for tensor in held.state:
+            if old.arena is not None and old.arena.contains(tensor):
+                old.arena.give_back(tensor)
+        held.state.clear()
     count = len(old.layout.params)
     steps = torch.zeros(count, dtype=torch.float64)
     holders = torch.zeros(count, dtype=torch.float64)
