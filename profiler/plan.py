@@ -58,10 +58,12 @@ class Plan:
     predicted_peak_device_bytes: int | None = None
     predicted_peak_host_bytes: int | None = None
     """What a rank's process holds in host memory at its peak: the plan's host regions (chunk
-    state, staging, swapped activations) and ``host_fixed_bytes``."""
+    state, staging, swapped activations) and ``host_fixed_bytes``, or at setup, while the
+    caller's parameters and their copy in the chunks coexist, when that is more."""
     host_fixed_bytes: int = 0
     """Host memory beside what the plan places: the process's own at start (the interpreter,
-    torch, the caller's model until it is chunked) and an asynchronous save's staging."""
+    torch, what the caller holds) less the parameters the chunks take over, and an asynchronous
+    save's staging."""
     predicted_ssd_bytes: int | None = None
     notes: tuple[str, ...] = field(default=())
     batch_shape: tuple[int, ...] = ()

@@ -351,7 +351,7 @@ def _nothing_fits(
         )
     besides = (
         f" beside the {_size(host_fixed)} the process holds outside it (at start: the interpreter, "
-        "torch, the caller's model until it is chunked; an async save's staging)"
+        "torch, what the caller holds besides the model's parameters; an async save's staging)"
         if host_fixed
         else ""
     )

@@ -17,7 +17,7 @@ from runtime.config.settings import PlanningSettings
 from runtime.config.spec_io import ResolvedSpec, SpecError
 from runtime.console import plan_table
 from runtime.device import select_device
-from runtime.planning.budgets import process_rss_bytes, resolve_budgets
+from runtime.planning.budgets import host_parameter_bytes, process_rss_bytes, resolve_budgets
 from runtime.planning.model_facts import check_supported, execution_order
 from runtime.planning.planner import Profilers, build_planner
 from runtime.weights import held_on
@@ -51,6 +51,7 @@ def dry_run(
         dist_ctx=None,
         profilers=profilers,
         host_baseline_bytes=process_rss_bytes(),
+        host_model_bytes=host_parameter_bytes(model),
     )
     plan = planner.initial_plan(example_batch if whole and held_on(model, device.device) else None)
     console.print(

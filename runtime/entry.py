@@ -48,7 +48,7 @@ from runtime.distributed import (
 from runtime.dry_run import dry_run
 from runtime.metrics.trackers import require_tracker_packages
 from runtime.planning.apply_plan import PlanTarget, apply_plan
-from runtime.planning.budgets import auto_device_budget, process_rss_bytes, resolve_budgets
+from runtime.planning.budgets import auto_device_budget, host_parameter_bytes, process_rss_bytes, resolve_budgets
 from runtime.planning.model_facts import check_supported, compute_element_size, execution_order, model_blocks
 from runtime.planning.planner import Profilers, build_planner
 from runtime.planning.replanner import Replanner
@@ -113,6 +113,7 @@ def initialize(
     Under ``protrain-run --dry-run`` this prints the spec and plan and ends the process (exit 0).
     """
     host_baseline = process_rss_bytes()  # the interpreter, torch, the caller's model: the plan counts it
+    host_model = host_parameter_bytes(model)  # of which the chunks take over
     resolved, run_dir = resolve_job(config)
     spec = resolved.spec
     refuse_trainer_autos(spec)
@@ -157,7 +158,7 @@ def initialize(
                 claim=claim,
                 reseed=reseed,
                 profilers=profilers,
-                host_baseline=host_baseline,
+                host_baseline=(host_baseline, host_model),
             )
         except SpecError as err:
             _release_unbuilt(claim, dist_ctx)
@@ -229,7 +230,7 @@ def _build_engine(
     claim: live_engines.EngineClaim,
     reseed: bool,
     profilers: Profilers | None,
-    host_baseline: int = 0,
+    host_baseline: tuple[int, int] = (0, 0),
 ) -> Engine:
     """The composition root: the model placed and seeded, its planner, the first plan applied,
     the outputs, and the Engine over them (which then plans on the example batch, if the model
@@ -257,7 +258,9 @@ def _build_engine(
         device=device,
         dist_ctx=dist_ctx,
         profilers=profilers,
-        host_baseline_bytes=int(all_reduce_max(float(host_baseline), dist_ctx)),  # every rank plans alike
+        # Every rank plans alike: the largest process and model of any rank.
+        host_baseline_bytes=int(all_reduce_max(float(host_baseline[0]), dist_ctx)),
+        host_model_bytes=int(all_reduce_max(float(host_baseline[1]), dist_ctx)),
     )
     # Profiling the model whole needs it whole on the device: one whose weights are streamed
     # into chunks, or held in host memory, is profiled through the chunk engine instead

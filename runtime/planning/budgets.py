@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import psutil
 import torch
+from torch import nn
 
 from runtime.config.settings import PlanningSettings
 from runtime.device import DeviceInfo
@@ -37,6 +38,18 @@ def auto_host_budget(ranks_on_host: int) -> int:
 def process_rss_bytes() -> int:
     """What this process holds in host memory now (resident set)."""
     return int(psutil.Process().memory_info().rss)
+
+
+def host_parameter_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s parameters in host memory, each storage once: what the chunks take
+    over (the parameters then view chunk memory and their own storages are freed), so the host
+    holds them twice only while the model is chunked."""
+    storages = {
+        p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+        for p in model.parameters()
+        if p.device.type == "cpu"
+    }
+    return sum(storages.values())
 
 
 def resolve_budgets(settings: PlanningSettings, device: DeviceInfo, *, ranks_on_host: int) -> tuple[int, int]:

@@ -121,7 +121,8 @@ def check_supported(
             f"memory.host_budget: this plan holds {host / 2**30:.2f} GiB of host memory per rank "
             f"({regions / 2**30:.2f} GiB of offloaded model state and staging, "
             f"{plan.host_fixed_bytes / 2**30:.2f} GiB outside it: the process at start (the interpreter, "
-            "torch, the caller's model until it is chunked) and an async save's staging) but the budget is "
+            "torch, what the caller holds besides the model's parameters) and an async save's staging) "
+            "but the budget is "
             f"{plan.host_budget_bytes / 2**30:.2f} GiB; raise memory.host_budget, use more ranks, build the "
             "model on the meta device and pass weights=, or set checkpoint.async_save: false"
         )

@@ -108,12 +108,14 @@ def build_planner(
     dist_ctx: DistContext | None,
     profilers: Profilers | None = None,
     host_baseline_bytes: int = 0,
+    host_model_bytes: int = 0,
 ) -> Planner:
     """The Planner of one engine; hand-set chunk knobs no plan can honour raise ``SpecError``
     here, before any profiling. ``budgets``: (device, host) bytes per rank, already resolved from
     "auto" and agreed across ranks. ``dist_ctx`` None means a dry run (one process, no group).
-    ``host_baseline_bytes``: what the process held when ``initialize`` began (its host figure
-    counts it: the interpreter, torch, the caller's model until it is chunked)."""
+    ``host_baseline_bytes``: what the process held when ``initialize`` began (the interpreter,
+    torch, the caller's model); ``host_model_bytes`` of which the model's parameters in host
+    memory, which the chunks take over."""
     block_path, blocks = model_blocks(model, settings)
     owned = module_params(model, params)
     refuse_impossible_knobs(model, settings, params, owned, world_size=world_size)
@@ -134,6 +136,7 @@ def build_planner(
         dist_ctx=dist_ctx,
         profilers=profilers or Profilers(),
         host_baseline_bytes=host_baseline_bytes,
+        host_model_bytes=host_model_bytes,
     )
 
 
@@ -157,11 +160,20 @@ class Planner:
     """Why the last profiling step did not fit the device (its out-of-memory error), if so."""
     host_baseline_bytes: int = 0
     """What the process held in host memory when ``initialize`` began."""
+    host_model_bytes: int = 0
+    """Of which the caller's parameters in host memory: the chunks take them over."""
+
+    @property
+    def host_setup_bytes(self) -> int:
+        """The host at setup: the process as it began and a copy of the caller's parameters
+        in the chunks, before their own storages are freed."""
+        return self.host_baseline_bytes + self.host_model_bytes
 
     @property
     def host_fixed_bytes(self) -> int:
-        """Host memory every plan holds beside its own regions: the process at start and, with
-        ``checkpoint.async_save``, a save's staging (``profiler.host_bytes``)."""
+        """Host memory every plan holds beside its own regions: the process at start less the
+        parameters the chunks take over and, with ``checkpoint.async_save``, a save's staging
+        (``profiler.host_bytes``)."""
         staging = 0
         if self.settings.async_save:
             staging = checkpoint_staging_bytes(
@@ -169,7 +181,7 @@ class Planner:
                 element_size=compute_element_size(self.settings.precision),
                 world_size=self.subject.world_size,
             )
-        return self.host_baseline_bytes + staging
+        return max(0, self.host_baseline_bytes - self.host_model_bytes) + staging
 
     @property
     def searchable(self) -> bool:
@@ -238,6 +250,7 @@ class Planner:
             updates_after_norm=settings.updates_after_norm,
             keeps_gradients=settings.keeps_gradients,
             host_fixed_bytes=self.host_fixed_bytes,
+            host_setup_bytes=self.host_setup_bytes,
         )
         return plan
 
