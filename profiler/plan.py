@@ -58,8 +58,7 @@ class Plan:
     predicted_peak_device_bytes: int | None = None
     predicted_peak_host_bytes: int | None = None
     """What a rank's process holds in host memory at its peak: the plan's host regions (chunk
-    state, staging, swapped activations) and ``host_fixed_bytes``, or at setup, while the
-    caller's parameters and their copy in the chunks coexist, when that is more."""
+    state, staging, swapped activations) and ``host_fixed_bytes``."""
     host_fixed_bytes: int = 0
     """Host memory beside what the plan places: the process's own at start (the interpreter,
     torch, what the caller holds) less the parameters the chunks take over, and an asynchronous

@@ -156,13 +156,11 @@ def searched_plan(
     updates_after_norm: bool = False,
     keeps_gradients: bool = True,
     host_fixed_bytes: int = 0,
-    host_setup_bytes: int = 0,
 ) -> tuple[Plan, SearchResult]:
     """The fastest plan that fits, by the cost model over the profiles; hand-set knobs stay.
     Activation counts left auto are searched with the chunk knobs (ssd only when
     ``ssd_available``: a path is set and its disk was measured). Raises NoPlanFitsError (a
-    ValueError) saying what would fit. ``host_setup_bytes``: the host's peak while the model is
-    chunked (the plan's host peak is the larger of that and training's)."""
+    ValueError) saying what would fit."""
     layouts = None
     if activations_searchable(request) and len(model.blocks) == num_blocks:
         layouts = activation_options(
@@ -212,7 +210,7 @@ def searched_plan(
         batch_shape=model.batch_shape,
         predicted_step_s=best.prediction.step_s,
         predicted_peak_device_bytes=best.prediction.peak_device_bytes,
-        predicted_peak_host_bytes=max(best.prediction.host_bytes + host_fixed_bytes, host_setup_bytes),
+        predicted_peak_host_bytes=best.prediction.host_bytes + host_fixed_bytes,
         host_fixed_bytes=host_fixed_bytes,
         predicted_ssd_bytes=best.prediction.ssd_bytes or None,
         notes=tuple(

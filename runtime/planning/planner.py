@@ -164,12 +164,6 @@ class Planner:
     """Of which the caller's parameters in host memory: the chunks take them over."""
 
     @property
-    def host_setup_bytes(self) -> int:
-        """The host at setup: the process as it began and a copy of the caller's parameters
-        in the chunks, before their own storages are freed."""
-        return self.host_baseline_bytes + self.host_model_bytes
-
-    @property
     def host_fixed_bytes(self) -> int:
         """Host memory every plan holds beside its own regions: the process at start less the
         parameters the chunks take over and, with ``checkpoint.async_save``, a save's staging
@@ -250,7 +244,6 @@ class Planner:
             updates_after_norm=settings.updates_after_norm,
             keeps_gradients=settings.keeps_gradients,
             host_fixed_bytes=self.host_fixed_bytes,
-            host_setup_bytes=self.host_setup_bytes,
         )
         return plan
 
