@@ -311,7 +311,13 @@ def _build_engine(
         stop=StopRequest(announce=dist_ctx.is_main).install(),
         claim=claim,
         loss_fn=loss_fn,
-        replanner=Replanner(planner=planner, model=model, target=target, log=reporter.print),
+        replanner=Replanner(
+            planner=planner,
+            model=model,
+            target=target,
+            log=reporter.print,
+            packed_in_use_order=example_batch is not None,  # else module order (execution_order)
+        ),
         trace=trace_window_for(training.logging.trace, run_dir, metrics, dist_ctx, device, reporter.print),
     )
     try:

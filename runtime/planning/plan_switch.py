@@ -90,13 +90,15 @@ def _full(shard: torch.Tensor, old: HeldState, dist_ctx: DistContext) -> torch.T
 def move_state(old: HeldState, new: ChunkManager, dist_ctx: DistContext) -> None:
     """Copy every parameter's master, moments and step count from ``old`` into ``new`` (built
     over the same parameters, in the same order). Every rank calls it."""
-    if [info.name for info in old.layout.params] != [info.name for info in new.layout.params]:
+    if sorted(info.name for info in old.layout.params) != sorted(info.name for info in new.layout.params):
         raise ValueError("the two layouts pack different parameters")
-    # Where each parameter's elements land in this rank's new shards.
+    # Where each parameter's elements land in this rank's new shards, by the old layout's index
+    # (the new one may pack them in another order).
+    old_index = {info.name: index for index, info in enumerate(old.layout.params)}
     targets: dict[int, list[tuple[Chunk, int, int, int]]] = {}
     for chunk in new.chunks:
         for segment in chunk.segments:
-            targets.setdefault(segment.param, []).append(
+            targets.setdefault(old_index[new.layout.params[segment.param].name], []).append(
                 (chunk, segment.shard_offset, segment.param_offset, segment.numel)
             )
     for held in old.chunks:
@@ -115,7 +117,7 @@ def move_state(old: HeldState, new: ChunkManager, dist_ctx: DistContext) -> None
                 old.arena.give_back(tensor)
         held.state.clear()
     count = len(old.layout.params)
-    steps = torch.zeros(count, dtype=torch.float64)
+    steps = torch.zeros(count, dtype=torch.float64)  # by the old layout's index
     holders = torch.zeros(count, dtype=torch.float64)
     for held in old.chunks:
         if held.steps is None:
@@ -129,5 +131,5 @@ def move_state(old: HeldState, new: ChunkManager, dist_ctx: DistContext) -> None
     agreed = totals[:count] / totals[count:].clamp(min=1.0)
     for chunk in new.trainable_chunks():
         for position, segment in enumerate(chunk.segments):
-            chunk.optimizer.steps[position] = float(agreed[segment.param])
+            chunk.optimizer.steps[position] = float(agreed[old_index[new.layout.params[segment.param].name]])
     new.refresh_full_copies(frozen_too=True)

@@ -44,7 +44,7 @@ from profiler.chunking import min_buffers, pack, smallest_chunk_size
 from profiler.host_bytes import checkpoint_staging_bytes
 from profiler.search import NoPlanFitsError
 from runtime.batches import batch_shape, call_model, default_loss
-from runtime.chunks.layout import ParamInfo
+from runtime.chunks.layout import ParamInfo, first_use_order
 from runtime.config.settings import PlanningSettings
 from runtime.config.spec_io import SpecError
 from runtime.device import DeviceInfo, counts_every_byte, release_free_memory
@@ -294,6 +294,34 @@ class Planner:
 
     # ---------------------------------------------------------------- profiling
 
+    def first_use_order(self, batch: Any) -> list[str]:
+        """Parameter names in the order a forward on ``batch`` (as trained, without gradients)
+        first uses them. Its random draws (dropout) are undone: it is not a training step."""
+        device = self.subject.device
+        with torch.random.fork_rng(devices=[device.device.index or 0] if device.is_cuda else []):
+            return first_use_order(self.subject.model, self._forward(batch))
+
+    def use_params(self, params: tuple[ParamInfo, ...]) -> None:
+        """Plan for the same parameters in another order (``Replanner``: their order of use)."""
+        subject = self.subject
+        self.subject = dataclasses.replace(subject, params=params, owned=module_params(subject.model, params))
+
+    def _forward(self, batch: Any) -> Callable[[], Any]:
+        """A forward on ``batch`` as trained: in the precision's autocast, without the model's
+        key/value cache (see runtime.model_cache)."""
+        model, device = self.subject.model, self.subject.device
+        autocast = AUTOCAST_DTYPES.get(self.settings.precision)
+        configs = cache_configs(model)
+
+        def run_forward() -> Any:
+            with caches_off(configs):
+                if autocast is None:
+                    return call_model(model, batch)
+                with torch.autocast(device_type=device.autocast_type, dtype=autocast):
+                    return call_model(model, batch)
+
+        return run_forward
+
     def _profile_and_search(self, batch: Any, chunked: ChunkedRun | None) -> Plan | None:
         profiles = self._profile(batch, chunked)
         if profiles is None:
@@ -370,17 +398,7 @@ class Planner:
         time is agreed (the ranks stop profiling after the same step)."""
         subject, settings, dist_ctx = self.subject, self.settings, self.dist_ctx
         model, device = subject.model, subject.device
-        autocast = AUTOCAST_DTYPES.get(settings.precision)
-        configs = cache_configs(model)
-
-        def run_forward() -> Any:
-            # Profiled as trained: without the model's key/value cache (see runtime.model_cache).
-            with caches_off(configs):
-                if autocast is None:
-                    return call_model(model, batch)
-                with torch.autocast(device_type=device.autocast_type, dtype=autocast):
-                    return call_model(model, batch)
-
+        run_forward = self._forward(batch)
         profile: ModelProfile | None = None
         try:
             profile = self.profilers.model(

@@ -8,7 +8,9 @@ limit of re-plans, and what a plan is applied to (``apply_plan``). Two occasions
   up front (no example batch, weights streamed into chunks, or the profiling step did not fit).
   The batch is profiled through the chunk engine under that plan (a model state larger than the
   device is profiled too), every block kept, gradients dropped, random streams restored: no
-  training happens. Once.
+  training happens. Once. When the chunks were packed in module order (no example batch at
+  ``initialize``), a forward without gradients through them first records the order the model
+  really uses its parameters in, and the plan searched then packs by it (``_follow_first_use``).
 - **After a window** (``after_window``): the plan check measured a device peak more than
   ``REPLAN_MARGIN`` above the prediction (on any rank): the profile saw less than the run needs,
   so the latest profiles are searched again with the budget shrunk by that ratio, at most
@@ -29,6 +31,7 @@ from torch import nn
 from profiler.plan import Plan
 from runtime.activations.manager import ActivationManager
 from runtime.batches import LossNotFoundError
+from runtime.chunks.layout import model_params
 from runtime.chunks.manager import ChunkManager, SavedAlias
 from runtime.config.spec_io import SpecError
 from runtime.distributed import DistContext, all_reduce_max
@@ -55,7 +58,10 @@ class Replanner:
         log: Callable[[str], None],
         margin: float = REPLAN_MARGIN,
         limit: int = MAX_REPLANS,
+        packed_in_use_order: bool = True,
     ) -> None:
+        """``packed_in_use_order`` False: ``target.params`` are in module order (no example batch
+        was run at ``initialize``); the first batch gives the order of use."""
         self.planner = planner
         self.model = model
         self.target = target
@@ -64,6 +70,9 @@ class Replanner:
         self.limit = limit
         self.replans = 0
         """Plans switched to because the measured peak exceeded the prediction."""
+        self._order_known = packed_in_use_order
+        self._reordered = False
+        """The next plan packs the parameters in another order than the managers in place."""
 
     @property
     def wants_batch(self) -> bool:
@@ -76,7 +85,12 @@ class Replanner:
         built, so the device never holds both)."""
         state_from.close()
         held = hold_on_host(state_from)
+        self._reordered = False
         return apply_plan(self.model, plan, target=self.target, state_from=held)
+
+    def needs_switch(self, plan: Plan, current: Plan) -> bool:
+        """Whether ``plan`` needs new managers: other knobs, or the parameters in a new order."""
+        return self._reordered or not same_layout(plan, current)
 
     def plan_on(
         self, batch: Any, *, chunks: ChunkManager, activations: ActivationManager, asked: bool
@@ -93,6 +107,8 @@ class Replanner:
             self.model.train()
         try:
             with torch.enable_grad(), chunks.profiling(), activations.suspended():
+                if not self._order_known:
+                    self._follow_first_use(batch, chunks)
                 plan = self.planner.plan_on(batch, chunked_run(chunks))
         except LossNotFoundError as err:
             if asked:
@@ -105,6 +121,23 @@ class Replanner:
         if plan is None:
             return None
         return dataclasses.replace(plan, rule=f"planned on a batch through the chunk engine: {plan.rule}")
+
+    def _follow_first_use(self, batch: Any, chunks: ChunkManager) -> None:
+        """Pack by the order of use from here on. Module order can put a parameter that backward
+        reaches late in a chunk with ones it reaches early (Llama registers each layer's norms
+        after its MLP): the chunk then stays incomplete while the next ones fill, and since
+        reductions go in a fixed order, their gradient buffers wait too (4 of 32 MiB at once on
+        a 16-layer Llama, where the plan counts 1)."""
+        self._order_known = True
+        order = self.planner.first_use_order(batch)
+        chunks.end_forward()
+        chunks.drain()
+        params = model_params(self.model, order)
+        if [p.name for p in params] == [p.name for p in self.target.params]:
+            return
+        self.target = dataclasses.replace(self.target, params=params)
+        self.planner.use_params(params)
+        self._reordered = True
 
     def did_not_fit(self, plan: Plan) -> Plan | None:
         """Profiling on a batch under ``plan`` did not fit the device: the plan with every chunk

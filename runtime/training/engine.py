@@ -38,7 +38,7 @@ from runtime.distributed import DistContext
 from runtime.loaders import DataPosition
 from runtime.model_cache import TrainingCaches, refuse_cache_with_recompute
 from runtime.planning.model_facts import AUTOCAST_DTYPES
-from runtime.planning.replanner import Replanner, same_layout
+from runtime.planning.replanner import Replanner
 from runtime.tracing.trace_window import NO_TRACE, UpdateObserver
 from runtime.training.engine_facades import EngineFacades, device_call
 from runtime.training.live_engines import EngineClaim
@@ -182,7 +182,7 @@ class Engine(EngineFacades):
                 self._replanner.did_not_fit(self.plan)  # raises: nothing smaller to profile under
         if plan is None:
             return
-        if same_layout(plan, self.plan):
+        if not self._replanner.needs_switch(plan, self.plan):
             self._adopt(plan)  # the same knobs: keep the managers, take the predictions
         else:
             self.switch_plan(plan)
