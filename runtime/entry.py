@@ -12,7 +12,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -41,6 +41,7 @@ from runtime.distributed import (
     all_reduce_max,
     all_reduce_min_,
     broadcast_from_main_,
+    broadcast_object,
     env_int,
     init_distributed,
     release,
@@ -247,7 +248,9 @@ def _build_engine(
     # Run whole (first-use order, a profile) only where the parameters already are on the device:
     # a model in host memory on a GPU is profiled through its chunks (Engine.plan_on_batch).
     whole = reader is None and held_on(model, device.device)
-    params = model_params(model, execution_order(model, example_batch, device))
+    # Rank 0's order everywhere: the layout must match, and routed experts may differ by data.
+    order = cast(list[str] | None, broadcast_object(execution_order(model, example_batch, device), dist_ctx))
+    params = model_params(model, order)
     planner = build_planner(
         model,
         planning,

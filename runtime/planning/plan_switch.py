@@ -89,7 +89,7 @@ def _full(shard: torch.Tensor, old: HeldState, dist_ctx: DistContext) -> torch.T
 @torch.no_grad()
 def move_state(old: HeldState, new: ChunkManager, dist_ctx: DistContext) -> None:
     """Copy every parameter's master, moments and step count from ``old`` into ``new`` (built
-    over the same parameters, in the same order). Every rank calls it."""
+    over the same parameters, in any order). Every rank calls it."""
     if sorted(info.name for info in old.layout.params) != sorted(info.name for info in new.layout.params):
         raise ValueError("the two layouts pack different parameters")
     # Where each parameter's elements land in this rank's new shards, by the old layout's index

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -34,7 +34,7 @@ from runtime.batches import LossNotFoundError
 from runtime.chunks.layout import model_params
 from runtime.chunks.manager import ChunkManager, SavedAlias
 from runtime.config.spec_io import SpecError
-from runtime.distributed import DistContext, all_reduce_max
+from runtime.distributed import DistContext, all_reduce_max, broadcast_object
 from runtime.planning.apply_plan import PlanTarget, apply_plan
 from runtime.planning.model_profiling import ChunkedRun
 from runtime.planning.plan_check import judge as judge_plan_check
@@ -132,6 +132,9 @@ class Replanner:
         order = self.planner.first_use_order(batch)
         chunks.end_forward()
         chunks.drain()
+        # Every rank packs alike (collectives follow the layout): rank 0's order, since a forward
+        # whose path depends on the data (routed experts) may touch parameters in another order.
+        order = cast(list[str], broadcast_object(order, self.target.dist_ctx))
         params = model_params(self.model, order)
         if [p.name for p in params] == [p.name for p in self.target.params]:
             return
