@@ -384,6 +384,13 @@ def release_free_memory(info: DeviceInfo) -> None:
     (an mmap arena on CPU, pinned memory on CUDA) cannot reuse the pages glibc would keep."""
     if info.is_cuda:
         torch.cuda.empty_cache()
+    trim_host_heap()
+
+
+def trim_host_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc ``malloc_trim``): glibc keeps freed
+    blocks of a few MB in its heap once larger ones were freed, so the resident set would still
+    hold memory the process gave up."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim

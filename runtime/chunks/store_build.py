@@ -26,7 +26,7 @@ from runtime.chunks.store import (
 )
 from runtime import device_wall
 from runtime.cpu_adam import ShardAdamW
-from runtime.device import DeviceInfo
+from runtime.device import DeviceInfo, trim_host_heap
 from runtime.distributed import DistContext, broadcast_from_main_
 from runtime.host_memory import MmapArena
 
@@ -79,7 +79,13 @@ def build_store(
         read_param=read_param,
         keeps_gradients=keeps_gradients,
     )
-    chunks = [builder.build(info, persistent=info.index < n_persist) for info in layout.chunks]
+    chunks = []
+    for info in layout.chunks:
+        chunks.append(builder.build(info, persistent=info.index < n_persist))
+        # Each chunk's originals go as soon as it holds them: the model and its chunks never
+        # coexist whole in host memory (+1 copy of the model at setup before).
+        _give_up_originals([params[index] for index in info.params])
+        trim_host_heap()  # the originals' pages, which the arena (an mmap) cannot reuse
     store = ChunkStore(
         layout=layout,
         params=params,
@@ -93,6 +99,15 @@ def build_store(
         store.point_params(chunk)
         store.point_grads(chunk)
     return store
+
+
+def _give_up_originals(params: Sequence[nn.Parameter]) -> None:
+    """Let each parameter's original storage go: until ``point_params`` points it at its chunk,
+    it is a zero-stride placeholder of its shape (no memory; a model used now computes garbage,
+    but nothing runs it during the build)."""
+    for param in params:
+        empty = torch.empty((), dtype=param.dtype, device=param.device)
+        param.data = empty.expand(param.shape) if param.dim() else empty
 
 
 def _build_host_arena(
