@@ -34,6 +34,7 @@ from torch import nn
 from runtime import device_wall
 from runtime.checkpoint import rng
 from runtime.checkpoint.params import ParameterSpace, expected_entries
+from runtime.checkpoint.staging import DeviceStaging, StagingLoadPlanner, StagingSavePlanner
 from runtime.checkpoint.store import (
     Checkpoint,
     CheckpointError,
@@ -183,7 +184,7 @@ class Checkpointer:
         }
 
         def write() -> None:
-            self._write(state_dict, temp=temp, final=final, root=root, manifest=manifest)
+            self._write(state_dict, state.staging, temp=temp, final=final, root=root, manifest=manifest)
 
         if not self.settings.async_save:
             write()
@@ -204,14 +205,25 @@ class Checkpointer:
         return final
 
     def _write(
-        self, state_dict: dict[str, Any], *, temp: Path, final: Path, root: Path, manifest: dict[str, Any]
+        self,
+        state_dict: dict[str, Any],
+        staging: DeviceStaging | None,
+        *,
+        temp: Path,
+        final: Path,
+        root: Path,
+        manifest: dict[str, Any],
     ) -> None:
         try:
-            writer = dcp.FileSystemWriter(temp, single_file_per_rank=True, sync_files=True, thread_count=1)
+            # One item at a time (per_thread_copy_ahead=0): device pieces share one host buffer.
+            writer = dcp.FileSystemWriter(
+                temp, single_file_per_rank=True, sync_files=True, thread_count=1, per_thread_copy_ahead=0
+            )
             with self._dcp_call():
                 dcp.save(
                     state_dict,
                     storage_writer=writer,
+                    planner=StagingSavePlanner(staging),
                     process_group=self._checkpoint_group(),
                     no_dist=not self.distributed,
                 )
@@ -338,6 +350,7 @@ class Checkpointer:
                 dcp.load(
                     state_dict,
                     storage_reader=reader,
+                    planner=StagingLoadPlanner(state.staging),
                     process_group=self._checkpoint_group(),
                     no_dist=not self.distributed,
                 )

@@ -20,18 +20,18 @@ ShardedTensor is the DCP type that carries arbitrary per-rank boxes (DTensor pla
 express even splits along dimensions, not a flat range cut across rows); torch marks it
 deprecated in favour of DTensor, so its FutureWarning is silenced here, on purpose.
 
-Tensors on the compute device are staged through host copies; host tensors (the offloaded
-chunks' state, and on CPU every chunk's) are handed to DCP as ``exact_alias``es, so a synchronous
-save copies nothing. A plain view would not do: DCP's file writer clones a tensor whose storage
-is larger than its bytes, and (torch 2.13) keeps every clone of a rank's file until the file is
-written, which held a second copy of the whole optimizer state (+3.2 GiB on a 285M model). On
-CUDA the compute device's tensors (persistent chunks) are still copied to the host whole during
-a save.
+Host tensors (the offloaded chunks' state) are handed to DCP as ``exact_alias``es, so a
+synchronous save copies nothing of them. A plain view would not do: DCP's file writer clones a
+tensor whose storage is larger than its bytes, and (torch 2.13) keeps every clone of a rank's file
+until the file is written, which held a second copy of the whole optimizer state (+3.2 GiB on a
+285M model). The compute device's tensors (the persistent chunks' state; on CPU, what is not in
+the host arena) pass through one reused host buffer a piece at a time (``staging``); before, a
+save copied them to the host whole. An asynchronous save copies everything to the host first
+(the plan counts that staging).
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -44,24 +44,12 @@ import torch.distributed as dist
 from runtime.chunks.layout import ChunkLayout
 from runtime.chunks.manager import ChunkManager
 from runtime.chunks.store import Chunk, shard_segments
+from runtime.checkpoint.staging import DeviceStaging, exact_alias
 
 MODEL = "model."
 EXP_AVG = "optim.exp_avg."
 EXP_AVG_SQ = "optim.exp_avg_sq."
 STEP = "optim.step."
-
-def exact_alias(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s memory (contiguous, on the host) as a tensor whose storage is exactly its
-    bytes, so a writer that copies views of larger storages writes it as it is. The alias keeps
-    ``tensor``, and so its memory, alive."""
-    if tensor.device.type != "cpu" or tensor.numel() == 0 or tensor.untyped_storage().nbytes() == tensor.nbytes:
-        return tensor
-    if not tensor.is_contiguous():
-        raise ValueError("exact_alias needs a contiguous tensor")
-    memory = (ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())
-    memory._owner = tensor  # type: ignore[attr-defined]
-    return torch.frombuffer(memory, dtype=tensor.dtype).view(tensor.shape)
-
 
 Box = tuple[list[int], list[int]]
 """(offsets, sizes) of a box inside a tensor."""
@@ -115,9 +103,11 @@ def pieces_by_param(layout: ChunkLayout, world_size: int) -> dict[int, list[Piec
 
 @dataclass
 class ParameterSpaceState:
-    """The DCP state dict of a chunk manager and what to do after DCP filled it (load)."""
+    """The DCP state dict of a chunk manager, the staging of its device pieces (the planners
+    need it) and what to do after DCP filled it (load)."""
 
     state_dict: dict[str, Any]
+    staging: DeviceStaging | None = None
     after_load: list[Callable[[], None]] = field(default_factory=list)
 
     def finish_load(self) -> None:
@@ -140,27 +130,20 @@ class ParameterSpace:
 
     def for_save(self, *, copy: bool) -> ParameterSpaceState:
         """``copy``: host copies of everything (an asynchronous save writes while training goes
-        on); otherwise host tensors are handed over as they are."""
-        state = ParameterSpaceState(state_dict={})
-        for chunk, sources in self._sources():
-            staged = [self._stage_for_save(t, copy=copy) for t in sources]
-            self._add_chunk(state.state_dict, chunk, staged)
+        on); otherwise host tensors are handed over as they are and device tensors staged."""
+        if copy:
+            state = ParameterSpaceState(state_dict={})
+            for chunk, sources in self._sources():
+                copies = [source.detach().to("cpu", copy=True) for source in sources]
+                self._add_chunk(state.state_dict, chunk, copies, None)
+        else:
+            state = self._staged()
         state.state_dict.update(self._step_counts())
         return state
 
     def for_load(self) -> ParameterSpaceState:
-        """Tensors DCP loads into: the live host state, or host staging copied back afterwards."""
-        state = ParameterSpaceState(state_dict={})
-        for chunk, sources in self._sources():
-            staged = []
-            for source in sources:
-                if source.device.type == "cpu":
-                    staged.append(source)
-                    continue
-                buffer = torch.empty(source.shape, dtype=source.dtype)
-                staged.append(buffer)
-                state.after_load.append(lambda s=source, b=buffer: s.copy_(b))
-            self._add_chunk(state.state_dict, chunk, staged)
+        """Tensors DCP loads into: the live host state, and placeholders for device state."""
+        state = self._staged()
         steps = {
             STEP + self.layout.params[i].name: torch.zeros((), dtype=torch.float32) for i in self._trainable()
         }
@@ -168,28 +151,44 @@ class ParameterSpace:
         state.after_load.append(lambda: self._set_step_counts(steps))
         return state
 
+    def _staged(self) -> ParameterSpaceState:
+        """The live state: host tensors as they are, device tensors as staging placeholders."""
+        state = ParameterSpaceState(state_dict={}, staging=DeviceStaging(self._largest_device_piece()))
+        for chunk, sources in self._sources():
+            self._add_chunk(state.state_dict, chunk, sources, state.staging)
+        return state
+
+    def _largest_device_piece(self) -> int:
+        """Bytes of the largest part of one parameter in this rank's device state."""
+        largest = 0
+        for chunk, sources in self._sources():
+            for source in sources:
+                if not self.chunks.store.on_host(source):
+                    most = max((segment.numel for segment in chunk.segments), default=0)
+                    largest = max(largest, most * source.element_size())
+        return largest
+
     # ------------------------------------------------------------------ pieces
 
     def _sources(self) -> Iterator[tuple[Chunk, list[torch.Tensor]]]:
         """Per chunk: its master shard, then (trainable) the two moments."""
         for chunk in self.chunks.chunks:
-            yield chunk, chunk.state_tensors()
+            yield chunk, [tensor.detach() for tensor in chunk.state_tensors()]
 
-    @staticmethod
-    def _stage_for_save(tensor: torch.Tensor, *, copy: bool) -> torch.Tensor:
-        if tensor.device.type != "cpu":
-            return tensor.detach().to("cpu")
-        return tensor.detach().clone() if copy else tensor.detach()
-
-    def _add_chunk(self, state_dict: dict[str, Any], chunk: Chunk, flats: list[torch.Tensor]) -> None:
+    def _add_chunk(
+        self, state_dict: dict[str, Any], chunk: Chunk, flats: list[torch.Tensor], staging: DeviceStaging | None
+    ) -> None:
+        """``staging``: device tensors among ``flats`` become its placeholders."""
         prefixes = (MODEL, EXP_AVG, EXP_AVG_SQ)[: len(flats)]
-        for segment in chunk.segments:
-            info = self.layout.params[segment.param]
-            if info.numel == 0:
-                continue
-            for prefix, flat in zip(prefixes, flats, strict=True):
+        for prefix, flat in zip(prefixes, flats, strict=True):
+            stage = staging if staging is not None and not self.chunks.store.on_host(flat) else None
+            for segment in chunk.segments:
+                info = self.layout.params[segment.param]
+                if info.numel == 0:
+                    continue
                 local = flat.narrow(0, segment.shard_offset, segment.numel)
-                state_dict[prefix + info.name] = self._global_tensor(segment.param, local, flat.dtype)
+                name = prefix + info.name
+                state_dict[name] = self._global_tensor(name, segment.param, local, flat.dtype, stage)
         # A parameter with no element in this rank's shard still needs its key on every rank
         # (the ShardedTensor is a collective description), with no local boxes.
         if self.world_size > 1:
@@ -199,16 +198,25 @@ class ParameterSpace:
                     continue  # nothing to save; the manifest still records its shape
                 for prefix, flat in zip(prefixes, flats, strict=True):
                     if prefix + info.name not in state_dict:
-                        state_dict[prefix + info.name] = self._global_tensor(index, None, flat.dtype)
+                        state_dict[prefix + info.name] = self._global_tensor(
+                            prefix + info.name, index, None, flat.dtype, None
+                        )
 
-    def _global_tensor(self, param: int, local: torch.Tensor | None, dtype: torch.dtype) -> Any:
-        """One parameter as DCP's global tensor, ``local`` being this rank's flat part."""
+    def _global_tensor(
+        self, name: str, param: int, local: torch.Tensor | None, dtype: torch.dtype, staging: DeviceStaging | None
+    ) -> Any:
+        """One parameter as DCP's global tensor under ``name``, ``local`` being this rank's flat
+        part (``staging``: a device tensor, standing in the state dict as a placeholder)."""
         info = self.layout.params[param]
         # A 0-d parameter (a learnable scale) is stored as shape [1]: DCP's boxes have a rank.
         shape = list(info.shape) or [1]
+
+        def host_box(box: torch.Tensor, offsets: Sequence[int]) -> torch.Tensor:
+            return exact_alias(box) if staging is None else staging.placeholder(name, offsets, box)
+
         if self.world_size == 1:
             assert local is not None
-            return exact_alias(local.view(shape))
+            return host_box(local.view(shape), [0] * len(shape))
         from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
         from torch.distributed._shard.sharded_tensor.metadata import (
             ShardedTensorMetadata,
@@ -229,14 +237,14 @@ class ParameterSpace:
                 count = math.prod(sizes)
                 if piece.rank == self.rank:
                     assert local is not None
-                    local_shards.append(Shard(exact_alias(local.narrow(0, position, count).view(sizes)), box))
+                    local_shards.append(Shard(host_box(local.narrow(0, position, count).view(sizes), offsets), box))
                 position += count
         global_metadata = ShardedTensorMetadata(
             shards_metadata=metadata,
             size=torch.Size(shape),
             # Host state on CUDA lives in page-locked memory; the properties must say so.
             tensor_properties=TensorProperties(
-                dtype=dtype, pin_memory=bool(local is not None and local.is_pinned())
+                dtype=dtype, pin_memory=bool(local_shards and local_shards[0].tensor.is_pinned())
             ),
         )
         with warnings.catch_warnings():
