@@ -20,7 +20,8 @@ each tensor at ``HOST_ALIGN_BYTES``, the region rounded up to a page. Beside the
 (``staging_bytes``): two buffers of a shard in the compute dtype for reduced gradients (three
 where fp32 gradients are applied as they arrive: CPU Adam reads the buffer itself), two for
 uploads when the compute dtype is not fp32 (masters are downcast into them), and, when gradients
-are applied as they arrive in a dtype other than fp32, one fp32 shard they are widened into. At
+are applied as they arrive in a dtype other than fp32, one fp32 shard they are widened into (when
+kept, a slice of ``WIDEN_SLICE_NUMEL`` elements: gradients are widened before each add). At
 most three fp32 shards in all.
 """
 
@@ -35,6 +36,9 @@ CPU Adam want aligned rows; pages would waste up to 4 KiB per tensor for nothing
 STAGING_BUFFERS = 2
 """Per staging ring: one buffer being filled while the previous one is read."""
 FP32_BYTES = 4
+WIDEN_SLICE_NUMEL = 1 << 20
+"""Elements of the fp32 scratch a 16-bit gradient is widened into, slice by slice, before the
+host worker adds it into a kept fp32 gradient shard (runtime/chunks/grad_add.py)."""
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -85,8 +89,9 @@ def staging_bytes(
     total = ring_bytes(shard_numel, element_size, gradients)  # reduced gradients, device -> host
     if element_size != FP32_BYTES:
         total += ring_bytes(shard_numel, element_size)  # fp32 masters downcast for upload
-        if not keeps_gradients:
-            total += region_bytes(shard_numel * FP32_BYTES)  # a gradient widened for CPU Adam
+        # A gradient widened whole for CPU Adam, or slice by slice before its add.
+        widened = shard_numel if not keeps_gradients else min(shard_numel, WIDEN_SLICE_NUMEL)
+        total += region_bytes(widened * FP32_BYTES)
     return total
 
 

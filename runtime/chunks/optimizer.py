@@ -40,7 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-from profiler.host_bytes import FP32_BYTES
+from profiler.host_bytes import FP32_BYTES, WIDEN_SLICE_NUMEL
+from runtime.chunks.grad_add import add_widened
 from runtime.chunks.store import Chunk, ChunkStore
 from runtime.chunks.trace_labels import job_label
 from runtime.chunks.waits import ExposedWaits
@@ -106,12 +107,16 @@ class ChunkOptimizer:
         of a segment that had none here, until the step says whether another rank had one."""
         self._widen: MmapArena | None = None
         self._widened: torch.Tensor | None = None
-        """Applied on arrival in a compute dtype other than fp32: the fp32 shard a staged
-        gradient is widened into for CPU Adam (one: the host worker runs one job at a time)."""
-        if self.applies_on_arrival and store.compute_dtype != torch.float32:
+        """Offloaded trainable chunks in a compute dtype other than fp32: the fp32 scratch a staged
+        gradient is widened into (one: the host worker runs one job at a time): a whole shard
+        for CPU Adam when applied on arrival, a slice before each add when kept (grad_add.py)."""
+        offloaded = any(not c.persistent for c in store.trainable_chunks())
+        if offloaded and store.compute_dtype != torch.float32:
+            # Applied on arrival: a whole shard for CPU Adam; kept: a slice for each add.
             shard = store.layout.shard_numel
-            self._widen = MmapArena(shard * FP32_BYTES)
-            self._widened = self._widen.allocate(shard, torch.float32)
+            numel = shard if self.applies_on_arrival else min(shard, WIDEN_SLICE_NUMEL)
+            self._widen = MmapArena(numel * FP32_BYTES)
+            self._widened = self._widen.allocate(numel, torch.float32)
 
     def trainable_chunks(self) -> Iterator[Chunk]:
         return self.store.trainable_chunks()
@@ -132,7 +137,7 @@ class ChunkOptimizer:
         def add() -> None:
             copied.wait()  # the copy into the staging buffer has landed
             with torch.no_grad(), job_label("host_add", chunk.index):
-                chunk.grad_shard.add_(staged)
+                add_widened(chunk.grad_shard, staged, self._widened)
             release()
 
         return self._submit(add)
