@@ -103,7 +103,9 @@ class ChunkCosts:
     host_adds: tuple[float, ...]
     """The host worker's add of each reduced gradient into an offloaded fp32 shard."""
     update_passes: tuple[float, ...]
-    """The gradient norm's read and the zeroing write over each trainable shard."""
+    """The gradient norm's read and the zeroing write over each trainable shard on the device."""
+    host_update_passes: tuple[float, ...]
+    """The same over each trainable shard in host memory (offloaded, gradients kept)."""
     refresh: tuple[float, ...]
     """All-gather that refreshes a persistent chunk's full copy after its shard is updated."""
     host_widens: tuple[float, ...]
@@ -163,15 +165,17 @@ def chunk_costs(model: ModelProfile, hardware: HardwareProfile, chunk_size: int)
     latency = hardware.collective_latency_s if world > 1 else 0.0
     gather = chunk_bytes / hardware.all_gather_bytes_per_s + latency if world > 1 else 0.0
     scatter = chunk_bytes / hardware.reduce_scatter_bytes_per_s + latency if world > 1 else 0.0
-    # fp32 masters are downcast into a staging buffer before upload (runtime/chunks/staging.py).
-    downcast = shard * (4 + e) / hardware.memory_bytes_per_s if e != 4 else 0.0
+    copy_rate, downcast_rate, add_rate = hardware.host_rates()
+    # fp32 masters are downcast into a staging buffer before upload (runtime/chunks/staging.py),
+    # on the host worker.
+    downcast = shard * (4 + e) / downcast_rate if e != 4 else 0.0
     fetch = shard * e / hardware.h2d_bytes_per_s + gather + downcast
     offload = shard * e / hardware.d2h_bytes_per_s
     alias = world == 1 and e == 4
     overlap = hardware.copies_overlap_compute
     # On CPU one rank in fp32 accumulates straight into host shards: nothing to add.
-    add = 0.0 if alias and not overlap else shard * (e + 8) / hardware.memory_bytes_per_s
-    widen = shard * (e + 4) / hardware.memory_bytes_per_s if e != 4 else 0.0
+    add = 0.0 if alias and not overlap else shard * (e + 8) / add_rate
+    widen = shard * (e + 4) / downcast_rate if e != 4 else 0.0
     rows: dict[str, list[float]] = {name: [] for name in _PREFIXED}
     for index, chunk in enumerate(packing.chunks):
         f, b = fwd_c[index], bwd_c[index]
@@ -198,6 +202,7 @@ def chunk_costs(model: ModelProfile, hardware: HardwareProfile, chunk_size: int)
         stored = host_bytes.rank_numel(chunk.used, shard, 0)  # rank 0 holds the most
         rows["trainable_chunks"].append(1 if chunk.trainable else 0)
         rows["update_passes"].append(2 * 4 * shard / hardware.memory_bytes_per_s if chunk.trainable else 0.0)
+        rows["host_update_passes"].append(2 * 4 * shard / copy_rate if chunk.trainable else 0.0)
         rows["refresh"].append(gather if chunk.trainable else 0.0)
         persistent = persistent_chunk_bytes(chunk, chunk_numel=chunk_numel, world_size=world, element_size=e)
         rows["persistent_bytes"].append(persistent)
@@ -242,6 +247,7 @@ _PREFIXED = (
     "host_adds",
     "host_widens",
     "update_passes",
+    "host_update_passes",
     "refresh",
     "persistent_bytes",
     "host_fp32_tensor_bytes",
@@ -332,7 +338,7 @@ def predict(
     host_adds = _span(costs.host_adds if keeps_gradients else costs.host_widens, p, n)
     cpu_adam += host_adds  # the same host worker, in order
     # Gradients applied as they arrive leave no offloaded shard to take a norm of or zero.
-    update = _span(costs.update_passes, 0, n if keeps_gradients else p)
+    update = _span(costs.update_passes, 0, p) + (_span(costs.host_update_passes, p, n) if keeps_gradients else 0.0)
     times = _Times(forward, backward, device_adam, cpu_adam, host_adds, update)
     step = _step_s(hardware, times, after_norm=updates_after_norm)
 

@@ -16,7 +16,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeVar
 
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 
 T = TypeVar("T")
 
@@ -44,7 +44,20 @@ class HardwareProfile:
     adam_segment_s: float = 0.0
     """Fixed cost per parameter segment of one Adam call (the optimizer's per-tensor work)."""
     memory_bytes_per_s: float = float("inf")
-    """Copy rate within the tier that holds gradient shards (the norm and zeroing passes)."""
+    """Copy rate within the device tier (fp32 bytes copied per second): the norm and zeroing
+    passes over persistent chunks' gradient shards."""
+    host_copy_bytes_per_s: float = float("inf")
+    """The same in host memory on the host worker's threads: the passes over host gradient
+    shards. On a GPU machine 50 to 100 times below the device's; on CPU both are one memory."""
+    host_downcast_bytes_per_s: float = float("inf")
+    """fp32 to 16-bit in host memory on the host worker's threads, bytes read and written per
+    second: master shards downcast for upload, gradients widened to fp32."""
+    host_add_bytes_per_s: float = float("inf")
+    """A 16-bit gradient widened and added into an fp32 shard on the host worker's threads,
+    bytes read and written per second (2 + 4 + 4 per element)."""
+    host_shared_factor: float = 1.0
+    """The share of the host rates left while a CPU Adam runs on the other cores: the ranks of a
+    node share its memory, so with several ranks the host terms use the rates times this."""
     copies_overlap_compute: bool = True
     """Transfers, collectives and the CPU-Adam thread run beside compute (CUDA: copy engines,
     NCCL, host cores). False on CPU, where they use the cores compute uses: they add to the step."""
@@ -52,6 +65,16 @@ class HardwareProfile:
     """Write rate of ``memory.ssd.path`` as activation files are written (O_DIRECT where the
     filesystem allows); 0 when no path was measured, and then no plan puts blocks on disk."""
     ssd_read_bytes_per_s: float = 0.0
+
+    def host_rates(self) -> tuple[float, float, float]:
+        """(copy, downcast, add) rates of host work: the host worker's, shared with the node's
+        other ranks when there are several (each runs its CPU Adam at the same time)."""
+        share = self.host_shared_factor if self.world_size > 1 else 1.0
+        return (
+            self.host_copy_bytes_per_s * share,
+            self.host_downcast_bytes_per_s * share,
+            self.host_add_bytes_per_s * share,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

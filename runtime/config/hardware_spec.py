@@ -41,6 +41,10 @@ class HostSpec(SpecModel):
     """Host RAM of the machine (shared by its GPUs' ranks)."""
     cpu_adam_params_per_s: PositiveFloat
     """CPU AdamW throughput, fp32 parameters per second, per rank."""
+    memory_bandwidth: Size = 20_000_000_000
+    """Bytes per second one rank's host work reads and writes (downcasts, gradient adds, norms),
+    on the host worker's few threads: not the socket's peak, and shared with the node's other
+    ranks."""
 
 
 class SsdSpec(SpecModel):

@@ -1,6 +1,6 @@
 """Hardware probes for the planner: copy rates between the tiers, CPU and device Adam
-throughput, collective bandwidth and latency, and the disk under the activation directory,
-returned as the profiler's plain ``HardwareProfile``.
+throughput, host arithmetic rates (``host_rates``), collective bandwidth and latency, and the
+disk under the activation directory, returned as the profiler's plain ``HardwareProfile``.
 
 Every rank must plan alike, so ``agree_hardware`` reduces the measurements across ranks: the
 slowest rates, the longest times. Hardware profiles are cached per machine under
@@ -40,6 +40,7 @@ from runtime.distributed import (
     all_reduce_sum_,
     reduce_scatter_flat_,
 )
+from runtime.planning.host_rates import measure_host_rates
 from runtime.planning.profile_cache import ProfileOrigin, read_agreed, write_cached
 
 COPY_PROBE_BYTES = 32 << 20
@@ -94,6 +95,7 @@ def measure_hardware(
     adam_numel = _fit(ADAM_PROBE_NUMEL * 16, room) // 16  # master, gradient, two moments
     cpu_adam, cpu_segment = _in_thread(lambda: _adam_rate(torch.device("cpu"), adam_numel, threads=threads))
     device_adam, device_segment = _adam_rate(device.device, adam_numel, threads=None)
+    host = measure_host_rates(threads)
     if world_size == 1:
         gather = scatter = float("inf")
         latency = 0.0
@@ -116,6 +118,10 @@ def measure_hardware(
         collective_latency_s=latency,
         adam_segment_s=max(cpu_segment, device_segment),
         memory_bytes_per_s=_memory_rate(device, _fit(COPY_PROBE_BYTES, room) // 2),
+        host_copy_bytes_per_s=host.copy_bytes_per_s,
+        host_downcast_bytes_per_s=host.downcast_bytes_per_s,
+        host_add_bytes_per_s=host.add_bytes_per_s,
+        host_shared_factor=host.shared_factor,
         copies_overlap_compute=device.is_cuda,
     )
 

@@ -101,6 +101,9 @@ def machine_from_file(spec: HardwareFile) -> Machine:
         collective_latency_s=20e-6 if world > 1 else 0.0,
         adam_segment_s=10e-6,  # a fused multi-tensor kernel launch per few parameters
         memory_bytes_per_s=float(gpu.memory_bandwidth) / 2,  # a copy reads and writes
+        host_copy_bytes_per_s=float(spec.host.memory_bandwidth) / 2,
+        host_downcast_bytes_per_s=float(spec.host.memory_bandwidth),
+        host_add_bytes_per_s=float(spec.host.memory_bandwidth),
         copies_overlap_compute=True,
         ssd_write_bytes_per_s=float(spec.ssd.write_bandwidth) if spec.ssd else 0.0,
         ssd_read_bytes_per_s=float(spec.ssd.read_bandwidth) if spec.ssd else 0.0,

@@ -139,7 +139,8 @@ def choose_batch(model_profile: Any, hardware: Any, plan: Any, sizes: Sizes) -> 
     compute += costs.unattributed_forward_s + costs.unattributed_backward_s
     per_sample = compute / model_profile.batch_shape[0]
     e = costs.element_size
-    downcast = costs.shard_numel * (4 + e) / hardware.memory_bytes_per_s if e != 4 else 0.0
+    _, downcast_rate, _ = hardware.host_rates()  # on the upload thread, in host memory
+    downcast = costs.shard_numel * (4 + e) / downcast_rate if e != 4 else 0.0
     fetch = costs.shard_numel * e / hardware.h2d_bytes_per_s + downcast
     uploads = n + max(0, n - plan.n_buffer)  # forward, and backward for chunks no longer in a buffer
     transfers = uploads * fetch + n * costs.shard_numel * e / hardware.d2h_bytes_per_s

@@ -307,10 +307,14 @@ def test_buffers_needed_for_every_n_persist_match_one_at_a_time(seed: int) -> No
 
 def test_shared_cores_add_up_and_the_update_passes_are_counted() -> None:
     model = four_blocks()
-    cpu = hardware(copies_overlap_compute=False, memory_bytes_per_s=1e10, adam_segment_s=1e-4)
+    cpu = hardware(
+        copies_overlap_compute=False, memory_bytes_per_s=1e10, host_copy_bytes_per_s=5e9, adam_segment_s=1e-4
+    )
     costs = chunk_costs(model, cpu, 4 * MIB)
     got = predict(model, cpu, costs, n_persist=2, n_buffer=2)
-    update = 4 * 2 * 4 * (1 << 20) / 1e10  # norm read + zero write, 4 bytes, every shard
+    # Norm read + zero write, 4 bytes, every shard: two on the device, two in host memory (at
+    # the host worker's rate, measured apart: on CPU one memory, but fewer threads).
+    update = 2 * 2 * 4 * (1 << 20) / 1e10 + 2 * 2 * 4 * (1 << 20) / 5e9
     assert got.cpu_adam_s == pytest.approx(2 * (1 << 20) / 1e9 + 2 * 1e-4)  # two one-parameter chunks
     # One memory, one set of cores: the device's Adam runs at the host's rate (the slower of the
     # two measurements of one kernel), so offloading never looks faster than keeping a chunk.
@@ -322,22 +326,31 @@ def test_shared_cores_add_up_and_the_update_passes_are_counted() -> None:
     assert got.forward_s == pytest.approx(4e-3 + 2 * fetch + 0.5e-3)  # no prefetch hides on shared cores
 
 
-def test_the_host_worker_adds_and_the_upload_downcast_are_counted() -> None:
-    """bf16 compute on a GPU-like machine: each offloaded chunk's reduced gradient is added into
-    its fp32 shard on the host worker (beside CPU Adam), and each upload first downcasts the
-    fp32 shard into a staging buffer (runtime/chunks/staging.py)."""
+def test_the_host_worker_adds_and_the_upload_downcast_are_counted_at_the_host_rate() -> None:
+    """bf16 compute on a GPU-like machine whose device copies 100x faster than its host: each
+    offloaded chunk's reduced gradient is added into its fp32 shard on the host worker (beside
+    CPU Adam), each upload first downcasts the fp32 shard into a staging buffer, and the norm
+    and zeroing passes read the host shards. All host work, at the host's rates (before, at the
+    device's: 100x too small)."""
     fp32 = four_blocks()
     model = ModelProfile(
         **{**{f: getattr(fp32, f) for f in fp32.__dataclass_fields__}, "precision": "bf16", "element_size": 2}
     )
-    gpu = hardware(memory_bytes_per_s=1e10)
+    host = dict(host_copy_bytes_per_s=1e10, host_downcast_bytes_per_s=2e10, host_add_bytes_per_s=1.5e10)
+    gpu = hardware(memory_bytes_per_s=1e12, **host)
     costs = chunk_costs(model, gpu, 2 * MIB)  # one 1 Mi-element parameter per chunk
     got = predict(model, gpu, costs, n_persist=2, n_buffer=1)
     shard = 1 << 20
-    adds = 2 * shard * (2 + 8) / 1e10  # read bf16 staged + fp32 shard, write fp32; two chunks
+    adds = 2 * shard * (2 + 8) / 1.5e10  # read bf16 staged + fp32 shard, write fp32; two chunks
     assert got.cpu_adam_s == pytest.approx(2 * shard / 1e9 + adds)
-    fetch = shard * 2 / 1e9 + shard * (4 + 2) / 1e10  # bf16 over the link, after the downcast
+    fetch = shard * 2 / 1e9 + shard * (4 + 2) / 2e10  # bf16 over the link, after the downcast
     assert got.forward_s == pytest.approx(4e-3 + 2 * fetch + 0.5e-3)
+    passes = 2 * 2 * 4 * shard  # norm read + zero write of two fp32 shards
+    assert got.update_s == pytest.approx(passes / 1e12 + passes / 1e10)
+    # Several ranks share a node's memory: the host terms slow down by the measured share.
+    shared = hardware(world_size=2, memory_bytes_per_s=1e12, host_shared_factor=0.5, **host)
+    two = predict(model, shared, chunk_costs(model, shared, 2 * MIB), n_persist=2, n_buffer=1)
+    assert two.host_adds_s == pytest.approx(2 * (shard // 2) * (2 + 8) / (1.5e10 * 0.5))
     # One rank in fp32 on CPU accumulates into the host shards directly: no add to count.
     cpu = hardware(copies_overlap_compute=False, memory_bytes_per_s=1e10)
     direct = predict(fp32, cpu, chunk_costs(fp32, cpu, 4 * MIB), n_persist=2, n_buffer=1)
@@ -352,7 +365,7 @@ def test_a_clipped_window_on_a_gpu_is_timed_as_the_two_phase_step() -> None:
     model = ModelProfile(
         **{**{f: getattr(fp32, f) for f in fp32.__dataclass_fields__}, "precision": "bf16", "element_size": 2}
     )
-    slow_adam = hardware(memory_bytes_per_s=1e10, cpu_adam_params_per_s=2e8)  # Adam > forward
+    slow_adam = hardware(memory_bytes_per_s=1e12, host_add_bytes_per_s=1e10, cpu_adam_params_per_s=2e8)  # Adam > forward
     costs = chunk_costs(model, slow_adam, 2 * MIB)
     early = predict(model, slow_adam, costs, n_persist=1, n_buffer=2)
     clipped = predict(model, slow_adam, costs, n_persist=1, n_buffer=2, updates_after_norm=True)
@@ -366,7 +379,9 @@ def test_a_clipped_window_on_a_gpu_is_timed_as_the_two_phase_step() -> None:
     )
     two_phase = max(clipped.forward_s, adam) + max(clipped.backward_s + clipped.device_adam_s, adds)
     assert clipped.step_s == pytest.approx(two_phase + clipped.update_s)
-    cpu = hardware(copies_overlap_compute=False, memory_bytes_per_s=1e10, cpu_adam_params_per_s=2e8)
+    cpu = hardware(
+        copies_overlap_compute=False, memory_bytes_per_s=1e10, host_add_bytes_per_s=1e10, cpu_adam_params_per_s=2e8
+    )
     cpu_costs = chunk_costs(model, cpu, 2 * MIB)
     deferred = predict(model, cpu, cpu_costs, n_persist=1, n_buffer=2, updates_after_norm=True)
     assert deferred.step_s == pytest.approx(predict(model, cpu, cpu_costs, n_persist=1, n_buffer=2).step_s)
