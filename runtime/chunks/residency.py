@@ -36,7 +36,7 @@ from runtime import stream_chaos
 from runtime.chunks.residency_states import IllegalTransition, Residency
 from runtime.chunks.staging import Staged, StagingRing
 from runtime.chunks.trace_labels import job_label
-from runtime.device import DeviceEvent, synchronize
+from runtime.device import DeviceEvent, HostWorker, host_worker_threads, synchronize
 from runtime.distributed import all_gather_flat
 
 if TYPE_CHECKING:  # store.py imports the states from here; the chunks come in as values
@@ -130,6 +130,15 @@ class ChunkResidency:
             else None
         )
         """Host buffers fp32 master shards are downcast into for upload (compute dtype not fp32)."""
+        self._downcasts = (
+            HostWorker("protrain-uploads", threads=host_worker_threads(store.device))
+            if self.uploads is not None
+            else None
+        )
+        """The host thread that downcasts masters into upload staging: the side stream's thread
+        only issues copies and collectives, so a host stall never becomes a device bubble. Not
+        the host worker: in a two-phase step its queue holds every chunk's update, and a fetch
+        must wait for its own chunk's update only."""
         self.prefetch_depth = 0 if n_buffer <= 1 else n_buffer - 1
         self.num_gathers = 0
         """Gathers of non-persistent chunks into slots (a chunk reused from its slot is not one)."""
@@ -192,11 +201,14 @@ class ChunkResidency:
         self._lru[chunk.index] = None
         master = chunk.master
         staged = self.uploads.assign() if self.uploads is not None and master.dtype != full.dtype else None
-        updated = self.pending_update(chunk.index)
+        # The chunk's two-phase update on the host worker, if still running: the master is read after it.
+        ready = self.pending_update(chunk.index)
+        if staged is not None:
+            ready = self._downcast(chunk.index, master, staged, ready)
 
         def fetch() -> None:
-            if updated is not None:
-                updated.wait()  # the chunk's two-phase update on the host worker has landed
+            if ready is not None:
+                ready.wait()  # what this job uploads is in place (updated, downcast)
             with job_label("gather", chunk.index):
                 self.gather_shard(master, full, staged=staged)
 
@@ -206,6 +218,22 @@ class ChunkResidency:
             self.uploads.released_by(staged, fetched)
         self._fetches[chunk.index] = fetched
         self.num_gathers += 1
+
+    def _downcast(
+        self, chunk_index: int, master: torch.Tensor, staged: Staged, updated: DeviceEvent | None
+    ) -> DeviceEvent:
+        """Queue the fp32 master's downcast into ``staged`` on the upload thread, after the
+        chunk's update and once the buffer's last upload has left; its event."""
+        assert self._downcasts is not None
+
+        def downcast() -> None:
+            if updated is not None:
+                updated.wait()
+            staged.wait_until_free()
+            with torch.no_grad(), job_label("downcast", chunk_index):
+                staged.buffer[: master.numel()].copy_(master)
+
+        return self._downcasts.submit(downcast)
 
     def _free_slot(self, *, evict: bool) -> int | None:
         for slot, owner in enumerate(self._slot_owner):
@@ -238,11 +266,10 @@ class ChunkResidency:
     def gather_shard(self, master: torch.Tensor, out: torch.Tensor, *, staged: Staged | None = None) -> None:
         """This rank's shard (its stored elements) into its place in ``out`` in the compute
         dtype, then (several ranks) the all-gather of the others' in place. A host shard goes up
-        from pinned memory, ``non_blocking``; one in fp32 goes through a ``staged`` buffer
-        downcast first, so the upload sends the compute dtype's bytes and makes no fp32
-        temporary on the device. Runs
-        on the side stream (the one thread that issues collectives) or, for persistent chunks,
-        after the stream has drained."""
+        from pinned memory, ``non_blocking``; one in fp32 from the ``staged`` buffer it was
+        downcast into (``_downcast``, before this runs), so the upload sends the compute dtype's
+        bytes and makes no fp32 temporary on the device. Runs on the side stream (the one thread
+        that issues collectives) or, for persistent chunks, after the stream has drained."""
         store = self.store
         world = store.dist_ctx.world_size
         shard = store.layout.shard_numel
@@ -256,8 +283,6 @@ class ChunkResidency:
         # which nothing reads.
         stored = master.numel()
         if staged is not None:
-            staged.wait_until_free()  # its last upload has left
-            staged.buffer[:stored].copy_(master)
             mine[:stored].copy_(staged.buffer[:stored], non_blocking=True)
         else:
             mine[:stored].copy_(master, non_blocking=True)
@@ -419,5 +444,7 @@ class ChunkResidency:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._downcasts is not None:
+            self._downcasts.close()
         if self.uploads is not None:
             self.uploads.close()

@@ -6,7 +6,8 @@ rebuilds a block's activations, runs inside ``torch.profiler.record_function("pr
 (``n`` the chunk, or the block):
 
 - ``gather``: the upload of an offloaded chunk into its device buffer, prefetches included (side
-  stream; on CUDA the fp32 master's downcast into staging, then the copy launch);
+  stream: the copy launch, and the all-gather);
+- ``downcast``: an fp32 master downcast into upload staging before its gather (the upload thread);
 - ``reduce``: a reduced gradient's copy into host staging, or its add into a persistent shard
   (side stream);
 - ``host_add``: the fp32 add of a staged gradient into an offloaded shard, or, where gradients
@@ -48,7 +49,7 @@ from typing import Any
 import torch
 
 PREFIX = "protrain"
-CHUNK_KINDS = ("gather", "reduce", "host_add", "adam", "norm")
+CHUNK_KINDS = ("gather", "downcast", "reduce", "host_add", "adam", "norm")
 BLOCK_KINDS = ("swap_out", "swap_in", "ssd_stage", "ssd_write", "ssd_read", "recompute")
 KINDS = CHUNK_KINDS + BLOCK_KINDS
 
