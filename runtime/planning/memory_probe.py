@@ -1,14 +1,19 @@
 """The measured peak of device memory over a few updates, for the plan check (measured beside
 predicted).
 
-It reads the profiler's counter at the profiler's hooks (``runtime.memory_counter``), so that the
-two figures the plan check compares through the plan differ by what the plan gets wrong, not by
-how they were measured. On CUDA that is the allocator's peak between hooks, and on CPU under the
-device wall (``runtime.device_wall``) the engine's own count, read the same way: every byte on
-the device. Otherwise on CPU the "device" is the C heap, which also holds whatever else the
+It reads the profiler's counter (``runtime.memory_counter``), so that the two figures the plan
+check compares through the plan differ by what the plan gets wrong, not by how they were
+measured. On CUDA that is the allocator's high-water mark, and on CPU under the device wall
+(``runtime.device_wall``) the engine's own count's: every byte on the device, and a high-water
+mark needs no reading between the window's opening and its closing (nor do readings others take
+meanwhile lose it: each goes to every open window). So the probe places no hooks there: a reading
+costs about 60 us on CUDA (``max_memory_allocated`` and a reset), and at every module and every
+gradient it was about a thousand per GPT-2-XL micro-batch, in the very updates that are timed.
+Otherwise on CPU the "device" is the C heap, which also holds whatever else the
 process allocates, so the peak is the engine's static device state (persistent chunks, their
 fp32 state, the chunk buffers: counted from its tensors) plus the largest rise of the heap's
-in-use bytes above the reading when the probe started, read at the hooks (peaks inside one
+in-use bytes above the reading when the probe started, read at the profiler's hooks (after every
+module's forward and every gradient: the heap has no high-water mark; peaks inside one
 operator are not seen: the CPU figure can only be low, never high, by that much).
 """
 
@@ -42,9 +47,10 @@ class PeakMemoryProbe:
         self.active = True
         self._exact = counts_every_byte(self.device)
         self._window.open()
-        self._handles = sample_at_hooks(
-            self.model, after_forward=self._sample, after_gradient=lambda _: self._sample()
-        )
+        if not self._exact:
+            self._handles = sample_at_hooks(
+                self.model, after_forward=self._sample, after_gradient=lambda _: self._sample()
+            )
 
     def _sample(self) -> None:
         device_peak_since_last_sample(self.device)  # the window takes the reading
@@ -58,5 +64,8 @@ class PeakMemoryProbe:
             self._handles.clear()
             self._window.close()
         if self._exact:
-            return self._window.highest
+            # What the device held at the start beyond the engine's static state (the caller's
+            # tensors, another engine) is not this plan's: the prediction leaves it out too.
+            outside = max(0, self._window.base - self.static_device_bytes)
+            return self._window.highest - outside
         return self.static_device_bytes + max(0, self._window.highest - self._window.base)
