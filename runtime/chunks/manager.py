@@ -267,18 +267,19 @@ class ChunkManager:
             self.optimizer.disarm()
             self.reset_backward()
 
-    def begin_last_backward(self, *, lr: GroupValues, local_nonfinite: bool) -> None:
+    def begin_last_backward(self, *, lr: GroupValues, local_nonfinite: Callable[[], bool]) -> None:
         """The coming backward ends the accumulation window: update offloaded chunks as their
         gradients arrive, overlapping the rest of backward (the engine calls this). The ranks
         first agree whether any saw a non-finite loss: one tiny all-reduce, queued ahead of the
         reductions (see ChunkOptimizer.arm). Two-phase: no early update, only each offloaded
-        shard's squared norm as its gradient completes."""
+        shard's squared norm as its gradient completes. ``local_nonfinite()``: whether a loss of
+        the window was not finite here (read only for early updates: it waits for the device)."""
         if self.optimizer.two_phase:
             self.optimizer.arm_norms()
             return
         if not self.optimizer.may_speculate():
             return
-        flag = torch.tensor([1.0 if local_nonfinite else 0.0], dtype=torch.float64)
+        flag = torch.tensor([1.0 if local_nonfinite() else 0.0], dtype=torch.float64)
         agreed = self.collectives.submit(lambda: all_reduce_sum_(flag, self.dist_ctx))
         self.optimizer.arm(lr=lr, agreed=agreed, any_nonfinite=flag)
 

@@ -215,7 +215,7 @@ class Engine(EngineFacades):
         self._reports.backward_began()
         if self._backward_closes:
             # Early updates (unclipped fp32/bf16) or the two-phase norms: the chunks know which.
-            self.chunks.begin_last_backward(lr=self.group_lrs, local_nonfinite=bool(self._window.nonfinite > 0))
+            self.chunks.begin_last_backward(lr=self.group_lrs, local_nonfinite=self._window.any_nonfinite)
         try:
             self.activations.begin_backward()
             try:
@@ -298,7 +298,8 @@ class Engine(EngineFacades):
             self.skipped_steps += 1
         self._lrs_updated()
         self._reports.update_queued()
-        synchronize(self.device_info)
+        if self._trace is not NO_TRACE or self._reports.times_update(self.global_step + self.skipped_steps):
+            synchronize(self.device_info)
         elapsed = time.perf_counter() - window_start
         self._trace.window_finished(self)
         self._report(

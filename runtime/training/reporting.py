@@ -53,6 +53,7 @@ class UpdateReports:
         self._module = module
         self._device = device
         self._accumulation = settings.gradient_accumulation_steps
+        self._every_steps = settings.logging.every_steps
         self._static_device_bytes = static_device_bytes
         self._replanner = replanner
         self.check = PlanCheck(plan, accumulation=self._accumulation)
@@ -90,6 +91,14 @@ class UpdateReports:
     def backward_ended(self) -> None:
         if self.measured is not None:
             self.measured.phases.end_backward()
+
+    def times_update(self, step: int) -> bool:
+        """Whether update ``step``'s time is read, so the device must finish it first: the plan
+        check still measures, or the display and trackers log it (update 1 and every
+        ``logging.every_steps``). Otherwise the engine does not wait for the device at the
+        update's end (its tail then counts in the next update's time; the sum over logged
+        updates is the same)."""
+        return not self.check.done or step == 1 or step % self._every_steps == 0
 
     def update_queued(self) -> None:
         """The update's work is issued (the engine synchronises next): the optimizer phase ends."""

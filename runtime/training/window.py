@@ -3,16 +3,12 @@ before the engine decides, the same on every rank, whether and how to update."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from runtime.batches import count_samples, count_tokens
-
-
-def _zero() -> torch.Tensor:
-    return torch.zeros((), dtype=torch.float64)
 
 
 @dataclass(slots=True)
@@ -21,10 +17,11 @@ class Window:
 
     start_s: float | None = None
     """When its first training forward began (None: none yet)."""
-    loss: torch.Tensor = field(default_factory=_zero)
-    """The sum of its finite losses (float64, on the host)."""
-    nonfinite: torch.Tensor = field(default_factory=_zero)
-    """How many of its losses were not finite."""
+    loss: torch.Tensor | None = None
+    """The sum of its finite losses (float64, where the losses are: adding one to it reads
+    nothing back to the host, whose wait for the device would stall every micro-batch)."""
+    nonfinite: torch.Tensor | None = None
+    """How many of its losses were not finite (float64, beside ``loss``)."""
     tokens: int = 0
     samples: int = 0
     normalised: bool = False
@@ -35,11 +32,19 @@ class Window:
         self.samples += count_samples(args, kwargs)
 
     def add_loss(self, loss: torch.Tensor) -> None:
-        detached = loss.detach().to(torch.float64).cpu()
-        self.loss += torch.nan_to_num(detached, nan=0.0, posinf=0.0, neginf=0.0)
-        self.nonfinite += (~torch.isfinite(detached)).to(torch.float64)
+        detached = loss.detach().to(torch.float64)
+        finite = torch.nan_to_num(detached, nan=0.0, posinf=0.0, neginf=0.0)
+        bad = (~torch.isfinite(detached)).to(torch.float64)
+        self.loss = finite if self.loss is None else self.loss + finite
+        self.nonfinite = bad if self.nonfinite is None else self.nonfinite + bad
+
+    def any_nonfinite(self) -> bool:
+        """Whether a loss so far was not finite (reads the device: only where the answer is needed now)."""
+        return self.nonfinite is not None and bool(self.nonfinite > 0)
 
     def totals(self, *, stop: bool) -> torch.Tensor:
         """(loss sum, non-finite losses, tokens, samples, stop flag), to be summed over ranks."""
-        values = [float(self.loss), float(self.nonfinite), float(self.tokens), float(self.samples)]
+        loss = 0.0 if self.loss is None else float(self.loss)
+        nonfinite = 0.0 if self.nonfinite is None else float(self.nonfinite)
+        values = [loss, nonfinite, float(self.tokens), float(self.samples)]
         return torch.tensor([*values, 1.0 if stop else 0.0], dtype=torch.float64)
