@@ -9,6 +9,7 @@ tier allocates: tests measure the device tier independently of our bookkeeping.
 from __future__ import annotations
 
 import mmap
+import warnings
 import weakref
 
 import torch
@@ -28,13 +29,24 @@ class MmapArena:
         """``alignment``: of each allocation (pages by default: O_DIRECT reads and writes into
         swapped activations need them; chunk state asks for a cache line)."""
         self.capacity_bytes = _round_up(max(capacity_bytes, PAGE_BYTES), PAGE_BYTES)
+        self.held_bytes = self.capacity_bytes
+        """What the region takes: its capacity, or torch's rounded pinned block (the fallback)."""
         self.alignment = alignment
-        self._map = mmap.mmap(-1, self.capacity_bytes)
+        self._map: mmap.mmap | None = mmap.mmap(-1, self.capacity_bytes)
         self._base = torch.frombuffer(self._map, dtype=torch.uint8)
         self.used_bytes = 0
         self._pinned = False
         if pin:
-            _cuda_host_register(self._base)
+            error = _cuda_host_register(self._base)
+            if error:
+                # Some virtualised hosts refuse to lock existing pages: take page-locked memory
+                # from torch's host allocator instead (rounded up to a power of two, whole).
+                _warn_register_refused(error)
+                del self._base
+                self._map.close()
+                self._map = None
+                self._base = pinned_bytes(self.capacity_bytes)
+                self.held_bytes = 1 << (self.capacity_bytes - 1).bit_length()
             self._pinned = True
         _live_arenas.add(self)
 
@@ -60,6 +72,8 @@ class MmapArena:
         reads zeros afterwards. For state that has moved elsewhere (a plan switch), so the old
         region shrinks while the new one fills. A page-locked region is unlocked first (the
         kernel cannot drop locked pages), for good: nothing copies from it asynchronously again."""
+        if self._map is None:
+            return  # torch's pinned block: it cannot be returned a page at a time
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self._base.data_ptr())
             self._pinned = False
@@ -73,14 +87,18 @@ class MmapArena:
 
     def close(self) -> None:
         """Release the region (once; again does nothing). Tensors from it must no longer be used."""
-        if self._map.closed:
+        if self not in _live_arenas:
+            return
+        _live_arenas.discard(self)
+        if self._map is None:  # torch's pinned block: back to its allocator, then to the OS
+            del self._base
+            _empty_host_cache()
             return
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self._base.data_ptr())
             self._pinned = False
         del self._base
         self._map.close()
-        _live_arenas.discard(self)
 
 
 _live_arenas: weakref.WeakSet[MmapArena] = weakref.WeakSet()
@@ -92,13 +110,40 @@ def host_arena_bytes() -> tuple[int, int]:
     tier's chunk state, the swapped activations' pool, any other engine's), and of those the
     page-locked ones. Whole regions: an arena is mapped, and on CUDA pinned, at its full size."""
     arenas = list(_live_arenas)
-    return sum(a.capacity_bytes for a in arenas), sum(a.capacity_bytes for a in arenas if a._pinned)
+    return sum(a.held_bytes for a in arenas), sum(a.held_bytes for a in arenas if a._pinned)
 
 
-def _cuda_host_register(region: torch.Tensor) -> None:
-    result = torch.cuda.cudart().cudaHostRegister(region.data_ptr(), region.numel(), 0)
-    if int(result) != 0:
-        raise RuntimeError(f"cudaHostRegister failed with error {int(result)}")
+def _cuda_host_register(region: torch.Tensor) -> int:
+    """Page-lock ``region`` in place; CUDA's error code (0: done)."""
+    return int(torch.cuda.cudart().cudaHostRegister(region.data_ptr(), region.numel(), 0))
+
+
+def pinned_bytes(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of page-locked host memory from torch's host allocator."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _empty_host_cache() -> None:
+    empty = getattr(torch._C, "_host_emptyCache", None)  # torch's pinned-block cache, where it has one
+    if empty is not None:
+        empty()
+
+
+_register_refusals: set[int] = set()
+
+
+def _warn_register_refused(error: int) -> None:
+    """Say once per error code that host regions fall back to torch's pinned allocator."""
+    if error in _register_refusals:
+        return
+    _register_refusals.add(error)
+    warnings.warn(
+        f"cudaHostRegister refused to page-lock a host region (CUDA error {error}); ProTrain takes "
+        "page-locked memory from torch's host allocator instead, which rounds each region up to a "
+        "power of two",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -171,3 +171,34 @@ def _check_worker_threads(*, compute_threads: int) -> None:
         side.close()
         host.close()
         assert seen == {"side": compute_threads, "host": 1}, (host_first, seen)
+
+
+def test_a_host_that_refuses_to_page_lock_a_region_gets_torchs_pinned_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Some virtualised hosts refuse ``cudaHostRegister``: the region then comes from torch's
+    pinned host allocator (here a plain tensor stands in for it), counted at the power of two
+    that allocator rounds it to, with one warning per error code (before: a RuntimeError, and
+    no run on such a host)."""
+    import runtime.host_memory as host_memory
+
+    class RefusingCudart:
+        def cudaHostRegister(self, *_: object) -> int:  # noqa: N802 - CUDA's name
+            return 712  # cudaErrorHostMemoryAlreadyRegistered's neighbour: any refusal
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: RefusingCudart())
+    monkeypatch.setattr(host_memory, "pinned_bytes", lambda n: torch.zeros(n, dtype=torch.uint8))
+    monkeypatch.setattr(host_memory, "_register_refusals", set())
+    before = host_memory.host_arena_bytes()
+    with pytest.warns(RuntimeWarning, match="cudaHostRegister refused"):
+        arena = MmapArena(3 * PAGE_BYTES, pin=True)
+    tensor = arena.allocate(PAGE_BYTES // 4, torch.float32)
+    tensor.fill_(2.0)
+    assert arena.contains(tensor) and float(tensor.sum()) == 2.0 * (PAGE_BYTES // 4)
+    held, pinned = host_memory.host_arena_bytes()
+    assert (held - before[0], pinned - before[1]) == (4 * PAGE_BYTES, 4 * PAGE_BYTES)
+    arena.give_back(tensor)  # a pinned block cannot be returned a page at a time: nothing happens
+    arena.close()
+    arena.close()
+    assert host_memory.host_arena_bytes() == before
+
