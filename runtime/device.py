@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from runtime import device_wall, stream_chaos
+from runtime.sanitizer_threads import active_sanitizer_mode, sanitized_here
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +137,15 @@ class DeviceEvent:
         self.wait_issued()
         if self._cuda_event is not None:
             self._cuda_event.synchronize()
+        chaos = getattr(_worker_chaos, "chaos", None)
+        if chaos is not None:
+            # Random chaos on a worker: the job goes on only a while after the work it waited
+            # for, so a buffer that work's worker reuses without its own wait is overwritten first.
+            chaos.delay()
+
+
+_worker_chaos = threading.local()
+"""On a worker thread under stream chaos: its ``StreamChaos`` (``chaos``)."""
 
 
 class _OrderedWorker:
@@ -174,6 +184,7 @@ class _OrderedWorker:
         self._failure: BaseException | None = None
         self._closed = False
         self._wall_call = wall_call
+        self._sanitizer = active_sanitizer_mode()  # the creating thread's: TORCH_CUDA_SANITIZER=1
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -205,14 +216,16 @@ class _OrderedWorker:
         # value: take that first (get_num_threads does), then set the worker's own, which stays.
         torch.get_num_threads()
         torch.set_num_threads(self._threads)
+        _worker_chaos.chaos = self._chaos
         if self._device is not None:
             torch.cuda.set_device(self._device)
-        if self._wall_call is None:
-            self._serve()
-            return
-        account, _ = self._wall_call
-        with device_wall.engine_call(account, f"a job on the side stream {self.name}"):
-            self._serve()
+        with sanitized_here(self._sanitizer):
+            if self._wall_call is None:
+                self._serve()
+                return
+            account, _ = self._wall_call
+            with device_wall.engine_call(account, f"a job on the side stream {self.name}"):
+                self._serve()
 
     def _serve(self) -> None:
         while True:

@@ -5,11 +5,16 @@ looks, so a missing wait goes unseen: the data is there by luck. ``PROTRAIN_STRE
 that luck away:
 
 - ``1`` (random): every side-stream and host-worker job is delayed by a random 0-5 ms before it
-  runs, from a ``random.Random`` of its own (never torch's generator: chaos must not change the
-  training's random streams), seeded by ``PROTRAIN_STREAM_CHAOS_SEED`` (default 0) and the
-  worker's name, so a failing seed replays;
+  runs (one in four by 25 ms more: ``draw_delay``), from a ``random.Random`` of its own (never
+  torch's generator: chaos must not change the training's random streams), seeded by ``PROTRAIN_STREAM_CHAOS_SEED`` (default 0) and the
+  worker's name, so a failing seed replays; and a job that waits for another worker's event goes
+  on only after another such delay (``DeviceEvent.wait``), so a buffer that worker reuses
+  without its own wait is overwritten before the job reads it;
 - ``lazy``: a job runs only once its event (or a later one of the same worker) is waited on: the
-  deterministic worst case, where nothing queued ever happens early;
+  deterministic worst case, where nothing queued ever happens early. The main thread's drains
+  ask the host worker before the side stream every other time (``ChunkManager._host_first``),
+  so a job of either that misses its wait for the other's work meets that work still held in
+  one of every two drains;
 
 and, in both, every buffer handed back to a pool (device chunk buffers, gradient buffers,
 staging buffers, swap buffers) is filled with NaN before reuse (``poison_``), and handing back a
@@ -51,6 +56,8 @@ import torch
 ENV = "PROTRAIN_STREAM_CHAOS"
 SEED_ENV = "PROTRAIN_STREAM_CHAOS_SEED"
 MAX_DELAY_S = 0.005
+LONG_DELAY_S = 0.025
+LONG_DELAY_ODDS = 4
 MODES = ("0", "1", "lazy")
 
 
@@ -67,12 +74,23 @@ class StreamChaos:
         self.rng = random.Random(self.seed)
 
     def delay(self) -> None:
-        """Sleep a random 0-5 ms (random mode; the lazy mode's delay is the wait itself)."""
+        """Sleep the next draw (random mode; the lazy mode's delay is the wait itself)."""
         if self.lazy:
             return
         with self._lock:
-            seconds = self.rng.uniform(0.0, MAX_DELAY_S)
+            seconds = draw_delay(self.rng)
         time.sleep(seconds)
+
+
+def draw_delay(rng: random.Random) -> float:
+    """A job's delay: 0-5 ms, and one job in ``LONG_DELAY_ODDS`` is held ``LONG_DELAY_S`` more.
+    The long tail is what finds a missing wait between two workers whose jobs were queued far
+    apart (a two-phase update queued at the step, the gather that must follow it queued in the
+    next forward): uniform delays of a few ms kept the earlier job ahead on most seeds."""
+    seconds = rng.uniform(0.0, MAX_DELAY_S)
+    if rng.random() < 1.0 / LONG_DELAY_ODDS:
+        seconds += LONG_DELAY_S
+    return seconds
 
 
 def mode() -> str:

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from runtime.chunks.layout import ChunkLayout
-from runtime import device_wall
+from runtime import device_wall, stream_chaos
 from runtime.chunks.optimizer import ChunkOptimizer
 from runtime.chunks.readout import ChunkReadout
 from runtime.chunks.reduce import GradientReducer
@@ -93,6 +93,8 @@ class ChunkManager:
             keeps_gradients=keeps_gradients,
         )
         self.collectives = CollectiveQueue(device)
+        self._lazy_chaos = stream_chaos.mode() == "lazy"
+        self._drains = 0
         self.optimizer = ChunkOptimizer(
             store=self.store, waits=self.collectives.waits
         )
@@ -236,10 +238,21 @@ class ChunkManager:
         place, with the waits for data compute needs (residency, grad_buffers), where the main
         thread waits for the pipeline. Collectives from the main thread may only follow a
         drain: every rank must issue its collectives in one order."""
+        if self._host_first():
+            self.optimizer.drain()
         with self.collectives.waits.timing("reduce"):
             self.collectives.drain()
         self.optimizer.drain()  # counted as a host wait there
         self.reducer.forget_staging()
+
+    def _host_first(self) -> bool:
+        """Lazy stream chaos: every other drain asks the host worker before the side stream, so
+        that a host job missing its wait for side-stream work (or the reverse) meets that work
+        still held in one of every two drains (runtime/stream_chaos.py). Never otherwise."""
+        if not self._lazy_chaos:
+            return False
+        self._drains += 1
+        return self._drains % 2 == 0
 
     def take_waits(self) -> dict[str, float]:
         """Seconds the main thread waited for the pipeline since the last call, by kind
@@ -259,6 +272,8 @@ class ChunkManager:
             self.reducer.flush()
             # The side stream only: the host worker's adds of this backward may go on into the
             # next micro-batch (they run in order); the step waits for them (``drain``).
+            if self._host_first():
+                self.optimizer.drain()
             with self.collectives.waits.timing("reduce"):
                 self.collectives.drain()
         finally:

@@ -202,3 +202,35 @@ def test_a_host_that_refuses_to_page_lock_a_region_gets_torchs_pinned_memory(
     arena.close()
     assert host_memory.host_arena_bytes() == before
 
+
+def test_cudas_sanitizer_sees_the_worker_threads_operators(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch enters its sanitizer's dispatch mode on the importing thread only (mode stacks are
+    per thread): the side stream's and the host worker's operators went unseen. Each worker now
+    hands its operators to the one sanitizer mode (a recording stand-in here)."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[tuple[str, str]] = []
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append((threading.current_thread().name, str(func)))
+            return func(*args, **(kwargs or {}))
+
+    fake = ModuleType("torch.cuda._sanitizer")
+    fake.cuda_sanitizer = SimpleNamespace(enabled=True, dispatch=Recording())  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch.cuda._sanitizer", fake)
+    stream = SideStream(DeviceInfo(torch.device("cpu"), "gloo"), name="test-sanitized-stream")
+    worker = HostWorker("test-sanitized-worker")
+    try:
+        source = torch.ones(8)
+        stream.submit(lambda: torch.empty(8).copy_(source)).wait()
+        worker.submit(lambda: source.add(1.0)).wait()
+    finally:
+        stream.close()
+        worker.close()
+    threads = {thread for thread, _ in seen}
+    assert {"test-sanitized-stream", "test-sanitized-worker"} <= threads, seen
+    assert any("copy_" in op for thread, op in seen if thread == "test-sanitized-stream")

@@ -16,7 +16,10 @@ import torch
 import runtime
 from runtime.activations.transfers import ActivationTransfers
 from runtime.chunks.grad_buffers import GradientBufferPool
+from runtime.chunks.optimizer import ChunkOptimizer
 from runtime.chunks.side_stream import CollectiveQueue
+from runtime.chunks.staging import Staged
+from runtime.device import DeviceEvent
 from runtime.models.gpt import GPTConfig
 from runtime.stream_chaos import StreamChaosError
 from runtime.training.update import NonFiniteLossError
@@ -85,6 +88,41 @@ def _as_is(monkeypatch: pytest.MonkeyPatch) -> None:
     pass
 
 
+def _skip_staging_ring_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Staged.wait_until_free: a reduced gradient's copy into host staging waits for the host
+    # worker's add of the buffer's previous gradient; a master's downcast for upload waits for
+    # the buffer's previous upload.
+    monkeypatch.setattr(Staged, "wait_until_free", lambda self: None)
+
+
+def _skip_host_add_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ChunkOptimizer.add_staged's job waits for the side stream's copy into the staging buffer.
+    original = ChunkOptimizer.add_staged
+
+    def without_wait(self: ChunkOptimizer, chunk: Any, staged: Any, copied: Any, release: Any, fired: Any) -> Any:
+        return original(self, chunk, staged, DeviceEvent.completed(), release, fired)
+
+    monkeypatch.setattr(ChunkOptimizer, "add_staged", without_wait)
+
+
+def _skip_two_phase_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A chunk's gather (and, in bf16, its downcast for upload) waits for the chunk's two-phase
+    # update still running on the host worker.
+    monkeypatch.setattr(ChunkOptimizer, "pending_update", lambda self, chunk_index: None)
+
+
+def _two_phase_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two-phase step (updates on the host worker beside the next forward) as on CUDA; on
+    CPU a clipped window otherwise defers every update to the step."""
+    import runtime.planning.apply_plan as apply_plan
+
+    def two_phase(*, gradient_clipping: float, loss_scaled: bool, device: Any) -> tuple[bool, bool]:
+        needs_norm = gradient_clipping > 0 or loss_scaled
+        return not needs_norm, needs_norm
+
+    monkeypatch.setattr(apply_plan, "update_mode", two_phase)
+
+
 @dataclass(frozen=True)
 class Bug:
     remove_wait: Callable[[pytest.MonkeyPatch], None]
@@ -93,6 +131,10 @@ class Bug:
     route: Callable[[pytest.MonkeyPatch], None] = _as_is
     """How the run is steered through the code whose wait is removed (both runs, and the
     comparison without the bug)."""
+    accumulation: int = 1
+    """Micro-batches per update (2: offloaded chunks keep their gradients in host shards)."""
+    clipping: float | None = None
+    """Gradient clipping (on: the two-phase step)."""
 
 
 BUGS = {
@@ -100,29 +142,36 @@ BUGS = {
     "swap-in": Bug(_skip_swap_in_wait, "fp32", {"block_modes": ["swap"] * 4}, route=_land_swap_outs_at_once),
     # bf16: one fp32 rank accumulates into its shards directly, with no gradient buffer.
     "gradient-buffer": Bug(_skip_gradient_buffer_wait, "bf16", PERSISTENT_BF16),
+    # bf16 offloaded, gradients kept: reduced gradients pass through host staging, masters are
+    # downcast into upload staging.
+    "staging-ring": Bug(_skip_staging_ring_wait, "bf16", OFFLOADED, accumulation=2),
+    "host-add": Bug(_skip_host_add_wait, "bf16", OFFLOADED, accumulation=2),
+    "two-phase": Bug(_skip_two_phase_wait, "fp32", OFFLOADED, route=_two_phase_on_cpu, clipping=1.0),
 }
 
 
-def chaos_training(
-    tmp_path: Path, precision: str, memory: dict[str, Any]
-) -> tuple[dict[str, torch.Tensor], list[float]]:
-    config = {
+def chaos_training(tmp_path: Path, bug: Bug) -> tuple[dict[str, torch.Tensor], list[float]]:
+    config: dict[str, Any] = {
         "seed": 3,
         "micro_batch_size": 2,
-        "precision": precision,
+        "gradient_accumulation_steps": bug.accumulation,
+        "precision": bug.precision,
         "optimizer": {"lr": 1e-3, "weight_decay": 0.1},
-        "memory": memory,
+        "memory": bug.memory,
         "output_dir": str(tmp_path),
     }
+    if bug.clipping is not None:
+        config["gradient_clipping"] = bug.clipping
     engine = runtime.initialize(tiny_gpt(0, FOUR_BLOCKS), config=config)
-    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    data = lm_batches(micro_batch_size=2, accumulation=bug.accumulation, world_size=1)
     losses = []
     with engine:
         for update in range(STEPS):
-            out = engine(**data.batch(update, 0, 0))
-            engine.backward(out.loss)
-            engine.step()
-            losses.append(out.loss.item())
+            for micro in range(bug.accumulation):
+                out = engine(**data.batch(update, micro, 0))
+                engine.backward(out.loss)
+                engine.step()
+                losses.append(out.loss.item())
         return engine.state_dict(), losses
 
 
@@ -139,15 +188,29 @@ def assert_caught(
     bug = BUGS[name]
     bug.route(monkeypatch)
     chaos("0")
-    expected, _ = chaos_training(tmp_path / "plain", bug.precision, bug.memory)
+    expected, _ = chaos_training(tmp_path / "plain", bug)
     bug.remove_wait(monkeypatch)
+    assert caught(tmp_path / "chaos", bug, expected, chaos, mode, seed), (
+        f"{name} wait removed, chaos {mode} seed {seed}: training went unnoticed"
+    )
+
+
+def caught(
+    tmp_path: Path,
+    bug: Bug,
+    expected: dict[str, torch.Tensor],
+    chaos: Callable[..., None],
+    mode: str,
+    seed: int,
+) -> bool:
+    """Whether training with the bug's wait removed (already) under chaos raised or ended
+    elsewhere than ``expected``."""
     chaos(mode, seed)
     try:
-        state, _ = chaos_training(tmp_path / "chaos", bug.precision, bug.memory)
+        state, _ = chaos_training(tmp_path / f"{mode}-{seed}", bug)
     except (StreamChaosError, NonFiniteLossError):
-        return
-    differs = [key for key, value in state.items() if not torch.equal(value, expected[key])]
-    assert differs, f"{name} wait removed, chaos {mode} seed {seed}: training went unnoticed"
+        return True
+    return any(not torch.equal(value, expected[key]) for key, value in state.items())
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -160,6 +223,20 @@ def test_random_chaos_catches_a_missing_wait_on_every_seed(
     to lazy chaos: only 15 of 21 reuses found their reduction pending, and on a loaded machine
     (compute slower, reductions done first) seeds 3 and 4 once found none."""
     assert_caught(tmp_path, name, monkeypatch, chaos, "1", seed)
+
+
+@pytest.mark.parametrize("name", ["staging-ring", "host-add", "two-phase"])
+def test_random_chaos_catches_a_missing_wait_between_workers_on_four_of_five_seeds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chaos: Callable[..., None], name: str
+) -> None:
+    """Waits between the side stream and the host worker (or the upload thread), each way."""
+    bug = BUGS[name]
+    bug.route(monkeypatch)
+    chaos("0")
+    expected, _ = chaos_training(tmp_path / "plain", bug)
+    bug.remove_wait(monkeypatch)
+    seeds = [seed for seed in SEEDS if caught(tmp_path, bug, expected, chaos, "1", seed)]
+    assert len(seeds) >= 4, f"{name} wait removed: random chaos caught it on seeds {seeds} only"
 
 
 @pytest.mark.parametrize("name", sorted(BUGS))
@@ -206,11 +283,18 @@ def test_with_every_wait_in_place_chaos_changes_nothing(
     bug = BUGS[name]
     bug.route(monkeypatch)
     chaos("0")
-    expected, expected_losses = chaos_training(tmp_path / "plain", bug.precision, bug.memory)
+    expected, expected_losses = chaos_training(tmp_path / "plain", bug)
     chaos(mode, seed=1)
-    state, losses = chaos_training(tmp_path / "chaos", bug.precision, bug.memory)
+    state, losses = chaos_training(tmp_path / "chaos", bug)
     assert_state_equal(state, expected)
     assert losses == expected_losses
     if bug.precision == "fp32":
-        reference = gpt_reference(FOUR_BLOCKS, steps=STEPS, lr=1e-3, weight_decay=0.1)
+        reference = gpt_reference(
+            FOUR_BLOCKS,
+            accumulation=bug.accumulation,
+            steps=STEPS,
+            lr=1e-3,
+            weight_decay=0.1,
+            clip=bug.clipping or 0.0,
+        )
         assert_matches_reference(state, reference.fp32, reference.fp64)
