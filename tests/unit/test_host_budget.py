@@ -55,11 +55,16 @@ def test_v1_no_limit_is_a_rounded_two_to_the_63_and_limits_count_their_usage(tmp
 
 
 def test_slurm_mem_per_node_or_per_cpu_times_cpus_less_what_the_ranks_hold() -> None:
+    # The resident set is read here and again inside: a thread left by an earlier test of the
+    # same worker may touch a page between the two readings.
+    moves = 1 << 20
     rss = psutil.Process().memory_info().rss
     node = slurm_source({"SLURM_MEM_PER_NODE": "16384"}, ranks_on_host=2)
-    assert node.free_bytes == 16 * GIB - 2 * rss and "SLURM_MEM_PER_NODE" in node.detail
+    assert node.free_bytes is not None and "SLURM_MEM_PER_NODE" in node.detail
+    assert abs(node.free_bytes - (16 * GIB - 2 * rss)) < 2 * moves
     per_cpu = slurm_source({"SLURM_MEM_PER_CPU": "2048", "SLURM_CPUS_ON_NODE": "4"}, ranks_on_host=1)
-    assert per_cpu.free_bytes == 8 * GIB - rss and "SLURM_CPUS_ON_NODE (4)" in per_cpu.detail
+    assert per_cpu.free_bytes is not None and "SLURM_CPUS_ON_NODE (4)" in per_cpu.detail
+    assert abs(per_cpu.free_bytes - (8 * GIB - rss)) < moves
     assert slurm_source({}, ranks_on_host=1).free_bytes is None
 
 
