@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-unit test-dist test-e2e test-chaos spec-reference clean
+.PHONY: venv demo test test-unit test-dist test-e2e test-chaos spec-reference gpu-bundle gpu-rehearse clean
 
 venv: $(STAMP)
 
@@ -70,5 +70,57 @@ test-chaos: $(STAMP)
 spec-reference: $(STAMP)
 	$(BIN)/python -m runtime.config.spec_doc --write
 
+# First GPU contact (issue 26, docs/gpu-first-contact.md); neither target is part of `make test`.
+# gpu-bundle: the wheels the lent GPU machine lacks (pydantic and what it needs, setuptools, wheel)
+# for CPython 3.12 on manylinux x86_64, pinned by constraints-gpu.txt, into .whl/ (ignored; the
+# device tool carries it: `carry: [".whl"]`). About 3.6 MB.
+GPU_WHEELS := .whl
+GPU_BUNDLE := pydantic pydantic_core annotated-types typing-inspection typing_extensions setuptools wheel
+GPU_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))
+
+gpu-bundle:
+	rm -rf $(GPU_WHEELS)
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(GPU_PLATFORMS) -c constraints-gpu.txt -d $(GPU_WHEELS) $(GPU_BUNDLE)
+	@ls $(GPU_WHEELS)
+
+# gpu-rehearse: `gpu_check.py --first-contact --rehearse` on the CPU with the GPU machine's packages
+# where this machine can have them, in a venv of its own (.venv-gpu-rehearse, ignored), run as the
+# docs' command runs it: the project not installed, PYTHONPATH=., HF_HUB_OFFLINE=1, no pytest.
+# torch 2.11 has no CPU build reachable from here (PyPI's Linux torch wheels are CUDA builds of
+# several GB with their CUDA libraries; download.pytorch.org is not reachable), so torch is 2.13.0,
+# the CPU build on this machine's disk, which is for CPython 3.11 only: the rehearsal runs on
+# Python 3.11 with transformers 5.17, accelerate 1.15, safetensors 0.8 and pydantic 2.14 (numpy as
+# constraints.txt pins it: 2.5 has no cp311 wheel). The bundle itself is installed under Python 3.12
+# (pyenv's 3.12.1 where there is one) as the docs' command installs it, and a job spec parsed with it.
+GPU_REHEARSE := .venv-gpu-rehearse
+PYTHON312 ?= $(shell PYENV_VERSION=3.12.1 pyenv which python3.12 2>/dev/null || command -v python3.12)
+SPEC_CHECK := import sys, pydantic, runtime.config.spec as s; \
+	assert pydantic.__file__.startswith('$(abspath $(GPU_REHEARSE))/site312'), pydantic.__file__; \
+	s.Spec.model_validate({'micro_batch_size': 1, 'precision': 'bf16', 'memory': {'device_budget': '24GiB'}}); \
+	print('the bundle serves Python', sys.version.split()[0], 'pydantic', pydantic.__version__)
+
+$(GPU_REHEARSE)/.installed: constraints-gpu.txt constraints.txt
+	rm -rf $(GPU_REHEARSE)
+	$(PYTHON) -m venv $(GPU_REHEARSE)
+	(grep -v -E '^(torch|numpy)==' constraints-gpu.txt; grep -E '^(torch|numpy)==' constraints.txt) \
+		> $(GPU_REHEARSE)/constraints.txt
+	$(GPU_REHEARSE)/bin/python -m pip install --quiet --upgrade pip
+	$(GPU_REHEARSE)/bin/python -m pip install --quiet -c $(GPU_REHEARSE)/constraints.txt torch
+	$(GPU_REHEARSE)/bin/python -m pip install --quiet -c $(GPU_REHEARSE)/constraints.txt \
+		transformers accelerate safetensors psutil pyyaml rich pydantic
+	touch $@
+
+gpu-rehearse: gpu-bundle $(GPU_REHEARSE)/.installed
+	@test -n "$(PYTHON312)" || { echo "gpu-rehearse: no python3.12 to install the bundle with"; exit 1; }
+	rm -rf $(GPU_REHEARSE)/site312 runs/gpu-rehearse
+	$(PYTHON312) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+		--target $(GPU_REHEARSE)/site312 $(GPU_WHEELS)/*.whl
+	PYTHONPATH=$(GPU_REHEARSE)/site312:. $(PYTHON312) -c "$(SPEC_CHECK)"
+	PYTHONPATH=. HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 $(GPU_REHEARSE)/bin/python scripts/gpu_check.py \
+		--first-contact --rehearse --out runs/gpu-rehearse
+	@files=$$(find runs/gpu-rehearse -mindepth 1 | wc -l); echo "gpu-rehearse: $$files files in runs/gpu-rehearse"; \
+		test $$files -le 4
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache $(GPU_REHEARSE) $(GPU_WHEELS)

@@ -1,7 +1,8 @@
 """What every section of the GPU acceptance run shares: how a result is recorded (a check, a
 figure), where it goes (one JSON file per section, rewritten after every check so that a run
 cut short still reports what it did), and the small helpers every section needs (the device,
-batches on it, honest timing)."""
+batches on it, honest timing). Importing it loads no torch: the first-contact run's parent process
+(first_contact.py) reads the sections' reports without touching the device."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 Figure = float | int | str | bool | None
 
@@ -29,6 +31,8 @@ class Check:
     passed: bool | None
     detail: str = ""
     figures: dict[str, Figure] = field(default_factory=dict)
+    at_s: float | None = None
+    """Seconds into the section when it was recorded (where a section's time goes)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -66,12 +70,14 @@ class Context:
     json_path: Path
     out: Path
     """The run's report directory (for files a section leaves beside its JSON, e.g. a trace)."""
+    started: float = field(default_factory=time.perf_counter)
 
     def check(
         self, name: str, passed: bool | None, detail: str = "", **figures: Figure
     ) -> bool | None:
         """Record one check (and rewrite the section's JSON at once); returns ``passed``."""
-        self.report.checks.append(Check(name=name, passed=passed, detail=detail, figures=figures))
+        at = round(time.perf_counter() - self.started, 1)
+        self.report.checks.append(Check(name=name, passed=passed, detail=detail, figures=figures, at_s=at))
         self.save()
         mark = {True: "ok", False: "FAIL", None: "--"}[passed]
         print(f"  [{mark:>4}] {name}: {detail}", flush=True)
@@ -86,6 +92,8 @@ class Context:
 
     def synchronize(self) -> None:
         if self.is_cuda:
+            import torch
+
             torch.cuda.synchronize(self.device)
 
 
@@ -108,6 +116,8 @@ def write_json(path: Path, value: Any) -> None:
 
 
 def machine_facts() -> dict[str, Figure]:
+    import torch
+
     facts: dict[str, Figure] = {
         "torch": torch.__version__,
         "python": platform.python_version(),
