@@ -1,9 +1,15 @@
 """``protrain-run --dry-run``: the spec and the plan it resolves to, printed, and the process
-ends (exit 0): no process group, no training step, no files."""
+ends (exit 0): no process group, no training step, no files.
+
+The launcher runs the script once, in one local process, with its resolved spec (marked a dry
+run) in ``PROTRAIN_SPEC``. A script may pass its own spec to ``runtime.initialize`` (a path, a
+dict, a ``Spec``) or to ``ProTrainTrainer``; the dry run holds either way (``launched_dry_run``):
+before, a spec passed by the script trained for real under ``--dry-run``."""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -14,13 +20,22 @@ from torch import nn
 from runtime.batches import to_device
 from runtime.chunks.layout import model_params
 from runtime.config.settings import PlanningSettings
-from runtime.config.spec_io import ResolvedSpec, SpecError
+from runtime.config.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, SpecError, read_resolved
 from runtime.console import plan_table
 from runtime.device import select_device
 from runtime.planning.budgets import host_parameter_bytes, process_rss_bytes, resolve_budgets
 from runtime.planning.model_facts import check_supported, execution_order
 from runtime.planning.planner import Profilers, build_planner
 from runtime.weights import held_on
+
+
+def launched_dry_run() -> ResolvedSpec | None:
+    """The resolved spec ``protrain-run --dry-run`` handed this process, when it is that dry run."""
+    path = os.environ.get(RESOLVED_SPEC_ENV)
+    if not path:
+        return None
+    launched = read_resolved(path)
+    return launched if launched.dry_run else None
 
 
 def dry_run(
@@ -59,7 +74,8 @@ def dry_run(
         + (f" with {', '.join(resolved.overrides)}" if resolved.overrides else "")
     )
     console.print_json(json.dumps(resolved.spec.model_dump(mode="json")))
-    console.print(plan_table(plan, title=f"Plan for {resolved.world_size} rank(s)"))
+    console.print(f"Plan for {resolved.world_size} rank(s):")
+    console.print(plan_table(plan))  # the table a real run prints
     if plan.predicted_step_s is None and planner.searchable:
         console.print(
             "Not profiled here (no example batch, or weights streamed into chunks): the run starts "

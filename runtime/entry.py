@@ -6,6 +6,7 @@ file protrain-run wrote) and the rendezvous variables torch's launcher sets.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -46,7 +47,7 @@ from runtime.distributed import (
     init_distributed,
     release,
 )
-from runtime.dry_run import dry_run
+from runtime.dry_run import dry_run, launched_dry_run
 from runtime.metrics.trackers import require_tracker_packages
 from runtime.planning.apply_plan import PlanTarget, apply_plan
 from runtime.planning.budgets import auto_device_budget, host_parameter_bytes, process_rss_bytes, resolve_budgets
@@ -70,7 +71,9 @@ from runtime.weights import (
 def resolve_job(
     config: str | os.PathLike[str] | dict[str, Any] | Spec | None,
 ) -> tuple[ResolvedSpec, Path | None]:
-    """The job's spec and, when protrain-run launched us, its run directory."""
+    """The job's spec and, when protrain-run launched us, its run directory. Under
+    ``protrain-run --dry-run`` a spec the script passes is a dry run too, at the launch's world
+    size."""
     world_size = env_int("WORLD_SIZE", 1)
     if config is None:
         path = os.environ.get(RESOLVED_SPEC_ENV)
@@ -82,11 +85,16 @@ def resolve_job(
         resolved = read_resolved(path)
         return resolved, None if resolved.dry_run else Path(path).parent
     if isinstance(config, Spec):
-        return ResolvedSpec.of(config, source="(Spec object)", world_size=world_size), None
-    if isinstance(config, dict):
+        resolved = ResolvedSpec.of(config, source="(Spec object)", world_size=world_size)
+    elif isinstance(config, dict):
         spec = validate_spec(config, source="config dict")
-        return ResolvedSpec.of(spec, source="config dict", world_size=world_size), None
-    return ResolvedSpec.of(load_spec(config), source=str(config), world_size=world_size), None
+        resolved = ResolvedSpec.of(spec, source="config dict", world_size=world_size)
+    else:
+        resolved = ResolvedSpec.of(load_spec(config), source=str(config), world_size=world_size)
+    launched = launched_dry_run()
+    if launched is not None:
+        resolved = dataclasses.replace(resolved, dry_run=True, world_size=launched.world_size)
+    return resolved, None
 
 
 def current_spec(config: str | os.PathLike[str] | dict[str, Any] | Spec | None = None) -> Spec:

@@ -63,6 +63,7 @@ from runtime.integrations.hf_spec import (
 from runtime.training.engine import Engine
 from runtime.training.optimizer_facade import EngineOptimizer
 from runtime.training.schedule import build_scheduler
+from runtime.dry_run import launched_dry_run
 from runtime.weights import WeightsSource
 
 ENGINE_CHECKPOINT = "protrain"
@@ -130,6 +131,10 @@ class ProTrainMixin:
             )
         self._protrain = reconciled
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
+        if launched_dry_run() is not None and self.model is not None:
+            # protrain-run --dry-run: plan and print now, and end, before the Trainer makes its
+            # output folder or a loader.
+            self._protrain_engine()
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         accelerator_args = super()._build_accelerator_args(**kwargs)  # type: ignore[misc]
