@@ -1,13 +1,17 @@
 """``protrain-run``: read and validate the job spec, then start the ranks.
 
     protrain-run [--nproc-per-node N|auto] [--nnodes N] [--node-rank R] [--master-addr A]
-                 [--master-port P] [--max-restarts K] [--dry-run]
+                 [--master-port P] [--max-restarts K] [--standalone] [--dry-run]
                  train.py [script args] --config job.yaml [--set key.path=value ...] [-- args]
     protrain-run --what-if HARDWARE.yaml (--model-config CONFIG.json | --largest) [...]
     protrain-run --report [--config job.yaml] [--ssd-path DIR] [--json]
     protrain-run --plot RUN_DIR [--rank R] [--out FILE.png]
 
-``--config`` and ``--set`` are taken wherever they appear before ``--``; everything after ``--``
+    protrain-run --version
+
+Launcher options also take torchrun's underscore spellings (``--nproc_per_node``, ``--node_rank``,
+``--master_addr``, ``--master_port``, ``--max_restarts``). ``--config`` and ``--set`` are taken
+wherever they appear before ``--``; everything after ``--``
 goes to the script untouched (a script's own ``--config`` goes there). Launcher options come
 before the script path; they override the spec's ``launcher`` section, which overrides defaults.
 ``--what-if`` (the memory estimator, ``what_if_cli``), ``--report`` (the environment report,
@@ -44,9 +48,15 @@ LAUNCHER_OPTIONS: dict[str, str] = {
 }
 
 
+STANDALONE = {"nnodes": "1", "master_addr": "127.0.0.1", "master_port": "0"}
+"""What ``--standalone`` sets where the command line does not: one node, a free local port."""
+
 COMMANDS = ("--what-if", "--report", "--plot")
 """Options that pick a command without a script, when they come before the script path."""
-FLAGS = frozenset({"-h", "--help", "--dry-run", "--largest", "--ssd", "--clipping", "--no-clipping", "--report", "--json"})
+FLAGS = frozenset(
+    {"-h", "--help", "--version", "--standalone", "--dry-run", "--largest", "--ssd", "--clipping", "--no-clipping",
+     "--report", "--json"}
+)
 """Options of protrain-run and its commands that take no value: every other option before the
 script path is followed by its value (unless written ``--option=value``)."""
 
@@ -71,10 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
         "Exit codes: 0 ok, 1 a rank failed, 2 bad input, 130 interrupted.",
     )
     for option, key in LAUNCHER_OPTIONS.items():
-        parser.add_argument(option, dest=key, metavar=key.upper(), help=f"overrides launcher.{key}")
+        # torchrun's and deepspeed's underscore spellings too (--nproc_per_node, --master_port).
+        spellings = sorted({option, "--" + key})
+        parser.add_argument(*spellings, dest=key, metavar=key.upper(), help=f"overrides launcher.{key}")
+    parser.add_argument(
+        "--standalone",
+        action="store_true",
+        help="one node on this machine, rendezvous on a free local port (torchrun's --standalone)",
+    )
     parser.add_argument(
         "--dry-run", action="store_true", help="validate, plan in one local process, print, exit"
     )
+    parser.add_argument("--version", action="store_true", help="print protrain-run's version and exit")
     # Listed for --help; main() hands either one, before the script path, to its own command.
     commands = parser.add_argument_group("commands without a script (each has its own --help)")
     commands.add_argument(
@@ -146,6 +164,14 @@ def parse_command_line(argv: list[str]) -> LaunchRequest:
             launcher_overrides.append(
                 parse_override(f"launcher.{key}={value}", source=f"command line {option} {value}")
             )
+    if args.standalone:
+        given = {override.key_path[-1] for override in launcher_overrides}
+        for key, value in STANDALONE.items():
+            if key in given:
+                if key == "nnodes" and str(getattr(args, key)) != "1":
+                    raise UsageError(f"command line: --standalone runs one node, not --nnodes {args.nnodes}")
+                continue
+            launcher_overrides.append(parse_override(f"launcher.{key}={value}", source="command line --standalone"))
     script = Path(args.script)
     return LaunchRequest(
         script=script,
@@ -162,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         build_parser().print_help()
+        return EXIT_OK
+    if argv and argv[0] == "--version":
+        print(version_line())
         return EXIT_OK
     command = script_free_command(argv)
     if command is not None:
@@ -188,6 +217,21 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     # launch imports torch only now, once the input is known to be good.
     return launch(request, spec)
+
+
+def version_line() -> str:
+    """``protrain-run X.Y.Z (torch A.B.C, Python D.E.F)``; torch's version read from its metadata
+    (importing torch would cost a second)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    python = ".".join(str(part) for part in sys.version_info[:3])
+    return f"protrain-run {installed('protrain')} (torch {installed('torch')}, Python {python})"
 
 
 def script_free_command(argv: list[str]) -> str | None:

@@ -95,3 +95,39 @@ def test_config_twice_is_an_error() -> None:
 def test_set_error_names_the_override() -> None:
     with pytest.raises(SpecError, match=r"--set memory.n_buffer=x: memory.n_buffer: got 'x'"):
         load_spec(None, [parse_override("memory.n_buffer=x")])
+
+
+def test_torchruns_spellings_standalone_and_version(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What torchrun and deepspeed users type: the underscore spellings of the launcher options,
+    ``--standalone`` (one node, a free local port) and ``--version``."""
+    from protrain_launcher.cli import main
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    underscores = parse_command_line(
+        ["--nproc_per_node", "2", "--nnodes", "1", "--node_rank", "0", "--master_addr", "10.0.0.7",
+         "--master_port", "29511", "--max_restarts", "1", str(script)]
+    )
+    dashes = parse_command_line(
+        ["--nproc-per-node", "2", "--nnodes", "1", "--node-rank", "0", "--master-addr", "10.0.0.7",
+         "--master-port", "29511", "--max-restarts", "1", str(script)]
+    )
+    assert resolve_spec(underscores).launcher == resolve_spec(dashes).launcher
+    launcher = resolve_spec(underscores).launcher
+    assert (launcher.nproc_per_node, launcher.master_addr, launcher.master_port) == (2, "10.0.0.7", 29511)
+
+    config = tmp_path / "job.yaml"
+    config.write_text("launcher: {nnodes: 2, master_addr: 10.0.0.9, master_port: 1234}\n")
+    command = ["--standalone", "--nproc_per_node", "2", str(script), "--config", str(config)]
+    standalone = resolve_spec(parse_command_line(command))
+    assert (standalone.launcher.nnodes, standalone.launcher.master_addr, standalone.launcher.master_port) == (
+        1,
+        "127.0.0.1",
+        0,
+    )
+    with pytest.raises(SpecError, match="--standalone runs one node, not --nnodes 2"):
+        parse_command_line(["--standalone", "--nnodes", "2", str(script)])
+
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("protrain-run 0.1.0 (torch ") and "Python 3." in out

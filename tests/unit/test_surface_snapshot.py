@@ -63,7 +63,8 @@ def launcher_surface() -> dict[str, dict[str, Any]]:
             "repeatable": option == "--set",
         }
     for option, key in LAUNCHER_OPTIONS.items():
-        options[option]["overrides"] = f"launcher.{key}"
+        spelled = next(name for name in options if option in name.split(", "))  # with its underscore form
+        options[spelled]["overrides"] = f"launcher.{key}"
     return options
 
 
@@ -111,6 +112,7 @@ def test_the_snapshot_holds_every_key_and_option() -> None:
     frozen = json.loads(SNAPSHOT.read_text())
     assert {"memory.ssd.n_offload", "launcher.dist_timeout_s", "optimizer.betas"} <= set(frozen["spec"])
     assert frozen["spec"]["memory.device_budget"]["default"] == '"auto"'
-    assert {"--config", "--set", "--dry-run", "--nproc-per-node", "script"} <= set(frozen["protrain-run"])
+    launcher = {"--config", "--set", "--dry-run", "--nproc-per-node, --nproc_per_node", "--standalone", "--version"}
+    assert launcher | {"script"} <= set(frozen["protrain-run"])
     assert {"--what-if", "--largest", "--seq-len"} <= set(frozen["protrain-run --what-if"])
     assert {"--report", "--ssd-path", "--json"} <= set(frozen["protrain-run --report"])
