@@ -7,6 +7,7 @@ is built, as a ``SpecError`` (a ``ValueError``; exit 2 through protrain-run) nam
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -75,6 +76,7 @@ def refuse_clashing_args(args: Any) -> None:
             f"{args.n_gpu} GPUs in one process (DataParallel): ProTrain runs one process per GPU; "
             "launch with protrain-run or torchrun",
         ),
+        _ranks_unseen(args),
     ]
     for clash, message in clashes:
         if clash:
@@ -100,3 +102,22 @@ def refuse_own_optimizer(trainer: Any) -> None:
             "optimizer; set lr_scheduler_type in TrainingArguments or the spec's scheduler section, or "
             "override create_scheduler"
         )
+
+
+def _ranks_unseen(args: Any) -> tuple[bool, str]:
+    """The Trainer must see the ranks the launcher started, or each rank trains the same batches
+    (its loader is not sharded) while the engine averages them as if they differed. On CPU,
+    transformers sets up several processes only with ``use_cpu=True``."""
+    started = int(os.environ.get("WORLD_SIZE", "1"))
+    seen = int(args.world_size)
+    fix = (
+        "pass use_cpu=True in TrainingArguments (--use_cpu) on a machine without a GPU, so each rank "
+        "reads its own shard of the data"
+        if not torch.cuda.is_available()
+        else "launch with protrain-run or torchrun and leave the Trainer's distributed setup to them"
+    )
+    return (
+        started > 1 and seen != started,
+        f"TrainingArguments see {seen} process(es) but {started} ranks were started: every rank would "
+        f"train the same batches; {fix}",
+    )

@@ -97,3 +97,24 @@ def test_two_ranks_save_the_trained_lora_adapter(rank_pool: RankPool, tmp_path: 
         adapter.stat().st_size
         == (tmp_path / "plain" / "adapter" / "adapter_model.safetensors").stat().st_size
     )
+
+
+def refusal(*, rank: int, output_dir: str) -> str:
+    """On a rank: the SpecError a Trainer without use_cpu=True raises on CPU, or what happened."""
+    from runtime.config.spec_io import SpecError
+
+    try:
+        run_trainer(rank=rank, kind="gpt2", protrain=True, output_dir=output_dir, use_cpu=False, max_steps=2)
+    except SpecError as err:
+        return str(err)
+    return "trained"
+
+
+def test_a_trainer_that_sees_one_process_of_two_is_refused_with_the_fix(rank_pool: RankPool, tmp_path: Path) -> None:
+    """torchrun on CPU without use_cpu=True: transformers set up one process while two ranks were
+    started, so both ranks trained the same batches and nothing said so (losses identical to one
+    rank). Each rank now stops before training, naming the fix."""
+    messages = rank_pool.run(refusal, output_dir=str(tmp_path / "out"))
+    for message in messages:
+        assert "TrainingArguments see 1 process(es) but 2 ranks were started" in message, message
+        assert "use_cpu=True" in message
