@@ -218,6 +218,19 @@ def searched_plan(
             f"n_buffer={c.n_buffer}{_layout_words(c.block_modes)}: "
             f"{c.prediction.step_s:.3f} s, {format_bytes(c.prediction.peak_device_bytes)}"
             for c in result.runners_up
-        ),
+        )
+        + transfer_notes(hardware),
     )
     return plan, result
+
+
+def transfer_notes(hardware: HardwareProfile) -> tuple[str, ...]:
+    """Where copies overlap compute (a GPU): the link rates the plan was costed with, and the link
+    they run over when NVML named it (a rate far below the link's points at a slot or a setting)."""
+    if not hardware.copies_overlap_compute:
+        return ()
+    link = f" over {hardware.link}" if hardware.link else ""
+    return (
+        f"transfers: host->device {hardware.h2d_bytes_per_s / 1e9:.1f} GB/s, device->host "
+        f"{hardware.d2h_bytes_per_s / 1e9:.1f} GB/s measured{link}",
+    )

@@ -61,6 +61,8 @@ class HardwareProfile:
     copies_overlap_compute: bool = True
     """Transfers, collectives and the CPU-Adam thread run beside compute (CUDA: copy engines,
     NCCL, host cores). False on CPU, where they use the cores compute uses: they add to the step."""
+    link: str = ""
+    """The host-device link as NVML describes it ("PCIe gen 4 x16 (31.5 GB/s each way)"), or ""."""
     ssd_write_bytes_per_s: float = 0.0
     """Write rate of ``memory.ssd.path`` as activation files are written (O_DIRECT where the
     filesystem allows); 0 when no path was measured, and then no plan puts blocks on disk."""

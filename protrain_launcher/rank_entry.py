@@ -50,6 +50,10 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise Terminated(128 + signal.SIGTERM)
 
 
+OPTIONAL_EXTRAS = {"transformers": "hf", "peft": "hf", "tensorboard": "logging", "matplotlib": "plot"}
+"""Packages ProTrain's extras provide: a script that misses one gets one line naming the extra."""
+
+
 def run_script(script: str, args: list[str]) -> int:
     """Run the script; returns the rank's exit code (0, or EXIT_BAD_INPUT after a SpecError)."""
     # torch is imported only now, after the signal handlers are in place, and with the stop
@@ -66,6 +70,12 @@ def run_script(script: str, args: list[str]) -> int:
             runpy.run_path(script, run_name="__main__")
         except SpecError as err:
             report_bad_input(err)
+            return EXIT_BAD_INPUT
+        except ModuleNotFoundError as err:
+            extra = OPTIONAL_EXTRAS.get((err.name or "").split(".")[0])
+            if extra is None:
+                raise
+            report_bad_input(ValueError(f"{err.name} is not installed: pip install 'protrain[{extra}]'"))
             return EXIT_BAD_INPUT
         except Exception as err:
             # Asked of the engines' signal hub only where the script made one (the launcher's

@@ -51,10 +51,24 @@ def gpu_rows(sysfs: Path = SYSFS_PCI) -> list[Row]:
         nvml_rows: list[Row] = []
     else:
         nvml_rows = run_probe("NVML", lambda: nvml_gpu_rows(pynvml, sysfs))
-        rows += nvml_rows
+        if len(nvml_rows) == 1 and _no_driver(nvml_rows[0].text):
+            # pynvml is a dependency, so every machine without an NVIDIA driver gets here: a note.
+            reason = nvml_rows[0].text.removeprefix("probe failed: ")
+            nvml_rows = [Row("NVML", f"not used: no NVIDIA driver here ({reason}); the GPUs below are torch.cuda's",
+                             status=Status.NOTE)]
+            rows += nvml_rows
+            nvml_rows = []
+        else:
+            rows += nvml_rows
     if not nvml_rows or any(row.status is Status.FAILED for row in nvml_rows):
         rows += run_probe("torch.cuda", lambda: torch_gpu_rows(sysfs))
     return rows
+
+
+def _no_driver(text: str) -> bool:
+    """Whether NVML failed for want of a driver (its library, or the kernel module), not a fault."""
+    lowered = text.lower()
+    return any(words in lowered for words in ("driver not loaded", "library not found", "librarynotfound"))
 
 
 def _import_pynvml() -> ModuleType | str:

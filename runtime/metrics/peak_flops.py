@@ -6,7 +6,8 @@ dense matmul does), in TFLOPS per GPU; for GeForce cards, fp16/bf16 with fp32 ac
 fp32 compute counts at the TF32 rate when PyTorch lets matmuls use TF32
 (``torch.backends.cuda.matmul.allow_tf32``), else at the plain fp32 rate.
 
-``PROTRAIN_PEAK_TFLOPS`` (a number of TFLOPS per device) overrides the table: for a GPU it does not
+A card whose SM clock NVML reports below the figure's boost clock (``BOOST_MHZ``) is held to its
+share. ``PROTRAIN_PEAK_TFLOPS`` (a number of TFLOPS per device) overrides the table: for a GPU it does not
 know, a clock-limited card, or to report MFU on CPU, where there is none otherwise.
 """
 
@@ -20,6 +21,7 @@ import torch
 
 from runtime.config.spec import Precision
 from runtime.device import DeviceInfo
+from runtime.nvml import max_sm_clock_mhz
 
 PEAK_TFLOPS_ENV = "PROTRAIN_PEAK_TFLOPS"
 
@@ -42,6 +44,25 @@ PEAK_TFLOPS: tuple[tuple[str, str, dict[str, float]], ...] = (
     ("RTX 3090", r"RTX 3090(?!\s*Ti)", {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6}),
     ("V100", r"V100", {"fp16": 125.0, "fp32": 15.7}),
 )
+
+
+BOOST_MHZ: dict[str, int] = {
+    "H100 NVL": 1785,
+    "H100 PCIe": 1755,
+    "H100 SXM": 1980,
+    "H200 NVL": 1785,
+    "H200": 1980,
+    "B200": 1965,
+    "A100": 1410,
+    "A10": 1695,
+    "L40S": 2520,
+    "L4": 2040,
+    "RTX 4090": 2520,
+    "RTX 3090": 1695,
+    "V100": 1530,
+}
+"""The boost SM clock each table figure is quoted at: a card whose clock NVML says is lower (an
+application clock set, a capped card) is held to its share of the figure."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,4 +106,9 @@ def peak_flops(device: DeviceInfo, precision: Precision) -> PeakFlops:
     found = table_tflops(gpu, dtype)
     if found is None:
         return PeakFlops(None, f"no peak FLOPS known for {gpu} at {dtype}: set {PEAK_TFLOPS_ENV} for MFU")
-    return PeakFlops(found[1], f"{found[0]} {dtype} peak {found[1]:g} TFLOPS")
+    name, tflops = found
+    boost, clock = BOOST_MHZ.get(name), max_sm_clock_mhz(device.device)
+    if boost is not None and clock is not None and clock < boost:
+        held = tflops * clock / boost
+        return PeakFlops(held, f"{name} {dtype} peak {tflops:g} TFLOPS at {boost} MHz, {held:.1f} at its {clock} MHz")
+    return PeakFlops(tflops, f"{name} {dtype} peak {tflops:g} TFLOPS")

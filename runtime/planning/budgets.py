@@ -8,6 +8,7 @@ from torch import nn
 
 from runtime.config.settings import PlanningSettings
 from runtime.device import DeviceInfo
+from runtime.nvml import other_processes
 from runtime.host_capacity import free_host_bytes
 
 DEVICE_RESERVE_FRACTION = 0.05
@@ -17,12 +18,30 @@ HOST_RESERVE_BYTES = 2 << 30
 
 
 def auto_device_budget(device: DeviceInfo, ranks_on_host: int) -> int:
-    """CUDA: device total minus a reserve. CPU: this rank's share of available RAM, so plans
-    stay resident unless the spec sets a smaller budget."""
+    """CUDA: what the device has free for this process, less a reserve. CPU: this rank's share
+    of available RAM, so plans stay resident unless the spec sets a smaller budget."""
     if device.is_cuda:
-        total = torch.cuda.get_device_properties(device.device).total_memory
-        return int(total * (1 - DEVICE_RESERVE_FRACTION))
+        return _cuda_free_for_us(device)
     return max(0, psutil.virtual_memory().available - HOST_RESERVE_BYTES) // max(1, ranks_on_host)
+
+
+def _cuda_free_for_us(device: DeviceInfo) -> int:
+    """What the device has free for this process now (``mem_get_info``'s free figure, plus the
+    blocks this process's allocator holds: its own), less the reserve. Other processes' memory is
+    not ours: when they hold some, the budget says so, naming them (NVML)."""
+    free, total = torch.cuda.mem_get_info(device.device)
+    ours = torch.cuda.memory_reserved(device.device)
+    reserve = int(total * DEVICE_RESERVE_FRACTION)
+    budget = max(0, int(free) + int(ours) - reserve)
+    others = other_processes(device.device)
+    if others:
+        held = ", ".join(f"pid {p.pid} {p.name} ({p.used_bytes / 2**30:.1f} GiB)" for p in others[:5])
+        print(
+            f"protrain: memory.device_budget auto: {budget / 2**30:.1f} GiB of {device.device}'s "
+            f"{total / 2**30:.1f} GiB; other processes hold memory there: {held}",
+            flush=True,
+        )
+    return budget
 
 
 def auto_host_budget(ranks_on_host: int) -> int:

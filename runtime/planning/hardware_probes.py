@@ -40,6 +40,7 @@ from runtime.distributed import (
     all_reduce_sum_,
     reduce_scatter_flat_,
 )
+from runtime.nvml import describe_link, pcie_link
 from runtime.planning.host_rates import measure_host_rates
 from runtime.planning.profile_cache import ProfileOrigin, read_agreed, write_cached
 
@@ -123,6 +124,7 @@ def measure_hardware(
         host_add_bytes_per_s=host.add_bytes_per_s,
         host_shared_factor=host.shared_factor,
         copies_overlap_compute=device.is_cuda,
+        link=describe_link(pcie_link(device.device)) if device.is_cuda else "",
     )
 
 
