@@ -94,7 +94,7 @@ def groups_table(model: nn.Module, params: Sequence[ParamInfo], optimizer: Optim
         members = [p.numel for p, g in zip(trainable, hyper.group_of_param, strict=True) if g == group.index]
         table.add_row(
             str(group.index),
-            ", ".join(group.match) or "(the rest: top level)",
+            _patterns(group.match),
             f"{group.lr:g}",
             f"{group.weight_decay:g}",
             f"{group.betas[0]:g}, {group.betas[1]:g}",
@@ -104,6 +104,16 @@ def groups_table(model: nn.Module, params: Sequence[ParamInfo], optimizer: Optim
     table.caption = "lr: the peak, scaled by the scheduler; biases and norms (no_decay) take no weight decay"
     table.caption_justify = "left"
     return table
+
+
+def _patterns(match: Sequence[str]) -> str:
+    """A group's patterns, or for a long list of exact names (the Trainer's no-decay group: every
+    bias and norm by name) their count and the first two."""
+    if not match:
+        return "(the rest: top level)"
+    if len(match) <= 4:
+        return ", ".join(match)
+    return f"{len(match)} names: {match[0]}, {match[1]}, ..."
 
 
 def frozen_note(params: Sequence[ParamInfo], compute_element_size: int) -> str | None:
@@ -160,15 +170,27 @@ class ProgressReporter:
         self._progress: Progress | None = None
         self._task: Any = None
         self._line_every = max(1, (total_steps or 100) // 20)
+        self._plan_deferred = False
 
-    def show_plan(self, plan: Plan, extras: Sequence[Table | str | None] = ()) -> None:
+    def show_plan(self, plan: Plan, extras: Sequence[Table | str | None] = (), *, deferred: bool = False) -> None:
         """The plan's table, then what else describes the run (the optimizer groups' table, the
-        frozen parameters' line; None entries are skipped)."""
+        frozen parameters' line; None entries are skipped). ``deferred``: the plan is settled on
+        the first batch, whose table follows then: one line now, so an engine shows one table."""
+        self._plan_deferred = deferred
         if self.enabled:
-            self.console.print(plan_table(plan))
+            if deferred:
+                self.console.print(f"{self._prefix}ProTrain plan: settled on the first batch (until then, {plan.rule})")
+            else:
+                self.console.print(plan_table(plan))
             for extra in extras:
                 if extra is not None:
                     self.console.print(extra)
+
+    def show_deferred_plan(self, plan: Plan) -> None:
+        """The table of a plan whose settling on the first batch came to nothing new (no loss
+        to profile): it stays, and is shown now."""
+        if self._plan_deferred:
+            self.show_plan(plan)
 
     def print(self, text: str) -> None:
         if self.enabled:

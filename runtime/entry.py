@@ -299,7 +299,8 @@ def _build_engine(
         groups_table(model, params, training.optimizer),
         frozen_note(params, compute_element_size(training.precision)),
     )
-    reporter.show_plan(plan, extras)
+    # A plan to be settled on the first batch shows its table then: one table per engine.
+    reporter.show_plan(plan, extras, deferred=planner.wants_batch)
     if metrics is not None:
         metrics.write({"event": "plan", "plan": plan.to_dict()})
     engine = Engine(

@@ -181,6 +181,7 @@ class Engine(EngineFacades):
             if plan is None and self._replanner.planner.failure is not None:
                 self._replanner.did_not_fit(self.plan)  # raises: nothing smaller to profile under
         if plan is None:
+            self._reports.reporter.show_deferred_plan(self.plan)
             return
         if not self._replanner.needs_switch(plan, self.plan):
             self._adopt(plan)  # the same knobs: keep the managers, take the predictions
