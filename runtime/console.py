@@ -161,9 +161,19 @@ class ProgressReporter:
     ``name`` prefixes every line (a second engine of the process says which it is)."""
 
     def __init__(
-        self, *, total_steps: int | None, enabled: bool, stream: TextIO | None = None, name: str | None = None
+        self,
+        *,
+        total_steps: int | None,
+        enabled: bool,
+        stream: TextIO | None = None,
+        name: str | None = None,
+        level: str = "info",
     ) -> None:
-        self.enabled = enabled
+        """``level`` (``logging.level``): quiet prints nothing (errors still raise, metrics.jsonl
+        is still written), info the plan, progress and plan check, debug also every update's
+        line with its waits."""
+        self.enabled = enabled and level != "quiet"
+        self.debug = level == "debug"
         self.console = Console(file=stream or sys.stdout, highlight=False)
         self.total_steps = total_steps
         self._prefix = f"{name}: " if name else ""
@@ -203,12 +213,15 @@ class ProgressReporter:
             f"loss {record.loss:.4f}  lr {record.lr:.2e}  {record.tokens_per_s:,.0f} tok/s  "
             f"{record.step_time_s * 1000:.0f} ms/step" + ("  (skipped)" if record.skipped else "")
         )
-        if self.console.is_terminal and _LIVE_BAR_OWNER in ([], [self]):
+        if self.debug:
+            waits = "  ".join(f"{kind} {seconds * 1000:.1f}" for kind, seconds in (record.waits or {}).items())
+            summary += f"  waits (ms): {waits}" if waits else ""
+        if self.console.is_terminal and not self.debug and _LIVE_BAR_OWNER in ([], [self]):
             self._live_update(record.step, summary)
-        elif record.step == 1 or record.step % self._line_every == 0 or record.step == self.total_steps:
+        elif self.debug or record.step == 1 or record.step % self._line_every == 0 or record.step == self.total_steps:
             # total_steps is the schedule's length; a script may run past it.
             total = f"/{self.total_steps}" if self.total_steps and record.step <= self.total_steps else ""
-            self.console.print(f"{self._prefix}step {record.step}{total}  {summary}")
+            self.console.print(f"{self._prefix}step {record.step}{total}  {summary}", soft_wrap=True)
 
     def _live_update(self, step: int, summary: str) -> None:
         if self._progress is None:

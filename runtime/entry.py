@@ -294,6 +294,7 @@ def _build_engine(
         total_steps=spec.scheduler.total_steps,
         enabled=dist_ctx.is_main,
         name=None if reseed else f"engine {claim.label}",
+        level=training.logging.level,
     )
     extras = (
         groups_table(model, params, training.optimizer),

@@ -62,6 +62,8 @@ class TraceSettings:
 class LoggingSettings:
     """``logging``: where rank 0 sends each update's metrics besides metrics.jsonl."""
 
+    level: str = "info"
+    """quiet, info or debug: what rank 0 prints (runtime.console.ProgressReporter)."""
     every_steps: int = 1
     """The trackers get update 1 and every this many updates (metrics.jsonl gets every one)."""
     tensorboard: bool = False
@@ -142,6 +144,7 @@ def settings_from_spec(spec: Spec) -> TrainingSettings:
 def logging_settings(section: LoggingSpec) -> LoggingSettings:
     wandb, trace = section.wandb, section.trace
     return LoggingSettings(
+        level=section.level.value,
         every_steps=section.every_steps,
         tensorboard=section.tensorboard,
         wandb_project=None if wandb is None else wandb.project,

@@ -55,6 +55,12 @@ class Precision(str, Enum):
     FP16 = "fp16"
 
 
+class LogLevel(str, Enum):
+    QUIET = "quiet"
+    INFO = "info"
+    DEBUG = "debug"
+
+
 class NonFiniteLossPolicy(str, Enum):
     RAISE = "raise"
     SKIP = "skip"
@@ -71,6 +77,7 @@ class SchedulerType(str, Enum):
 
 PrecisionField = Annotated[(Union[Precision, Literal["auto"]], *enum_leaf(Precision, trainer_auto=True))]
 NonFiniteField = Annotated[(NonFiniteLossPolicy, *enum_leaf(NonFiniteLossPolicy))]
+LogLevelField = Annotated[(LogLevel, *enum_leaf(LogLevel))]
 OptimizerTypeField = Annotated[(OptimizerType, *enum_leaf(OptimizerType))]
 SchedulerTypeField = Annotated[(SchedulerType, *enum_leaf(SchedulerType))]
 
@@ -304,6 +311,9 @@ class TraceSpec(SpecModel):
 class LoggingSpec(SpecModel):
     """Where the training metrics go besides metrics.jsonl and the console (rank 0 only)."""
 
+    level: LogLevelField = LogLevel.INFO
+    """What rank 0 prints: quiet (warnings only), info (the plan table, a progress line every
+    few updates, the plan check), debug (also a line every update, with its waits)."""
     every_steps: PositiveInt = 1
     """Write the metrics to the trackers every this many optimizer updates."""
     tensorboard: Bool = False

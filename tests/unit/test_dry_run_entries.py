@@ -20,6 +20,7 @@ import runtime
 from runtime.config.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, load_spec, write_resolved
 from runtime.models.gpt import GPT, GPTConfig
 from tests.hf_trainer_runs import CausalWindows, tiny_model
+from tests.helpers import lm_batches
 
 SMALL = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=2, d_model=64)
 SPEC = """\
@@ -50,14 +51,15 @@ def files(folder: Path) -> list[str]:
 
 
 def table_rows(text: str) -> list[str]:
-    """The plan table's rows; of the ones measured from the process (auto budgets, the memory
-    outside the plan), which move between two processes, the knob and origin only."""
+    """The plan table's rows: knob and origin, and the value of what the spec or the launch set
+    (the rest comes from measurements, of the machine's free memory or of the profiling step's
+    times, which move between two runs)."""
     rows = []
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("│").split("│")]
         if len(cells) == 3 and cells[0] and cells[0] != "knob":
-            measured = cells[0].endswith("budget") or cells[0].startswith("of which")
-            rows.append(f"{cells[0]} {cells[2]}" if measured else " ".join(cells))
+            given = cells[2] in ("spec", "launch")
+            rows.append(" ".join(cells) if given else f"{cells[0]} {cells[2]}")
     return rows
 
 
@@ -81,7 +83,7 @@ def test_a_spec_the_script_passes_to_initialize_is_a_dry_run(
         "dict": yaml.safe_load(SPEC),
         "Spec": load_spec(launched / "job.yaml"),
     }[how]
-    out = dry_run_output(capsys, lambda: runtime.initialize(GPT(SMALL), config=config))
+    out = dry_run_output(capsys, lambda: runtime.initialize(GPT(SMALL), config=config, example_batch=batch()))
     assert files(launched) == before, "a dry run writes nothing"
     # The table a real run prints, row for row.
     real_rows = table_rows(real_run_table(launched, capsys))
@@ -92,10 +94,16 @@ def real_run_table(folder: Path, capsys: pytest.CaptureFixture[str]) -> str:
     import os
 
     os.environ.pop(RESOLVED_SPEC_ENV)
-    with runtime.initialize(GPT(SMALL), config="job.yaml"):
+    with runtime.initialize(GPT(SMALL), config="job.yaml", example_batch=batch()):
         pass
-    text = capsys.readouterr().out
-    return text[text.index("ProTrain plan") :]
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "ProTrain plan")
+    return "\n".join(lines[start:])
+
+
+def batch() -> Any:
+    """The example batch both runs plan on (a real run settles its plan on it at initialize)."""
+    return lm_batches(micro_batch_size=2, accumulation=1, world_size=1).batch(0, 0, 0)
 
 
 def trainer_args(folder: Path) -> Any:

@@ -49,3 +49,36 @@ def test_a_group_of_many_exact_names_shows_their_count(tmp_path: Path, capsys: p
     out = capsys.readouterr().out
     assert f"{len(names)} names:" in out  # the cell folds the two names shown across its lines
     assert names[-1] not in out, "every name listed"
+
+
+@pytest.mark.parametrize("level", ["quiet", "info", "debug"])
+def test_logging_level_says_how_much_rank_0_prints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], level: str
+) -> None:
+    """quiet: nothing (metrics.jsonl is written all the same); info: the plan and a progress line
+    every few updates; debug: a line every update, with the waits behind it."""
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    config = {
+        "seed": 1,
+        "micro_batch_size": 2,
+        "optimizer": {"lr": 1e-3},
+        "scheduler": {"type": "constant", "total_steps": 100},
+        "logging": {"level": level},
+        "output_dir": str(tmp_path),
+    }
+    with runtime.initialize(tiny_gpt(), config=config) as engine:
+        for update in range(3):
+            out = engine(**data.batch(update, 0, 0))
+            engine.backward(out.loss)
+            engine.step()
+    printed = capsys.readouterr().out
+    steps = [line for line in printed.splitlines() if line.startswith("step ")]
+    (metrics,) = tmp_path.glob("*/metrics.jsonl")
+    assert len([line for line in metrics.read_text().splitlines() if '"step"' in line]) == 3
+    if level == "quiet":
+        assert printed == ""
+    elif level == "info":
+        assert table_titles(printed) == 1 and [s.split()[1] for s in steps] == ["1/100"]  # then every 5th
+    else:
+        assert [s.split()[1] for s in steps] == ["1/100", "2/100", "3/100"]
+        assert all("waits (ms): transfer_s" in s for s in steps)
