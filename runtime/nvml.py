@@ -99,7 +99,8 @@ def pcie_link(device: torch.device) -> tuple[int, int] | None:
             return None
         pynvml, handle = found
         try:
-            return int(pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle)), int(pynvml.nvmlDeviceGetMaxPcieLinkWidth(handle))
+            generation = int(pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle))
+            return generation, int(pynvml.nvmlDeviceGetMaxPcieLinkWidth(handle))
         except Exception:  # noqa: BLE001 - no PCIe (SXM over NVLink-C2C), or an old driver
             return None
 

@@ -44,7 +44,8 @@ def test_a_group_of_many_exact_names_shows_their_count(tmp_path: Path, capsys: p
         "memory": {"chunk_size": "64KiB", "n_persist": "auto"},
         "output_dir": str(tmp_path),
     }
-    with runtime.initialize(model, config=config, example_batch=lm_batches(micro_batch_size=2, accumulation=1, world_size=1).batch(0, 0, 0)):
+    batch = lm_batches(micro_batch_size=2, accumulation=1, world_size=1).batch(0, 0, 0)
+    with runtime.initialize(model, config=config, example_batch=batch):
         pass
     out = capsys.readouterr().out
     assert f"{len(names)} names:" in out  # the cell folds the two names shown across its lines
