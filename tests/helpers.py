@@ -183,6 +183,7 @@ def train_reference(
     clip: float = 0.0,
     schedule: Callable[[int], float] | None = None,
     fused: bool = True,
+    norms: list[float] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Plain PyTorch in one process, torch.optim.AdamW, ordinary gradient accumulation
     (``(loss / accumulation).backward()`` per micro-batch). With several ranks' data, each rank's
@@ -190,7 +191,8 @@ def train_reference(
     which data-parallel training (DDP) sums them; summing every sample in one pass instead would
     differ by rounding that Adam amplifies beyond the tolerance on near-zero gradients.
     ``fused``: torch's fused AdamW kernel, the one the engine runs (bit-exact comparisons);
-    False: the default for-loop implementation (comparisons within the tolerance)."""
+    False: the default for-loop implementation (comparisons within the tolerance). ``norms``:
+    each update's total gradient norm is appended (before clipping, as clip_grad_norm_ returns it)."""
     optimizer = torch.optim.AdamW(
         reference_param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused
     )
@@ -215,6 +217,8 @@ def train_reference(
                 for grad in grads[1:]:
                     total += grad
                 param.grad = total / data.world_size if data.world_size > 1 else total
+        if norms is not None:
+            norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])))
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()

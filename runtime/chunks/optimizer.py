@@ -265,6 +265,8 @@ class ChunkOptimizer:
             armed.agreed.wait()
             if float(armed.any_nonfinite) > 0:
                 return  # the step will be skipped on every rank
+            # The window's gradient norm (logged every update) needs this gradient's square.
+            self._norm_squares[chunk.index] = torch.linalg.vector_norm(grad).double().square()
             with job_label("adam", chunk.index):
                 chunk.optimizer.step_(grad, active, lr=armed.lr)
             if hold:
@@ -341,6 +343,8 @@ class ChunkOptimizer:
             # One fp32 pass per shard (as clip_grad_norm_ takes per-tensor norms); the sum of
             # squares across shards and ranks in float64.
             square = self._norm_squares.get(chunk.index)
+            if square is None and not chunk.keeps_gradient:
+                continue  # applied on arrival, and no gradient arrived here this window
             if square is None:
                 square = torch.linalg.vector_norm(chunk.grad_shard).double().cpu().square()
             squares += square

@@ -86,6 +86,10 @@ def update_shards(
         )
     grad_norm: float | None = None
     factors: tuple[float, ...] = ()
+    if not skipped and settings.gradient_clipping == 0 and loss_scaler is None:
+        # Logged every update, as torchtitan and the Trainer log it: the shards' squares (or,
+        # applied as they arrived, the squares the host worker took of each gradient).
+        grad_norm = chunks.grad_norm()
     if not skipped and (settings.gradient_clipping > 0 or loss_scaler is not None):
         if chunks.two_phase_updates and (loss_scaler is None or _power_of_two(loss_scaler.scale)):
             grad_norm, factors = _norm_and_factors(chunks, loss_scaler, settings.gradient_clipping)

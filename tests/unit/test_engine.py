@@ -251,3 +251,31 @@ def test_the_engine_waits_for_the_device_only_at_the_updates_whose_time_it_reads
         waits.clear()
         train(range(6, 14))  # updates 7 to 14
     assert len(waits) == 2  # updates 8 and 12
+
+
+@pytest.mark.parametrize(
+    ("memory", "accumulation"),
+    [({"n_persist": "auto"}, 1), ({"chunk_size": "64KiB", "n_persist": 0, "n_buffer": 2}, 1),
+     ({"chunk_size": "64KiB", "n_persist": 0, "n_buffer": 2}, 2)],
+    ids=["persistent", "offloaded-applied-on-arrival", "offloaded-kept"],
+)
+def test_the_gradient_norm_is_there_every_update_without_clipping(
+    tmp_path: Path, memory: dict[str, Any], accumulation: int
+) -> None:
+    """torchtitan and the Trainer log the gradient norm every update; the engine took it only to
+    clip or unscale. Now every update has it, equal to plain PyTorch's total norm: from the
+    shards, or where offloaded gradients are applied as they arrive, from the squares the host
+    worker takes of each."""
+    data = lm_batches(micro_batch_size=2, accumulation=accumulation, world_size=1)
+    expected: list[float] = []
+    train_reference(tiny_gpt(), data, steps=3, lr=1e-3, weight_decay=0.1, norms=expected)
+    config = job(tmp_path, gradient_accumulation_steps=accumulation, memory=memory)
+    norms = []
+    with runtime.initialize(tiny_gpt(), config=config) as engine:
+        for update in range(3):
+            for micro in range(accumulation):
+                out = engine(**data.batch(update, micro, 0))
+                engine.backward(out.loss)
+                engine.step()
+            norms.append(engine.get_global_grad_norm())
+    assert norms == pytest.approx(expected, rel=1e-5)

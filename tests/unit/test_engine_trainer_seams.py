@@ -59,6 +59,9 @@ def train_windows_by_hand(dtype: torch.dtype, clip: float) -> tuple[dict[str, to
             (model(**data.batch(update, micro, 0)).loss / length).backward()
         if clip > 0:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        else:
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            norms.append(float(torch.nn.utils.get_total_norm(grads)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
@@ -85,8 +88,8 @@ def test_short_windows_of_caller_normalised_losses_train_like_torch(tmp_path: Pa
         state = engine.state_dict()
     (fp32, torch_norms), (fp64, _) = (train_windows_by_hand(t, clip) for t in (torch.float32, torch.float64))
     assert_matches_reference(state, fp32, fp64)
-    # The norm of each update, before clipping; not taken (None) when nothing needs it.
-    assert norms == (pytest.approx(torch_norms, rel=1e-5) if clip > 0 else [None] * len(WINDOWS))
+    # The norm of each update, before clipping (taken without clipping too: it is logged).
+    assert norms == pytest.approx(torch_norms, rel=1e-5)
     # The window's reported loss is its normalised losses' sum: the mean of its micro-batches'.
     reported = [record["loss"] for record in metrics_records(tmp_path)]
     assert reported == pytest.approx(window_losses, rel=1e-6)
