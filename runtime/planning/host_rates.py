@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -26,6 +27,7 @@ HOST_PROBE_NUMEL = 4 << 20
 """Elements per probe (16 MiB in fp32): beyond the caches, as chunk shards are."""
 ADAM_BESIDE_NUMEL = 2 << 20
 HALF = torch.bfloat16
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,15 +45,31 @@ class HostRates:
 def measure_host_rates(threads: int, *, numel: int = HOST_PROBE_NUMEL) -> HostRates:
     """The rates on a thread of ``threads`` intra-op threads (as the host worker runs), alone,
     then with a CPU Adam stepping on the machine's other cores."""
-    result: list[HostRates] = []
-    thread = threading.Thread(target=lambda: result.append(_measure(threads, numel)), name="protrain-probe")
+    return on_thread(threads, lambda: _measure(threads, numel))
+
+
+def on_thread(threads: int, work: Callable[[], T]) -> T:
+    """``work()`` on a fresh thread with ``threads`` intra-op threads (torch keeps the number per
+    thread: the caller's stays); its error is raised here."""
+    result: list[T] = []
+    errors: list[BaseException] = []
+
+    def body() -> None:
+        torch.set_num_threads(threads)
+        try:
+            result.append(work())
+        except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
+            errors.append(error)
+
+    thread = threading.Thread(target=body, name="protrain-probe")
     thread.start()
     thread.join()
+    if errors:
+        raise errors[0]
     return result[0]
 
 
 def _measure(threads: int, numel: int) -> HostRates:
-    torch.set_num_threads(threads)
     with device_wall.host_allocations():
         source = torch.ones(numel, dtype=torch.float32)
         target = torch.empty_like(source)
@@ -62,9 +80,9 @@ def _measure(threads: int, numel: int) -> HostRates:
         (lambda: half.copy_(source), 6 * numel),
         (lambda: add_widened(target, half, scratch), 10 * numel),
     ]
-    alone = [nbytes / _best_time(work) for work, nbytes in probes]
+    alone = [nbytes / best_time(work) for work, nbytes in probes]
     with _AdamBeside(max(1, (os.cpu_count() or 1) - threads)):
-        beside = [nbytes / _best_time(work) for work, nbytes in probes]
+        beside = [nbytes / best_time(work) for work, nbytes in probes]
     shared = min(1.0, *(b / a for a, b in zip(alone, beside, strict=True)))
     return HostRates(*alone, shared_factor=shared)
 
@@ -98,7 +116,8 @@ class _AdamBeside:
         self._thread.join()
 
 
-def _best_time(work: Callable[[], object], repeats: int = 3) -> float:
+def best_time(work: Callable[[], object], repeats: int = 3) -> float:
+    """The shortest of ``repeats`` runs of ``work`` after a warm-up (first-touch page faults)."""
     work()  # first-touch page faults
     best = float("inf")
     for _ in range(repeats):

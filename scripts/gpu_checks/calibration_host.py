@@ -22,14 +22,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 
 from gpu_checks.common import Context
-
-T = TypeVar("T")
-
+from runtime.planning.host_rates import best_time, on_thread
 
 @dataclass(frozen=True, slots=True)
 class HostSizes:
@@ -39,36 +36,6 @@ class HostSizes:
     """The shard CPU Adam steps over while it runs beside them."""
     adam_numels: tuple[int, ...]
     repeats: int
-
-
-def on_thread(threads: int, work: Callable[[], T]) -> T:
-    """``work()`` on a fresh thread with ``threads`` intra-op threads (the caller's stay)."""
-    result: list[T] = []
-    errors: list[BaseException] = []
-
-    def body() -> None:
-        torch.set_num_threads(threads)
-        try:
-            result.append(work())
-        except BaseException as error:  # handed to the caller's thread
-            errors.append(error)
-
-    thread = threading.Thread(target=body, name="calibration-host")
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]
-    return result[0]
-
-
-def best_seconds(work: Callable[[], object], repeats: int) -> float:
-    work()  # warm-up: page faults, kernel selection
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        work()
-        best = min(best, time.perf_counter() - started)
-    return max(best, 1e-9)
 
 
 class BackgroundAdam:
@@ -133,10 +100,10 @@ def host_rates(ctx: Context, sizes: HostSizes, worker_threads: int) -> None:
     half = max(1, worker_threads // 2)
     others = max(1, worker_threads - half)
     for name, op in ops.items():
-        alone = on_thread(worker_threads, lambda op=op: best_seconds(op, sizes.repeats))
-        alone_half = on_thread(half, lambda op=op: best_seconds(op, sizes.repeats))
+        alone = on_thread(worker_threads, lambda op=op: best_time(op, sizes.repeats))
+        alone_half = on_thread(half, lambda op=op: best_time(op, sizes.repeats))
         with BackgroundAdam(sizes.adam_beside_numel, others) as adam:
-            beside = on_thread(half, lambda op=op: best_seconds(op, sizes.repeats))
+            beside = on_thread(half, lambda op=op: best_time(op, sizes.repeats))
         ctx.check(
             f"host {name}",
             None,
@@ -166,7 +133,7 @@ def adam_rates(ctx: Context, sizes: HostSizes, worker_threads: int) -> None:
             master = torch.zeros(numel)
             grad = torch.full_like(master, 1e-3)
             adam = ShardAdamW(master, [(0, numel, 0.1)], lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
-            return best_seconds(lambda: adam.step_(grad, [True]), sizes.repeats)
+            return best_time(lambda: adam.step_(grad, [True]), sizes.repeats)
 
         seconds = on_thread(worker_threads, measure)
         ctx.check(
