@@ -256,7 +256,8 @@ def _report_failures(err: object) -> int:
 def _cause_order(rank: int, failure: Any) -> tuple[int, int, int]:
     """Which failure caused the others. A rank that failed by itself (an error exit, or a crash
     such as SIGABRT or SIGSEGV) comes before one ended by a stop signal (the agent's SIGTERM or
-    SIGKILL, or a Ctrl-C: it was stopped, whatever it was printing then);
+    SIGKILL, or a Ctrl-C, whether the signal killed it or its handler exited with 128 + the
+    signal: it was stopped, whatever it was printing then);
     then the earlier error, by its error file's time in nanoseconds (the recorded timestamp has
     whole seconds, so two ranks failing within a second would tie), then the lower rank."""
     code = getattr(failure, "exitcode", 1)
@@ -269,7 +270,14 @@ def _cause_order(rank: int, failure: Any) -> tuple[int, int, int]:
     return killed, when_ns, rank
 
 
-_STOP_SIGNAL_CODES = (-signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT)
+_STOP_SIGNAL_CODES = (
+    -signal.SIGTERM,
+    -signal.SIGKILL,
+    -signal.SIGINT,
+    # A rank's own handler ends it with 128 + the signal (rank_entry: a SIGTERM it caught quietly).
+    128 + signal.SIGTERM,
+    128 + signal.SIGINT,
+)
 
 
 def _how(failure: object) -> str:

@@ -97,3 +97,18 @@ def test_other_failures_keep_exit_code_1_and_a_script_usage_error_is_bad_input(
     usage = Failure(2, second, _error_file(tmp_path, "r1", second * 10**9), "")
     assert _report_failures(ChildFailed({0: usage})) == EXIT_BAD_INPUT
     assert "rank 0 failed with exit code 2" in capsys.readouterr().err
+
+
+def test_a_rank_that_exited_143_on_the_agents_sigterm_was_stopped_not_the_cause(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The agent's SIGTERM reaches a rank whose handler exits with 128 + SIGTERM (143), with no
+    error file: within the same second it sorted before the rank that failed (whole seconds),
+    and protrain-run named it the cause (seen once in CI: "rank 0 failed with exit code 143")."""
+    second = 1_700_000_000
+    stopped = Failure(143, second, "", "")
+    cause = Failure(1, second, _error_file(tmp_path, "r1", second * 10**9 + 500_000_000), "RuntimeError: boom")
+    _report_failures(ChildFailed({0: stopped, 1: cause}))
+    err = capsys.readouterr().err
+    assert "rank 1 failed with exit code 1: RuntimeError: boom" in err
+    assert "stopped rank(s) 0 after that failure" in err
