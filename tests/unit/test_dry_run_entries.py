@@ -141,36 +141,9 @@ def test_a_trainer_with_its_own_spec_is_a_dry_run_and_makes_no_output_folder(
 
 
 def test_trls_trainer_through_the_mixin_is_a_dry_run(launched: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    trl = pytest.importorskip("trl")
-    from datasets import Dataset
-
-    from runtime.integrations.hf import ProTrainMixin
-
-    class ProTrainSFT(ProTrainMixin, trl.SFTTrainer):
-        pass
-
-    windows = CausalWindows(8)
-    data = Dataset.from_dict({"input_ids": [windows[i]["input_ids"].tolist() for i in range(len(windows))]})
-    config = trl.SFTConfig(
-        output_dir=str(launched / "out"),
-        report_to=[],
-        use_cpu=True,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        per_device_train_batch_size=2,
-        max_steps=2,
-        gradient_checkpointing=False,
-        max_length=32,
-    )
-    from tests.unit.test_hf_trainer_trl import tokenizer
+    pytest.importorskip("trl")
+    from tests.unit.test_hf_trainer_trl import ProTrainSFT, sft
 
     before = files(launched)
-    spec = yaml.safe_load(SPEC)
-    spec.pop("micro_batch_size")
-    dry_run_output(
-        capsys,
-        lambda: ProTrainSFT(
-            model=tiny_model("llama"), args=config, train_dataset=data, processing_class=tokenizer(), protrain=spec
-        ),
-    )
+    dry_run_output(capsys, lambda: sft(ProTrainSFT, launched / "out", gradient_checkpointing=False))
     assert files(launched) == before
