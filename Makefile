@@ -68,7 +68,7 @@ test-chaos: $(STAMP)
 	PROTRAIN_STREAM_CHAOS=lazy $(BIN)/python -m pytest $(CHAOS_LAZY)
 
 spec-reference: $(STAMP)
-	$(BIN)/python -m runtime.config.spec_doc --write
+	$(BIN)/python -m protrain.runtime.config.spec_doc --write
 
 # First GPU contact (issue 26, docs/gpu-first-contact.md); neither target is part of `make test`.
 # gpu-bundle: the wheels the lent GPU machine lacks (pydantic and what it needs, setuptools, wheel)
@@ -86,7 +86,8 @@ gpu-bundle:
 
 # gpu-rehearse: `gpu_check.py --first-contact --rehearse` on the CPU with the GPU machine's packages
 # where this machine can have them, in a venv of its own (.venv-gpu-rehearse, ignored), run as the
-# docs' command runs it: the project not installed, PYTHONPATH=., HF_HUB_OFFLINE=1, no pytest.
+# docs' command runs it: the project installed from the checkout with --no-deps
+# --no-build-isolation and the bundle's setuptools (no network), HF_HUB_OFFLINE=1, no pytest.
 # torch 2.11 has no CPU build reachable from here (PyPI's Linux torch wheels are CUDA builds of
 # several GB with their CUDA libraries; download.pytorch.org is not reachable), so torch is 2.13.0,
 # the CPU build on this machine's disk, which is for CPython 3.11 only: the rehearsal runs on
@@ -95,8 +96,9 @@ gpu-bundle:
 # (pyenv's 3.12.1 where there is one) as the docs' command installs it, and a job spec parsed with it.
 GPU_REHEARSE := .venv-gpu-rehearse
 PYTHON312 ?= $(shell PYENV_VERSION=3.12.1 pyenv which python3.12 2>/dev/null || command -v python3.12)
-SPEC_CHECK := import sys, pydantic, runtime.config.spec as s; \
+SPEC_CHECK := import sys, pydantic, protrain.runtime.config.spec as s; \
 	assert pydantic.__file__.startswith('$(abspath $(GPU_REHEARSE))/site312'), pydantic.__file__; \
+	assert s.__file__.startswith('$(abspath $(GPU_REHEARSE))/site312'), s.__file__; \
 	s.Spec.model_validate({'micro_batch_size': 1, 'precision': 'bf16', 'memory': {'device_budget': '24GiB'}}); \
 	print('the bundle serves Python', sys.version.split()[0], 'pydantic', pydantic.__version__)
 
@@ -116,8 +118,12 @@ gpu-rehearse: gpu-bundle $(GPU_REHEARSE)/.installed
 	rm -rf $(GPU_REHEARSE)/site312 runs/gpu-rehearse
 	$(PYTHON312) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
 		--target $(GPU_REHEARSE)/site312 $(GPU_WHEELS)/*.whl
-	PYTHONPATH=$(GPU_REHEARSE)/site312:. $(PYTHON312) -c "$(SPEC_CHECK)"
-	PYTHONPATH=. HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 $(GPU_REHEARSE)/bin/python scripts/gpu_check.py \
+	PYTHONPATH=$(GPU_REHEARSE)/site312 $(PYTHON312) -m pip install -q --no-index --no-deps \
+		--no-build-isolation --no-compile --no-cache-dir --target $(GPU_REHEARSE)/site312 .
+	cd /tmp && PYTHONPATH=$(abspath $(GPU_REHEARSE))/site312 $(PYTHON312) -c "$(SPEC_CHECK)"
+	$(GPU_REHEARSE)/bin/python -m pip install -q --no-index --no-deps $(GPU_WHEELS)/setuptools-*.whl
+	$(GPU_REHEARSE)/bin/python -m pip install -q --no-index --no-deps --no-build-isolation --no-compile .
+	HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 $(GPU_REHEARSE)/bin/python scripts/gpu_check.py \
 		--first-contact --rehearse --out runs/gpu-rehearse
 	@files=$$(find runs/gpu-rehearse -mindepth 1 | wc -l); echo "gpu-rehearse: $$files files in runs/gpu-rehearse"; \
 		test $$files -le 4

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from profiler.profile import HardwareProfile, ModelProfile
+from protrain.profiler.profile import HardwareProfile, ModelProfile
 
 KEEP, SWAP, CHECKPOINT, SSD = "keep", "swap", "checkpoint", "ssd"
 MODES = (KEEP, SWAP, CHECKPOINT, SSD)

@@ -20,7 +20,7 @@ from fnmatch import fnmatchcase
 from dataclasses import dataclass
 from typing import Any
 
-from profiler.profile import BlockProfile, ModelProfile
+from protrain.profiler.profile import BlockProfile, ModelProfile
 
 KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
     # Published shapes, usable by name where a config.json is expected.

@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from profiler.host_bytes import rank_numel
+from protrain.profiler.host_bytes import rank_numel
 
 MIB = 1 << 20
 PREFERRED_MIN_CHUNK_BYTES = 32 * MIB

@@ -72,10 +72,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from profiler import host_bytes
-from profiler.activation_cost import ActivationCost
-from profiler.chunking import Packing, min_buffers_by_persist, pack, persistent_chunk_bytes
-from profiler.profile import HardwareProfile, ModelProfile
+from protrain.profiler import host_bytes
+from protrain.profiler.activation_cost import ActivationCost
+from protrain.profiler.chunking import Packing, min_buffers_by_persist, pack, persistent_chunk_bytes
+from protrain.profiler.profile import HardwareProfile, ModelProfile
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from profiler.chunking import ChunkTooSmallError, Packing, min_buffers_by_persist, pack
+from protrain.profiler.chunking import ChunkTooSmallError, Packing, min_buffers_by_persist, pack
 
 CHUNK_STEPS = (1.0, 1.25, 1.5, 1.75)
 """The chunk sizes tried for a suggestion: each power of two times these (the search's grid)."""

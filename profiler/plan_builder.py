@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from profiler.activation_cost import activation_options, block_layout
-from profiler.chunking import ChunkTooSmallError, min_buffers, pack, search_chunk_size
-from profiler.plan import BlockMode, Plan, format_bytes
-from profiler.profile import HardwareProfile, ModelProfile
-from profiler.search import SearchResult, search
+from protrain.profiler.activation_cost import activation_options, block_layout
+from protrain.profiler.chunking import ChunkTooSmallError, min_buffers, pack, search_chunk_size
+from protrain.profiler.plan import BlockMode, Plan, format_bytes
+from protrain.profiler.profile import HardwareProfile, ModelProfile
+from protrain.profiler.search import SearchResult, search
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -17,9 +17,9 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from profiler.activation_cost import ActivationCost, ActivationOption, activation_cost
-from profiler.chunking import ChunkTooSmallError, candidate_chunk_bytes
-from profiler.cost_model import (
+from protrain.profiler.activation_cost import ActivationCost, ActivationOption, activation_cost
+from protrain.profiler.chunking import ChunkTooSmallError, candidate_chunk_bytes
+from protrain.profiler.cost_model import (
     ChunkCosts,
     Prediction,
     chunk_costs,
@@ -27,9 +27,9 @@ from profiler.cost_model import (
     predict,
     with_activations,
 )
-from profiler.feasibility import chunk_knob_conflict
-from profiler.profile import HardwareProfile, ModelProfile
-from profiler.search_pruning import buffer_candidates, most_saved_by_persisting
+from protrain.profiler.feasibility import chunk_knob_conflict
+from protrain.profiler.profile import HardwareProfile, ModelProfile
+from protrain.profiler.search_pruning import buffer_candidates, most_saved_by_persisting
 
 SAME_SPEED = 0.02
 """Relative step-time difference below which two plans count as equally fast: the cost model is

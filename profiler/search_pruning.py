@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from profiler.cost_model import ChunkCosts
+from protrain.profiler.cost_model import ChunkCosts
 
 
 def buffer_candidates(low: int, high: int, *, fits_with: Callable[[int], bool]) -> list[int]:

@@ -1,3 +1,3 @@
-from protrain_launcher.entrypoint import run
+from protrain.launcher.entrypoint import run
 
 run()

@@ -28,11 +28,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from protrain_launcher.launch import launch
-from protrain_launcher.preflight import check_master_addr, check_output_dir, key_source
-from protrain_launcher.request import EXIT_BAD_INPUT, EXIT_OK, LaunchRequest
-from runtime.config.spec import Spec
-from runtime.config.spec_io import SpecError, load_spec, parse_override
+from protrain.launcher.launch import launch
+from protrain.launcher.preflight import check_master_addr, check_output_dir, key_source
+from protrain.launcher.request import EXIT_BAD_INPUT, EXIT_OK, LaunchRequest
+from protrain.runtime.config.spec import Spec
+from protrain.runtime.config.spec_io import SpecError, load_spec, parse_override
 
 SPEC_OPTIONS = ("--config", "--set")
 """Taken wherever they appear before ``--`` (not by the parser, which stops at the script)."""
@@ -197,11 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         # No script, no ranks. Imported only here: the planner and its tables cost every other
         # command line ~0.3 s before it is checked, and the report loads torch.
         if command == "--what-if":
-            from protrain_launcher.what_if_cli import main as run_command
+            from protrain.launcher.what_if_cli import main as run_command
         elif command == "--plot":
-            from protrain_launcher.plot_cli import main as run_command
+            from protrain.launcher.plot_cli import main as run_command
         else:
-            from protrain_launcher.report_cli import main as run_command
+            from protrain.launcher.report_cli import main as run_command
         try:
             return run_command(argv)
         except SpecError as err:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 import sys
 
-from protrain_launcher.request import EXIT_INTERRUPTED
+from protrain.launcher.request import EXIT_INTERRUPTED
 
 
 def run() -> None:
     try:
-        from protrain_launcher.cli import main
+        from protrain.launcher.cli import main
 
         code = main()
     except KeyboardInterrupt:

@@ -20,19 +20,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from protrain_launcher.env_names import BAD_INPUT_PREFIX, LAUNCHER_PID_ENV
-from protrain_launcher.request import (
+from protrain.launcher.env_names import BAD_INPUT_PREFIX, LAUNCHER_PID_ENV
+from protrain.launcher.request import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_RANK_FAILED,
     LaunchRequest,
 )
-from protrain_launcher.signal_hold import import_torch
-from runtime.config.spec import AUTO, Spec, auto_fields
-from runtime.config.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, write_resolved
+from protrain.launcher.signal_hold import import_torch
+from protrain.runtime.config.spec import AUTO, Spec, auto_fields
+from protrain.runtime.config.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, write_resolved
 
-RANK_ENTRY = ("-u", "-m", "protrain_launcher.rank_entry")
+RANK_ENTRY = ("-u", "-m", "protrain.launcher.rank_entry")
 RENDEZVOUS_TIMEOUT_S = 900
 # The rendezvous variables a parent torchrun may have left; a child job must not inherit them.
 _INHERITED_RENDEZVOUS_VARS = (

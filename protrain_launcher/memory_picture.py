@@ -17,8 +17,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from protrain_launcher.step_bars import StepBars
-from runtime.tracing.timeline_file import Timeline
+from protrain.launcher.step_bars import StepBars
+from protrain.runtime.tracing.timeline_file import Timeline
 
 SPAN_COLOURS = {"forward": "#dbe9f6", "backward": "#fbe3cf", "optimizer": "#dcefd8"}
 LINE_COLOURS = {"device": "#1f5fa8", "host": "#c45a00", "ssd": "#6a3d9a"}

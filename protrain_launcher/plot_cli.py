@@ -15,10 +15,10 @@ import argparse
 import importlib.util
 from pathlib import Path
 
-from protrain_launcher.request import EXIT_OK
-from protrain_launcher.step_bars import read_metrics, step_bars
-from runtime.config.spec_io import SpecError
-from runtime.tracing.timeline_file import read_timeline, timeline_path
+from protrain.launcher.request import EXIT_OK
+from protrain.launcher.step_bars import read_metrics, step_bars
+from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.tracing.timeline_file import read_timeline, timeline_path
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
     out = Path(args.out).expanduser() if args.out else run_dir / f"memory-rank{args.rank}.png"
     if importlib.util.find_spec("matplotlib") is None:
         raise SpecError("protrain-run --plot needs matplotlib: pip install 'protrain[plot]' (or matplotlib)")
-    from protrain_launcher.memory_picture import draw  # imports matplotlib
+    from protrain.launcher.memory_picture import draw  # imports matplotlib
 
     draw(timeline, step_bars(timeline, read_metrics(run_dir / "metrics.jsonl")), out)
     print(f"memory picture of update {timeline.update} (rank {timeline.rank}): {out}")

@@ -10,8 +10,8 @@ import socket
 import tempfile
 from pathlib import Path
 
-from runtime.config.spec import LauncherSpec
-from runtime.config.spec_io import SpecError
+from protrain.runtime.config.spec import LauncherSpec
+from protrain.runtime.config.spec_io import SpecError
 
 EXAMPLE_OUTPUT_DIR = "runs"
 

@@ -1,4 +1,4 @@
-"""What each rank runs: ``python -m protrain_launcher.rank_entry train.py [args]``.
+"""What each rank runs: ``python -m protrain.launcher.rank_entry train.py [args]``.
 
 It ties the rank's life to the launcher (a rank dies when the launcher dies, even by SIGKILL),
 turns SIGINT/SIGTERM into a quiet exit (130/143, no traceback; ``finally`` blocks still run;
@@ -22,10 +22,10 @@ import sys
 import time
 from types import FrameType
 
-from protrain_launcher.env_names import BAD_INPUT_PREFIX, ERROR_FILE_ENV, LAUNCHER_PID_ENV
+from protrain.launcher.env_names import BAD_INPUT_PREFIX, ERROR_FILE_ENV, LAUNCHER_PID_ENV
 # standard library only: nothing heavy yet
-from protrain_launcher.request import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_RANK_FAILED
-from protrain_launcher.signal_hold import import_torch
+from protrain.launcher.request import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_RANK_FAILED
+from protrain.launcher.signal_hold import import_torch
 
 _PR_SET_PDEATHSIG = 1
 
@@ -61,7 +61,7 @@ def run_script(script: str, args: list[str]) -> int:
     import_torch()
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from runtime.config.spec_io import SpecError
+    from protrain.runtime.config.spec_io import SpecError
 
     def run() -> int:
         sys.argv = [script, *args]
@@ -80,7 +80,7 @@ def run_script(script: str, args: list[str]) -> int:
         except Exception as err:
             # Asked of the engines' signal hub only where the script made one (the launcher's
             # side imports nothing of the runtime beyond the spec).
-            stop = sys.modules.get("runtime.training.stop")
+            stop = sys.modules.get("protrain.runtime.training.stop")
             signum = None if stop is None else stop.stop_signal_received()
             if signum is None:
                 raise
@@ -112,7 +112,7 @@ def main() -> None:
         die_with_parent()
         signal.signal(signal.SIGTERM, _on_sigterm)
         if len(sys.argv) < 2:
-            print("usage: python -m protrain_launcher.rank_entry SCRIPT [ARGS...]", file=sys.stderr)
+            print("usage: python -m protrain.launcher.rank_entry SCRIPT [ARGS...]", file=sys.stderr)
             code = EXIT_BAD_INPUT
         else:
             code = run_script(sys.argv[1], sys.argv[2:])

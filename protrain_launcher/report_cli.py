@@ -20,9 +20,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from protrain_launcher.request import EXIT_OK
-from runtime.config.spec_io import SpecError, load_spec, parse_override
-from runtime.env_report import ReportOptions, Section, Status, collect_report, parse_probe_size, report_json
+from protrain.launcher.request import EXIT_OK
+from protrain.runtime.config.spec_io import SpecError, load_spec, parse_override
+from protrain.runtime.env_report import ReportOptions, Section, Status, collect_report, parse_probe_size, report_json
 
 STATUS_STYLE = {Status.OK: "", Status.NOTE: "yellow", Status.FAILED: "red"}
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from runtime.config.spec_io import Override
+    from protrain.runtime.config.spec_io import Override
 
 EXIT_OK = 0
 EXIT_RANK_FAILED = 1

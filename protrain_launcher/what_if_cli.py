@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 from typing import TypeVar
 
-from protrain_launcher.request import EXIT_OK
-from runtime.config.spec_io import SpecError
-from runtime.planning.what_if import MODEL_NAMES, run_what_if
-from runtime.planning.what_if_request import SPEC_DEFAULT, WhatIfRequest, job_settings
+from protrain.launcher.request import EXIT_OK
+from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.planning.what_if import MODEL_NAMES, run_what_if
+from protrain.runtime.planning.what_if_request import SPEC_DEFAULT, WhatIfRequest, job_settings
 
 T = TypeVar("T")
 

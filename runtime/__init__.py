@@ -1,6 +1,6 @@
 """ProTrain's runtime: the job spec, ``initialize`` and the ``Engine``.
 
-``import runtime.config.spec`` must stay free of torch (the launcher validates input without it), so the
+``import protrain.runtime.config.spec`` must stay free of torch (the launcher validates input without it), so the
 training API is loaded on first use.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from runtime.entry import current_spec, initialize
-    from runtime.training.engine import Engine
+    from protrain.runtime.entry import current_spec, initialize
+    from protrain.runtime.training.engine import Engine
 
 __all__ = ["Engine", "current_spec", "initialize"]
 
@@ -19,9 +19,9 @@ def __getattr__(name: str) -> Any:
     if name in ("initialize", "current_spec"):
         import importlib
 
-        return getattr(importlib.import_module("runtime.entry"), name)
+        return getattr(importlib.import_module("protrain.runtime.entry"), name)
     if name == "Engine":
-        from runtime.training.engine import Engine
+        from protrain.runtime.training.engine import Engine
 
         return Engine
-    raise AttributeError(f"module 'runtime' has no attribute {name!r}")
+    raise AttributeError(f"module 'protrain.runtime' has no attribute {name!r}")

@@ -16,13 +16,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from profiler.plan import Plan
-from runtime.config.settings import OptimizerSettings
+from protrain.profiler.plan import Plan
+from protrain.runtime.config.settings import OptimizerSettings
 
 if TYPE_CHECKING:  # the launcher imports this module (plan_table) and must not import torch
     from torch import nn
 
-    from runtime.chunks.layout import ParamInfo
+    from protrain.runtime.chunks.layout import ParamInfo
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,7 +82,7 @@ def groups_table(model: nn.Module, params: Sequence[ParamInfo], optimizer: Optim
     nothing shows 0); None otherwise."""
     if not optimizer.groups:
         return None
-    from runtime.param_groups import resolve_param_hyper  # imports torch (see the imports above)
+    from protrain.runtime.param_groups import resolve_param_hyper  # imports torch (see the imports above)
 
     trainable = [p for p in params if p.trainable]
     hyper = resolve_param_hyper(model, [(p.name, *p.aliases) for p in trainable], optimizer)

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from runtime import device_wall, stream_chaos
-from runtime.sanitizer_threads import active_sanitizer_mode, sanitized_here
+from protrain.runtime import device_wall, stream_chaos
+from protrain.runtime.sanitizer_threads import active_sanitizer_mode, sanitized_here
 
 
 @dataclass(frozen=True, slots=True)

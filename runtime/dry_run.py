@@ -17,16 +17,16 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from runtime.batches import to_device
-from runtime.chunks.layout import model_params
-from runtime.config.settings import PlanningSettings
-from runtime.config.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, SpecError, read_resolved
-from runtime.console import plan_table
-from runtime.device import select_device
-from runtime.planning.budgets import host_parameter_bytes, process_rss_bytes, resolve_budgets
-from runtime.planning.model_facts import check_supported, execution_order
-from runtime.planning.planner import Profilers, build_planner
-from runtime.weights import held_on
+from protrain.runtime.batches import to_device
+from protrain.runtime.chunks.layout import model_params
+from protrain.runtime.config.settings import PlanningSettings
+from protrain.runtime.config.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, SpecError, read_resolved
+from protrain.runtime.console import plan_table
+from protrain.runtime.device import select_device
+from protrain.runtime.planning.budgets import host_parameter_bytes, process_rss_bytes, resolve_budgets
+from protrain.runtime.planning.model_facts import check_supported, execution_order
+from protrain.runtime.planning.planner import Profilers, build_planner
+from protrain.runtime.weights import held_on
 
 
 def launched_dry_run() -> ResolvedSpec | None:

@@ -18,15 +18,15 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from profiler.plan import BlockMode, Plan
-from runtime import device_wall
-from runtime.batches import to_device
-from runtime.blocks import refuse_foreign_activation_handling
-from runtime.checkpoint.checkpointer import Checkpointer, CheckpointSettings
-from runtime.chunks.layout import model_params
-from runtime.config.settings import planning_settings_from_spec, settings_from_spec
-from runtime.config.spec import AUTO, Spec
-from runtime.config.spec_io import (
+from protrain.profiler.plan import BlockMode, Plan
+from protrain.runtime import device_wall
+from protrain.runtime.batches import to_device
+from protrain.runtime.blocks import refuse_foreign_activation_handling
+from protrain.runtime.checkpoint.checkpointer import Checkpointer, CheckpointSettings
+from protrain.runtime.chunks.layout import model_params
+from protrain.runtime.config.settings import planning_settings_from_spec, settings_from_spec
+from protrain.runtime.config.spec import AUTO, Spec
+from protrain.runtime.config.spec_io import (
     RESOLVED_SPEC_ENV,
     ResolvedSpec,
     SpecError,
@@ -35,9 +35,9 @@ from runtime.config.spec_io import (
     refuse_trainer_autos,
     validate_spec,
 )
-from runtime.console import MetricsFile, ProgressReporter, frozen_note, groups_table
-from runtime.device import DeviceInfo, select_device
-from runtime.distributed import (
+from protrain.runtime.console import MetricsFile, ProgressReporter, frozen_note, groups_table
+from protrain.runtime.device import DeviceInfo, select_device
+from protrain.runtime.distributed import (
     DistContext,
     all_reduce_max,
     all_reduce_min_,
@@ -47,18 +47,18 @@ from runtime.distributed import (
     init_distributed,
     release,
 )
-from runtime.dry_run import dry_run, launched_dry_run
-from runtime.metrics.trackers import require_tracker_packages
-from runtime.planning.apply_plan import PlanTarget, apply_plan
-from runtime.planning.budgets import auto_device_budget, host_parameter_bytes, process_rss_bytes, resolve_budgets
-from runtime.planning.model_facts import check_supported, compute_element_size, execution_order, model_blocks
-from runtime.planning.planner import Profilers, build_planner
-from runtime.planning.replanner import Replanner
-from runtime.tracing.trace_window import trace_window_for
-from runtime.training import live_engines
-from runtime.training.engine import Engine
-from runtime.training.stop import StopRequest
-from runtime.weights import (
+from protrain.runtime.dry_run import dry_run, launched_dry_run
+from protrain.runtime.metrics.trackers import require_tracker_packages
+from protrain.runtime.planning.apply_plan import PlanTarget, apply_plan
+from protrain.runtime.planning.budgets import auto_device_budget, host_parameter_bytes, process_rss_bytes, resolve_budgets
+from protrain.runtime.planning.model_facts import check_supported, compute_element_size, execution_order, model_blocks
+from protrain.runtime.planning.planner import Profilers, build_planner
+from protrain.runtime.planning.replanner import Replanner
+from protrain.runtime.tracing.trace_window import trace_window_for
+from protrain.runtime.training import live_engines
+from protrain.runtime.training.engine import Engine
+from protrain.runtime.training.stop import StopRequest
+from protrain.runtime.weights import (
     WeightReader,
     WeightsSource,
     held_on,
@@ -146,7 +146,7 @@ def initialize(
     reseed = not live_engines.others_alive()
     claim = _claim(spec, device, ranks_on_host=env_int("LOCAL_WORLD_SIZE", 1))
     dist_ctx: DistContext | None = None
-    with device_wall.engine_call(claim.wall, "runtime.initialize"):
+    with device_wall.engine_call(claim.wall, "initialize"):
         try:
             dist_ctx = init_distributed(
                 backend=device.backend,

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime import device_wall
-from runtime.device import DeviceInfo, device_allocated_bytes
+from protrain.runtime import device_wall
+from protrain.runtime.device import DeviceInfo, device_allocated_bytes
 
 _lock = threading.Lock()
 """Readings come from the main thread (forward hooks) and autograd's threads (gradient hooks)."""

@@ -16,7 +16,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
-from runtime.config.settings import OptimizerSettings
+from protrain.runtime.config.settings import OptimizerSettings
 
 
 @dataclass(frozen=True, slots=True)

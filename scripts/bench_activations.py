@@ -51,10 +51,10 @@ from typing import Any
 import torch
 from bench_common import SEED, Batch, add_model_arguments, build_gpt, gpt_config, make_batches
 
-import runtime
-from runtime.activations.ssd_store import measure_disk_rates
-from runtime.device import malloc_in_use_bytes
-from runtime.training.engine import Engine
+from protrain import runtime
+from protrain.runtime.activations.ssd_store import measure_disk_rates
+from protrain.runtime.device import malloc_in_use_bytes
+from protrain.runtime.training.engine import Engine
 
 MODES = ("keep", "swap", "checkpoint", "ssd")
 LR = 3e-4

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from runtime.cpu_adam import ShardAdamW
+from protrain.runtime.cpu_adam import ShardAdamW
 
 BYTES_PER_PARAM = 28
 LR = 1e-3

@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from runtime.data import LMBatches, stdlib_text_corpus
-from runtime.models.gpt import GPT, GPTConfig
+from protrain.runtime.data import LMBatches, stdlib_text_corpus
+from protrain.runtime.models.gpt import GPT, GPTConfig
 
 SEED = 1234
 Batch = dict[str, torch.Tensor]

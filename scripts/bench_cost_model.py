@@ -85,22 +85,22 @@ from typing import Any
 import torch
 from bench_common import SEED, Batch, build_gpt, derive_chunk_size, make_batches
 
-import runtime
-from profiler.activation_cost import activation_options
-from profiler.analytic import KNOWN_CONFIGS, analytic_profile, shape_from_config
-from profiler.cost_model import Prediction, chunk_costs, predict
-from profiler.profile import HardwareProfile, ModelProfile
-from profiler.search import search
-from runtime.config.hardware_spec import load_hardware
-from runtime.config.settings import keeps_gradients
-from runtime.config.spec_io import SpecError
-from runtime.device import malloc_in_use_bytes
-from runtime.models.gpt import GPTConfig
-from runtime.planning.hardware_probes import hardware_profile
-from runtime.planning.model_profiling import profile_model
-from runtime.planning.planner import Profilers
-from runtime.planning.what_if import machine_from_file
-from runtime.training.engine import Engine
+from protrain import runtime
+from protrain.profiler.activation_cost import activation_options
+from protrain.profiler.analytic import KNOWN_CONFIGS, analytic_profile, shape_from_config
+from protrain.profiler.cost_model import Prediction, chunk_costs, predict
+from protrain.profiler.profile import HardwareProfile, ModelProfile
+from protrain.profiler.search import search
+from protrain.runtime.config.hardware_spec import load_hardware
+from protrain.runtime.config.settings import keeps_gradients
+from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.device import malloc_in_use_bytes
+from protrain.runtime.models.gpt import GPTConfig
+from protrain.runtime.planning.hardware_probes import hardware_profile
+from protrain.runtime.planning.model_profiling import profile_model
+from protrain.runtime.planning.planner import Profilers
+from protrain.runtime.planning.what_if import machine_from_file
+from protrain.runtime.training.engine import Engine
 
 LR = 3e-4
 WEIGHT_DECAY = 0.1

@@ -114,7 +114,7 @@ def spec(workdir: Path, *, device_budget: int | str, chunk_size: int | str = "au
 
 
 def train(engine: Any, steps: int, seq_len: int) -> None:
-    from runtime.data import LMBatches, stdlib_text_corpus
+    from protrain.runtime.data import LMBatches, stdlib_text_corpus
 
     data = LMBatches(
         tokens=stdlib_text_corpus(), seq_len=seq_len, micro_batch_size=1, gradient_accumulation_steps=1, world_size=1, seed=1
@@ -132,7 +132,7 @@ def quarter_budget(model: Any, smoke: bool) -> int:
 
 
 def part_export(smoke: bool, workdir: Path, shard_bytes: int) -> dict[str, Any]:
-    import runtime
+    from protrain import runtime
 
     model = build_model(smoke)
     parameters = sum(p.numel() for p in model.parameters())
@@ -172,7 +172,7 @@ def part_lora(smoke: bool, workdir: Path) -> dict[str, Any]:
     import peft  # noqa: F401 - imported before the baseline: the libraries are not the model
     import transformers  # noqa: F401
 
-    import runtime
+    from protrain import runtime
 
     trim()
     baseline = rss_bytes()
@@ -197,7 +197,7 @@ def part_lora(smoke: bool, workdir: Path) -> dict[str, Any]:
 
 
 def part_predict(smoke: bool, workdir: Path, shard_bytes: int) -> dict[str, Any]:
-    import runtime
+    from protrain import runtime
 
     model = build_model(smoke)
     engine = runtime.initialize(model, config=spec(workdir, device_budget=quarter_budget(model, smoke)))

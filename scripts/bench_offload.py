@@ -65,10 +65,10 @@ from bench_common import (
     make_batches,
 )
 
-import runtime
-from runtime.chunks.manager import ChunkManager
-from runtime.config.spec_io import SpecError
-from runtime.training.engine import Engine
+from protrain import runtime
+from protrain.runtime.chunks.manager import ChunkManager
+from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.training.engine import Engine
 
 LR = 3e-4
 WEIGHT_DECAY = 0.1

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from bench_common import SEED, Batch, add_model_arguments, build_gpt, gpt_config, make_batches
 
-import runtime
-from runtime.models.gpt import GPT
-from runtime.param_groups import split_decay
-from runtime.training.engine import Engine
+from protrain import runtime
+from protrain.runtime.models.gpt import GPT
+from protrain.runtime.param_groups import split_decay
+from protrain.runtime.training.engine import Engine
 
 LR = 3e-4
 BETAS = (0.9, 0.95)

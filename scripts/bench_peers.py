@@ -102,10 +102,10 @@ FORKSERVER_PRELOAD = [
     "torch.distributed",
     "torch.distributed.fsdp",
     "torch.nn.parallel",
-    "runtime",
-    "runtime.data",
-    "runtime.config.spec_io",
-    "runtime.entry",
+    "protrain.runtime",
+    "protrain.runtime.data",
+    "protrain.runtime.config.spec_io",
+    "protrain.runtime.entry",
     "bench_common",
 ]
 
@@ -295,8 +295,8 @@ def build_protrain(kind: Kind, job: Job, example: Batch, *, first_n_buffer: int,
     """``n_persist=0`` with ``first_n_buffer`` buffers, or (``exact`` False) the fewest from there
     up that ``initialize`` accepts, jumping to the minimum its refusal names. Every rank gets the
     same refusal at the same point, so the collectives stay in step."""
-    import runtime
-    from runtime.config.spec_io import SpecError
+    from protrain import runtime
+    from protrain.runtime.config.spec_io import SpecError
 
     args = job.args
     n_buffer = first_n_buffer
@@ -380,7 +380,7 @@ def probe(kind: Kind, job: Job, batches: Sequence[Batch], min_plan: dict[str, in
 
 def rank_batches(args: argparse.Namespace, rank: int, count: int) -> list[Batch]:
     """This rank's share of ``count`` global batches (``args.batch`` samples per rank each)."""
-    from runtime.data import LMBatches, stdlib_text_corpus
+    from protrain.runtime.data import LMBatches, stdlib_text_corpus
 
     data = LMBatches(
         tokens=stdlib_text_corpus(),

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
-from runtime.data import TokenWindows, stdlib_text_corpus  # noqa: E402
+from protrain.runtime.data import TokenWindows, stdlib_text_corpus  # noqa: E402
 
 SEQ_LEN = 128
 BASE_CONFIG: dict[str, Any] = dict(
@@ -134,7 +134,7 @@ def finetune(args: argparse.Namespace) -> int:
     from peft import PeftModel
     from transformers import TrainingArguments
 
-    from runtime.integrations.hf import ProTrainTrainer
+    from protrain.runtime.integrations.hf import ProTrainTrainer
 
     train, evaluation = datasets(args.samples)
     model = with_lora(base_model(args), args.rank)

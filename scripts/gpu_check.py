@@ -30,7 +30,8 @@ fills ``.whl/`` (docs/gpu-first-contact.md). Then, on the GPU machine (carry ``.
 commands of at most 10 minutes each:
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+    PYTHONPATH=/tmp/site python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
     python3 scripts/gpu_check.py --out $OUT --only equivalence two_ranks checkpoint
     python3 scripts/gpu_check.py --out $OUT --only overlap cost_model
     python3 scripts/gpu_check.py --out $OUT --only capacity

@@ -28,9 +28,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-import runtime
-from runtime.data import TokenWindows, stdlib_text_corpus
-from runtime.models.gpt import GPT, PRESETS
+from protrain import runtime
+from protrain.runtime.data import TokenWindows, stdlib_text_corpus
+from protrain.runtime.models.gpt import GPT, PRESETS
 
 MIB = 1 << 20
 

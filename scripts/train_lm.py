@@ -37,11 +37,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import runtime
-from runtime.config.spec import AUTO, Spec
-from runtime.data import TokenWindows, stdlib_text_corpus
-from runtime.models.gpt import GPT, PRESETS
-from runtime.weights import ModelInit, WeightsSource
+from protrain import runtime
+from protrain.runtime.config.spec import AUTO, Spec
+from protrain.runtime.data import TokenWindows, stdlib_text_corpus
+from protrain.runtime.models.gpt import GPT, PRESETS
+from protrain.runtime.weights import ModelInit, WeightsSource
 
 LLAMA_PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(

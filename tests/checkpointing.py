@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from runtime.data import TokenWindows, stdlib_text_corpus
-from runtime.models.gpt import GPTConfig
+from protrain.runtime.data import TokenWindows, stdlib_text_corpus
+from protrain.runtime.models.gpt import GPTConfig
 from tests.helpers import TINY_GPT, tiny_gpt
 
 SEQ_LEN = 32
@@ -57,7 +57,7 @@ def train_until(
     right after initialize (what was loaded, as this layout writes it). ``model_config``: instead
     of the tiny GPT (with dropout unless ``dropout`` is False). ``rank`` is ignored: the rank pool
     passes it."""
-    import runtime
+    from protrain import runtime
 
     torch.manual_seed(seed)
     model = tiny_gpt(seed, model_config or (DROPOUT_GPT if dropout else TINY_GPT))

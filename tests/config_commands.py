@@ -9,7 +9,7 @@ import math
 import shlex
 from pathlib import Path
 
-from runtime.config.spec_io import load_spec
+from protrain.runtime.config.spec_io import load_spec
 
 TINY_FLAGS = {"--preset": "tiny", "--seq-len": "32", "--steps": "2", "--init": "chunks"}
 """The header's script flags with the model swapped for the tiny preset of the same --arch,

@@ -53,7 +53,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         marker = _MARKERS.get(folder)
         if marker is not None:
             item.add_marker(marker)
-    from runtime import stream_chaos  # here, not at the top: torch after OMP_NUM_THREADS is set
+    from protrain.runtime import stream_chaos  # here, not at the top: torch after OMP_NUM_THREADS is set
 
     if stream_chaos.enabled():
         chaos_skip = pytest.mark.skip(reason="skips steps on purpose; stream chaos refuses skipped steps")
@@ -66,7 +66,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def chaos(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
     """``chaos(mode, seed=0)``: switch stream chaos on for what is built next (workers and pools
     read it when they are made); the environment is restored after the test."""
-    from runtime import stream_chaos
+    from protrain.runtime import stream_chaos
 
     def switch(mode: str, seed: int = 0) -> None:
         monkeypatch.setenv(stream_chaos.ENV, mode)

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.data import LMBatches, stdlib_text_corpus
-from runtime.models.gpt import GPT, GPTConfig
+from protrain.runtime.data import LMBatches, stdlib_text_corpus
+from protrain.runtime.models.gpt import GPT, GPTConfig
 
 # qkv_bias on, as models have it: the key bias has an exactly-zero gradient (softmax ignores a
 # per-query constant), so Adam turns rounding noise into lr-sized steps there and no two fp32
@@ -344,7 +344,7 @@ def train_engine(
     model: nn.Module, data: LMBatches, config: dict[str, Any], *, steps: int, rank: int = 0
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The same training through runtime.initialize; returns the final state and the window losses."""
-    import runtime
+    from protrain import runtime
 
     engine = runtime.initialize(model, config=config)
     losses = []

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from runtime.data import TokenWindows, stdlib_text_corpus
+from protrain.runtime.data import TokenWindows, stdlib_text_corpus
 from tests.helpers import TINY_LLAMA
 
 SEQ_LEN = 32
@@ -113,7 +113,7 @@ def run_trainer(
     the reloaded model's logits on an eval batch, and the final parameters."""
     from transformers import AutoModelForCausalLM, Trainer
 
-    from runtime.integrations.hf import ProTrainTrainer
+    from protrain.runtime.integrations.hf import ProTrainTrainer
 
     kwargs: dict[str, Any] = {
         "model": lora_model(kind) if lora else tiny_model(kind),

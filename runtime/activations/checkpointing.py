@@ -18,8 +18,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from runtime.chunks.manager import ChunkManager
-from runtime.chunks.trace_labels import job_label
+from protrain.runtime.chunks.manager import ChunkManager
+from protrain.runtime.chunks.trace_labels import job_label
 
 
 class BlockCheckpointing:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from runtime import stream_chaos
-from runtime.device import DeviceEvent
-from runtime.host_memory import PAGE_BYTES, MmapArena
+from protrain.runtime import stream_chaos
+from protrain.runtime.device import DeviceEvent
+from protrain.runtime.host_memory import PAGE_BYTES, MmapArena
 
 _MIN_SEGMENT_BYTES = 16 << 20
 

@@ -21,10 +21,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from profiler.plan import BlockMode
-from runtime.activations.records import StoredStorage
-from runtime.activations.ssd_store import ActivationFile, ActivationFileStore, PendingRead, SsdIoError
-from runtime.activations.transfers import ActivationTransfers
+from protrain.profiler.plan import BlockMode
+from protrain.runtime.activations.records import StoredStorage
+from protrain.runtime.activations.ssd_store import ActivationFile, ActivationFileStore, PendingRead, SsdIoError
+from protrain.runtime.activations.transfers import ActivationTransfers
 
 _Result = TypeVar("_Result")
 

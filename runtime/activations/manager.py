@@ -36,21 +36,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from profiler.activation_cost import PREFETCH_BLOCKS
-from profiler.plan import BlockMode
-from runtime.activations.checkpointing import BlockCheckpointing
-from runtime.activations.io_failure import drop_unread_files, drops_files_on_io_error
-from runtime.activations.records import (
+from protrain.profiler.activation_cost import PREFETCH_BLOCKS
+from protrain.profiler.plan import BlockMode
+from protrain.runtime.activations.checkpointing import BlockCheckpointing
+from protrain.runtime.activations.io_failure import drop_unread_files, drops_files_on_io_error
+from protrain.runtime.activations.records import (
     ActivationStats,
     KeptTensor,
     SavedActivation,
     SavedTensorModifiedError,
     StoredStorage,
 )
-from runtime.activations.ssd_store import ActivationFileStore, SsdIoError
-from runtime.activations.transfers import ActivationTransfers
-from runtime.chunks.manager import ChunkManager, SavedAlias
-from runtime.device import DeviceInfo
+from protrain.runtime.activations.ssd_store import ActivationFileStore, SsdIoError
+from protrain.runtime.activations.transfers import ActivationTransfers
+from protrain.runtime.chunks.manager import ChunkManager, SavedAlias
+from protrain.runtime.device import DeviceInfo
 
 __all__ = ["OFFLOADED", "SMALL_TENSOR_BYTES", "ActivationManager", "ActivationStats", "Phase"]
 

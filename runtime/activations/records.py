@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from profiler.plan import BlockMode
+from protrain.profiler.plan import BlockMode
 
 
 class KeptTensor:

@@ -22,7 +22,7 @@ import socket
 import threading
 from pathlib import Path
 
-from runtime.activations.ssd_io import SsdIoError
+from protrain.runtime.activations.ssd_io import SsdIoError
 
 RUN_DIR_PREFIX = "protrain-act-"
 

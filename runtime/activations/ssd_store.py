@@ -33,9 +33,9 @@ from types import TracebackType
 
 import torch
 
-from runtime.activations import run_dirs, ssd_io
-from runtime.activations.ssd_files import ActivationFile, PendingRead, WriteState
-from runtime.activations.ssd_io import (
+from protrain.runtime.activations import run_dirs, ssd_io
+from protrain.runtime.activations.ssd_files import ActivationFile, PendingRead, WriteState
+from protrain.runtime.activations.ssd_io import (
     BLOCK_BYTES,
     IO_MODE_BUFFERED,
     IO_MODE_DIRECT,
@@ -46,7 +46,7 @@ from runtime.activations.ssd_io import (
     padded,
     remove_file,
 )
-from runtime.chunks.trace_labels import job_label
+from protrain.runtime.chunks.trace_labels import job_label
 
 __all__ = [
     "BLOCK_BYTES",

@@ -35,13 +35,13 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from profiler.plan import BlockMode
-from runtime import stream_chaos
-from runtime.activations.host_pool import HostActivationPool
-from runtime.activations.records import ActivationStats, StoredStorage
-from runtime.activations.ssd_store import ActivationFileStore
-from runtime.chunks.trace_labels import job_label
-from runtime.device import DeviceEvent, DeviceInfo, SideStream, used_on_this_stream
+from protrain.profiler.plan import BlockMode
+from protrain.runtime import stream_chaos
+from protrain.runtime.activations.host_pool import HostActivationPool
+from protrain.runtime.activations.records import ActivationStats, StoredStorage
+from protrain.runtime.activations.ssd_store import ActivationFileStore
+from protrain.runtime.chunks.trace_labels import job_label
+from protrain.runtime.device import DeviceEvent, DeviceInfo, SideStream, used_on_this_stream
 
 
 class ActivationTransfers:

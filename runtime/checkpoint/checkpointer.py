@@ -31,11 +31,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from runtime import device_wall
-from runtime.checkpoint import rng
-from runtime.checkpoint.params import ParameterSpace, expected_entries
-from runtime.checkpoint.staging import DeviceStaging, StagingLoadPlanner, StagingSavePlanner
-from runtime.checkpoint.store import (
+from protrain.runtime import device_wall
+from protrain.runtime.checkpoint import rng
+from protrain.runtime.checkpoint.params import ParameterSpace, expected_entries
+from protrain.runtime.checkpoint.staging import DeviceStaging, StagingLoadPlanner, StagingSavePlanner
+from protrain.runtime.checkpoint.store import (
     Checkpoint,
     CheckpointError,
     checkpoint_name,
@@ -50,8 +50,8 @@ from runtime.checkpoint.store import (
     temp_dir,
     write_manifest,
 )
-from runtime.chunks.manager import ChunkManager
-from runtime.distributed import DistContext, broadcast_object
+from protrain.runtime.chunks.manager import ChunkManager
+from protrain.runtime.distributed import DistContext, broadcast_object
 
 BUFFER = "buffer."
 T = TypeVar("T")

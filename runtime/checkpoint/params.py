@@ -41,10 +41,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.chunks.layout import ChunkLayout
-from runtime.chunks.manager import ChunkManager
-from runtime.chunks.store import Chunk, shard_segments
-from runtime.checkpoint.staging import DeviceStaging, exact_alias
+from protrain.runtime.chunks.layout import ChunkLayout
+from protrain.runtime.chunks.manager import ChunkManager
+from protrain.runtime.chunks.store import Chunk, shard_segments
+from protrain.runtime.checkpoint.staging import DeviceStaging, exact_alias
 
 MODEL = "model."
 EXP_AVG = "optim.exp_avg."

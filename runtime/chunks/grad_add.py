@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from profiler.host_bytes import WIDEN_SLICE_NUMEL
+from protrain.profiler.host_bytes import WIDEN_SLICE_NUMEL
 
 __all__ = ["WIDEN_SLICE_NUMEL", "add_widened"]
 

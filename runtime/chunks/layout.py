@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from profiler.chunking import ChunkTooSmallError, Packing, pack
+from protrain.profiler.chunking import ChunkTooSmallError, Packing, pack
 
 LAYOUT_VERSION = 1
 

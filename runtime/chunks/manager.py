@@ -36,19 +36,19 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from runtime.chunks.layout import ChunkLayout
-from runtime import device_wall, stream_chaos
-from runtime.chunks.optimizer import ChunkOptimizer
-from runtime.chunks.readout import ChunkReadout
-from runtime.chunks.reduce import GradientReducer
-from runtime.chunks.residency import ChunkResidency, SavedAlias, check_buffers
-from runtime.chunks.side_stream import CollectiveQueue
-from runtime.chunks.store import Chunk, Segment, shard_segments
-from runtime.chunks.store_build import AdamWHyper, build_store
-from runtime.cpu_adam import GroupValues
-from runtime.device import DeviceInfo, SideStream, synchronize
-from runtime.distributed import DistContext, all_reduce_sum_
-from runtime.host_memory import MmapArena
+from protrain.runtime.chunks.layout import ChunkLayout
+from protrain.runtime import device_wall, stream_chaos
+from protrain.runtime.chunks.optimizer import ChunkOptimizer
+from protrain.runtime.chunks.readout import ChunkReadout
+from protrain.runtime.chunks.reduce import GradientReducer
+from protrain.runtime.chunks.residency import ChunkResidency, SavedAlias, check_buffers
+from protrain.runtime.chunks.side_stream import CollectiveQueue
+from protrain.runtime.chunks.store import Chunk, Segment, shard_segments
+from protrain.runtime.chunks.store_build import AdamWHyper, build_store
+from protrain.runtime.cpu_adam import GroupValues
+from protrain.runtime.device import DeviceInfo, SideStream, synchronize
+from protrain.runtime.distributed import DistContext, all_reduce_sum_
+from protrain.runtime.host_memory import MmapArena
 
 __all__ = ["Chunk", "ChunkManager", "SavedAlias", "Segment", "shard_segments"]
 

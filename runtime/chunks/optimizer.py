@@ -40,15 +40,15 @@ from dataclasses import dataclass
 
 import torch
 
-from profiler.host_bytes import FP32_BYTES, WIDEN_SLICE_NUMEL
-from runtime.chunks.grad_add import add_widened
-from runtime.chunks.store import Chunk, ChunkStore
-from runtime.chunks.trace_labels import job_label
-from runtime.chunks.waits import ExposedWaits
-from runtime.cpu_adam import GroupValues
-from runtime.device import DeviceEvent, HostWorker, host_worker_threads
-from runtime.distributed import DistContext, all_reduce_sum_
-from runtime.host_memory import MmapArena
+from protrain.profiler.host_bytes import FP32_BYTES, WIDEN_SLICE_NUMEL
+from protrain.runtime.chunks.grad_add import add_widened
+from protrain.runtime.chunks.store import Chunk, ChunkStore
+from protrain.runtime.chunks.trace_labels import job_label
+from protrain.runtime.chunks.waits import ExposedWaits
+from protrain.runtime.cpu_adam import GroupValues
+from protrain.runtime.device import DeviceEvent, HostWorker, host_worker_threads
+from protrain.runtime.distributed import DistContext, all_reduce_sum_
+from protrain.runtime.host_memory import MmapArena
 
 
 @dataclass(frozen=True, slots=True)

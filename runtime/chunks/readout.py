@@ -22,10 +22,10 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from runtime import device_wall
-from runtime.chunks.layout import ChunkInfo
-from runtime.chunks.store import ChunkStore
-from runtime.distributed import all_gather_flat
+from protrain.runtime import device_wall
+from protrain.runtime.chunks.layout import ChunkInfo
+from protrain.runtime.chunks.store import ChunkStore
+from protrain.runtime.distributed import all_gather_flat
 
 
 class ChunkReadout:

@@ -28,14 +28,14 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from profiler.host_bytes import gradient_staging_buffers
-from runtime.chunks.grad_buffers import GradientBufferPool
-from runtime.chunks.side_stream import CollectiveQueue
-from runtime.chunks.staging import Staged, StagingRing
-from runtime.chunks.store import Chunk, ChunkStore
-from runtime.chunks.trace_labels import job_label
-from runtime.device import DeviceEvent, used_on_this_stream
-from runtime.distributed import reduce_scatter_flat_
+from protrain.profiler.host_bytes import gradient_staging_buffers
+from protrain.runtime.chunks.grad_buffers import GradientBufferPool
+from protrain.runtime.chunks.side_stream import CollectiveQueue
+from protrain.runtime.chunks.staging import Staged, StagingRing
+from protrain.runtime.chunks.store import Chunk, ChunkStore
+from protrain.runtime.chunks.trace_labels import job_label
+from protrain.runtime.device import DeviceEvent, used_on_this_stream
+from protrain.runtime.distributed import reduce_scatter_flat_
 
 
 class ReducedGradientSink(Protocol):

@@ -32,17 +32,17 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from runtime import stream_chaos
-from runtime.chunks.residency_states import IllegalTransition, Residency
-from runtime.chunks.staging import Staged, StagingRing
-from runtime.chunks.trace_labels import job_label
-from runtime.device import DeviceEvent, HostWorker, host_worker_threads, synchronize
-from runtime.distributed import all_gather_flat
+from protrain.runtime import stream_chaos
+from protrain.runtime.chunks.residency_states import IllegalTransition, Residency
+from protrain.runtime.chunks.staging import Staged, StagingRing
+from protrain.runtime.chunks.trace_labels import job_label
+from protrain.runtime.device import DeviceEvent, HostWorker, host_worker_threads, synchronize
+from protrain.runtime.distributed import all_gather_flat
 
 if TYPE_CHECKING:  # store.py imports the states from here; the chunks come in as values
-    from runtime.chunks.layout import ChunkLayout
-    from runtime.chunks.side_stream import CollectiveQueue
-    from runtime.chunks.store import Chunk, ChunkStore, OffloadedChunk
+    from protrain.runtime.chunks.layout import ChunkLayout
+    from protrain.runtime.chunks.side_stream import CollectiveQueue
+    from protrain.runtime.chunks.store import Chunk, ChunkStore, OffloadedChunk
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from runtime.chunks.waits import ExposedWaits
-from runtime.device import DeviceEvent, DeviceInfo, SideStream
+from protrain.runtime.chunks.waits import ExposedWaits
+from protrain.runtime.device import DeviceEvent, DeviceInfo, SideStream
 
 
 class CollectiveQueue:

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from profiler.host_bytes import STAGING_BUFFERS, ring_bytes
-from runtime import stream_chaos
-from runtime.device import DeviceEvent
-from runtime.host_memory import MmapArena
+from protrain.profiler.host_bytes import STAGING_BUFFERS, ring_bytes
+from protrain.runtime import stream_chaos
+from protrain.runtime.device import DeviceEvent
+from protrain.runtime.host_memory import MmapArena
 
 
 @dataclass(frozen=True, slots=True)

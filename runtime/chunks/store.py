@@ -39,12 +39,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from runtime.chunks.layout import ChunkInfo, ChunkLayout
-from runtime.chunks.residency_states import Residency, check_move
-from runtime.cpu_adam import ShardAdamW
-from runtime.device import DeviceInfo
-from runtime.distributed import DistContext
-from runtime.host_memory import MmapArena
+from protrain.runtime.chunks.layout import ChunkInfo, ChunkLayout
+from protrain.runtime.chunks.residency_states import Residency, check_move
+from protrain.runtime.cpu_adam import ShardAdamW
+from protrain.runtime.device import DeviceInfo
+from protrain.runtime.distributed import DistContext
+from protrain.runtime.host_memory import MmapArena
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from profiler.chunking import persistent_full_numel
-from profiler.host_bytes import HOST_ALIGN_BYTES, chunk_state_bytes, rank_numel
-from runtime.chunks.layout import ChunkInfo, ChunkLayout
-from runtime.chunks.residency_states import Residency
-from runtime.chunks.store import (
+from protrain.profiler.chunking import persistent_full_numel
+from protrain.profiler.host_bytes import HOST_ALIGN_BYTES, chunk_state_bytes, rank_numel
+from protrain.runtime.chunks.layout import ChunkInfo, ChunkLayout
+from protrain.runtime.chunks.residency_states import Residency
+from protrain.runtime.chunks.store import (
     Chunk,
     ChunkStore,
     OffloadedChunk,
@@ -24,11 +24,11 @@ from runtime.chunks.store import (
     ShardTraining,
     shard_segments,
 )
-from runtime import device_wall
-from runtime.cpu_adam import ShardAdamW
-from runtime.device import DeviceInfo, trim_host_heap
-from runtime.distributed import DistContext, broadcast_from_main_
-from runtime.host_memory import MmapArena
+from protrain.runtime import device_wall
+from protrain.runtime.cpu_adam import ShardAdamW
+from protrain.runtime.device import DeviceInfo, trim_host_heap
+from protrain.runtime.distributed import DistContext, broadcast_from_main_
+from protrain.runtime.host_memory import MmapArena
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,8 +11,8 @@ import os
 
 from pydantic import ValidationError
 
-from runtime.config.spec_io import SpecError, format_validation_error, read_spec_file
-from runtime.config.spec_types import Fraction, PositiveFloat, PositiveInt, Size, SpecModel, Text
+from protrain.runtime.config.spec_io import SpecError, format_validation_error, read_spec_file
+from protrain.runtime.config.spec_types import Fraction, PositiveFloat, PositiveInt, Size, SpecModel, Text
 
 
 class GpuSpec(SpecModel):

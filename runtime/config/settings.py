@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from profiler.plan_builder import KnobRequest
-from runtime.config.spec import (
+from protrain.profiler.plan_builder import KnobRequest
+from protrain.runtime.config.spec import (
     AUTO,
     DEFAULT_MIN_LR_RATIO,
     LoggingSpec,
@@ -22,7 +22,7 @@ from runtime.config.spec import (
     Spec,
     auto_fields,
 )
-from runtime.config.spec_types import ParamGroup
+from protrain.runtime.config.spec_types import ParamGroup
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -16,8 +16,8 @@ from typing import Annotated, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, Field, model_validator
 from pydantic.fields import FieldInfo
 
-from profiler.plan import BlockMode
-from runtime.config.spec_types import (
+from protrain.profiler.plan import BlockMode
+from protrain.runtime.config.spec_types import (
     AUTO,
     AutoFilled,
     AutoNonNegInt,

@@ -1,7 +1,7 @@
 """The README's spec reference, generated from the pydantic models so the two cannot drift.
 
-python -m runtime.config.spec_doc            # print the reference table
-python -m runtime.config.spec_doc --write    # rewrite the README section between its markers
+python -m protrain.runtime.config.spec_doc            # print the reference table
+python -m protrain.runtime.config.spec_doc --write    # rewrite the README section between its markers
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from runtime.config.spec import Spec
-from runtime.config.spec_io import allowed_text, section_type
+from protrain.runtime.config.spec import Spec
+from protrain.runtime.config.spec_io import allowed_text, section_type
 
 START = "<!-- spec-reference:start -->"
 END = "<!-- spec-reference:end -->"

@@ -18,8 +18,8 @@ from typing import Annotated, Any, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from runtime.config.spec import Spec, auto_fields, trainer_autos
-from runtime.config.spec_types import Allowed
+from protrain.runtime.config.spec import Spec, auto_fields, trainer_autos
+from protrain.runtime.config.spec_types import Allowed
 
 RESOLVED_SPEC_ENV = "PROTRAIN_SPEC"
 RESOLVED_SPEC_VERSION = 1

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Callable, Literal, Union
 from pydantic import BaseModel, ConfigDict, PlainSerializer, PlainValidator
 from pydantic_core import PydanticCustomError
 
-from profiler.plan import BlockMode
+from protrain.profiler.plan import BlockMode
 
 AUTO = "auto"
 Auto = Literal["auto"]

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import psutil
 
-from runtime.env_report.rows import Row, Status, format_bytes, run_probe
-from runtime.host_capacity import cgroup_limit, free_host_bytes, slurm_source
+from protrain.runtime.env_report.rows import Row, Status, format_bytes, run_probe
+from protrain.runtime.host_capacity import cgroup_limit, free_host_bytes, slurm_source
 
 SIMD_FLAGS = {
     "AVX2": ("avx2",),

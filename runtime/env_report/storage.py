@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runtime.env_report.rows import Row, Status, format_age, format_bytes, format_rate, run_probe
+from protrain.runtime.env_report.rows import Row, Status, format_age, format_bytes, format_rate, run_probe
 
 PROBE_PIECE_BYTES = 8 << 20
 """Bytes per write and read of the disk probe (as the store's files are written: whole pieces)."""
@@ -58,7 +58,7 @@ def filesystem_row(folder: Path, mounts: Path = Path("/proc/mounts")) -> Row:
 
 
 def _rate_rows(folder: Path, probe_bytes: int) -> list[Row]:
-    from runtime.activations.ssd_io import IO_MODE_DIRECT, measure_disk_rates  # imports torch
+    from protrain.runtime.activations.ssd_io import IO_MODE_DIRECT, measure_disk_rates  # imports torch
 
     piece = min(PROBE_PIECE_BYTES, -(-probe_bytes // ALIGN) * ALIGN)
     write_bps, read_bps, mode = measure_disk_rates(folder, nbytes=probe_bytes, chunk_bytes=piece)
@@ -115,7 +115,7 @@ def describe_entry(entry: Path, now: float) -> tuple[str, dict[str, Any]]:
 
 
 def _summary(name: str, body: dict[str, Any]) -> str:
-    from profiler.profile import PROFILE_VERSION
+    from protrain.profiler.profile import PROFILE_VERSION
 
     version = body.get("version")
     stale = (

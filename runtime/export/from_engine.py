@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime import device_wall
-from runtime.chunks.manager import ChunkManager
-from runtime.chunks.readout import ChunkReadout
-from runtime.distributed import DistContext, broadcast_object
-from runtime.export.targets import (
+from protrain.runtime import device_wall
+from protrain.runtime.chunks.manager import ChunkManager
+from protrain.runtime.chunks.readout import ChunkReadout
+from protrain.runtime.distributed import DistContext, broadcast_object
+from protrain.runtime.export.targets import (
     TIED_METADATA_KEY,
     adapter_names,
     check_dtype,
@@ -47,7 +47,7 @@ from runtime.export.targets import (
     write_directory,
     write_hf_config,
 )
-from runtime.safetensors_stream import DEFAULT_MAX_SHARD_SIZE, Entry, ShardedWriter, remove_stale
+from protrain.runtime.safetensors_stream import DEFAULT_MAX_SHARD_SIZE, Entry, ShardedWriter, remove_stale
 
 KINDS = ("safetensors", "hf", "adapter")
 

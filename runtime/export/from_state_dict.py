@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.export.targets import (
+from protrain.runtime.export.targets import (
     TIED_METADATA_KEY,
     check_dtype,
     check_target,
@@ -49,7 +49,7 @@ from runtime.export.targets import (
     write_directory,
     write_hf_config,
 )
-from runtime.safetensors_stream import DEFAULT_MAX_SHARD_SIZE, Entry, ShardedWriter, load_sharded, remove_stale
+from protrain.runtime.safetensors_stream import DEFAULT_MAX_SHARD_SIZE, Entry, ShardedWriter, load_sharded, remove_stale
 
 
 def export_safetensors(

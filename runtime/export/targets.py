@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.durable import fsync_path
+from protrain.runtime.durable import fsync_path
 
 TIED_METADATA_KEY = "protrain.tied"
 """Metadata key of an exported file: JSON ``{alias: canonical}`` for every tied name dropped."""

@@ -49,10 +49,10 @@ from transformers import Trainer
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import enable_full_determinism, set_seed
 
-import runtime
-from runtime.config.spec_io import SpecError
-from runtime.integrations.hf_checks import refuse_clashing_args, refuse_own_optimizer
-from runtime.integrations.hf_spec import (
+from protrain import runtime
+from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.integrations.hf_checks import refuse_clashing_args, refuse_own_optimizer
+from protrain.runtime.integrations.hf_spec import (
     Reconciled,
     SpecSource,
     reconcile,
@@ -60,11 +60,11 @@ from runtime.integrations.hf_spec import (
     with_args,
     with_decay_groups,
 )
-from runtime.training.engine import Engine
-from runtime.training.optimizer_facade import EngineOptimizer
-from runtime.training.schedule import build_scheduler
-from runtime.dry_run import launched_dry_run
-from runtime.weights import WeightsSource
+from protrain.runtime.training.engine import Engine
+from protrain.runtime.training.optimizer_facade import EngineOptimizer
+from protrain.runtime.training.schedule import build_scheduler
+from protrain.runtime.dry_run import launched_dry_run
+from protrain.runtime.weights import WeightsSource
 
 ENGINE_CHECKPOINT = "protrain"
 """The engine's checkpoint inside a Trainer's ``checkpoint-N`` folder."""

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from runtime.config.spec_io import SpecError
+from protrain.runtime.config.spec_io import SpecError
 
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 """Trainer's ``optim`` values that are torch's AdamW update, the one the engine runs."""

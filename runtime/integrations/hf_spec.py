@@ -31,8 +31,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from runtime.config.spec import AUTO, Spec
-from runtime.config.spec_io import RESOLVED_SPEC_ENV, SpecError, load_spec, validate_spec
+from protrain.runtime.config.spec import AUTO, Spec
+from protrain.runtime.config.spec_io import RESOLVED_SPEC_ENV, SpecError, load_spec, validate_spec
 
 SpecSource = str | os.PathLike[str] | dict[str, Any] | Spec | None
 """A spec file's path, a mapping of spec keys, a ``Spec``; None: protrain-run's spec when it
@@ -51,7 +51,7 @@ def user_spec(source: SpecSource) -> Spec:
     if source is not None:
         return load_spec(source)
     if os.environ.get(RESOLVED_SPEC_ENV):
-        from runtime.entry import current_spec
+        from protrain.runtime.entry import current_spec
 
         return current_spec(None)
     return Spec()

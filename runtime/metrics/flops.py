@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import nn
 
-from runtime.chunks.layout import ParamInfo
+from protrain.runtime.chunks.layout import ParamInfo
 
 HEAD_COUNT_NAMES = ("num_attention_heads", "n_head", "num_heads", "n_heads")
 HEAD_DIM_NAMES = ("head_dim", "d_kv")

@@ -28,10 +28,10 @@ from __future__ import annotations
 import resource
 import sys
 
-from runtime.activations.ssd_store import StoreStats
-from runtime.device import DeviceInfo, counts_every_byte, cuda_reserved_peak_bytes, malloc_heap_bytes
-from runtime.host_memory import host_arena_bytes
-from runtime.memory_counter import PeakWindow, device_peak_since_last_sample
+from protrain.runtime.activations.ssd_store import StoreStats
+from protrain.runtime.device import DeviceInfo, counts_every_byte, cuda_reserved_peak_bytes, malloc_heap_bytes
+from protrain.runtime.host_memory import host_arena_bytes
+from protrain.runtime.memory_counter import PeakWindow, device_peak_since_last_sample
 
 GIB = float(1 << 30)
 _RSS_UNIT = 1 if sys.platform == "darwin" else 1024

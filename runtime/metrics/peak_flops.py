@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.config.spec import Precision
-from runtime.device import DeviceInfo
-from runtime.nvml import max_sm_clock_mhz
+from protrain.runtime.config.spec import Precision
+from protrain.runtime.device import DeviceInfo
+from protrain.runtime.nvml import max_sm_clock_mhz
 
 PEAK_TFLOPS_ENV = "PROTRAIN_PEAK_TFLOPS"
 

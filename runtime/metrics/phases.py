@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.device import DeviceInfo
+from protrain.runtime.device import DeviceInfo
 
 
 class TimeMark:

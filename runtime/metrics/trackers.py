@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from runtime.config.settings import LoggingSettings
-from runtime.config.spec_io import SpecError
+from protrain.runtime.config.settings import LoggingSettings
+from protrain.runtime.config.spec_io import SpecError
 
 TENSORBOARD_DIR = "tensorboard"
 MISSING_TENSORBOARD = (

@@ -31,17 +31,17 @@ from typing import Protocol
 
 from torch import nn
 
-from profiler.plan import Plan
-from runtime.activations.manager import ActivationManager
-from runtime.chunks.manager import ChunkManager
-from runtime.config.settings import TrainingSettings
-from runtime.console import StepRecord
-from runtime.device import DeviceInfo
-from runtime.distributed import DistContext
-from runtime.metrics.flops import model_flops
-from runtime.metrics.memory import GIB, MemoryMeter
-from runtime.metrics.peak_flops import peak_flops
-from runtime.metrics.phases import PhaseClock
+from protrain.profiler.plan import Plan
+from protrain.runtime.activations.manager import ActivationManager
+from protrain.runtime.chunks.manager import ChunkManager
+from protrain.runtime.config.settings import TrainingSettings
+from protrain.runtime.console import StepRecord
+from protrain.runtime.device import DeviceInfo
+from protrain.runtime.distributed import DistContext
+from protrain.runtime.metrics.flops import model_flops
+from protrain.runtime.metrics.memory import GIB, MemoryMeter
+from protrain.runtime.metrics.peak_flops import peak_flops
+from protrain.runtime.metrics.phases import PhaseClock
 
 
 class MetricSources(Protocol):

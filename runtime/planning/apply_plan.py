@@ -19,20 +19,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from profiler.plan import BlockMode, Plan
-from runtime.activations.manager import ActivationManager
-from runtime.activations.ssd_store import ActivationFileStore
-from runtime.chunks.layout import ParamInfo, layout_from_params
-from runtime.chunks.manager import ChunkManager
-from runtime.chunks.store_build import AdamWHyper
-from runtime.config.settings import PlanningSettings, TrainingSettings
-from runtime.config.spec_io import SpecError
-from runtime.device import DeviceInfo
-from runtime.distributed import DistContext
-from runtime.param_groups import resolve_param_hyper
-from runtime.planning.model_facts import COMPUTE_DTYPES, compute_element_size, model_blocks
-from runtime.planning.plan_switch import HeldState, move_state
-from runtime.weights import WeightReader
+from protrain.profiler.plan import BlockMode, Plan
+from protrain.runtime.activations.manager import ActivationManager
+from protrain.runtime.activations.ssd_store import ActivationFileStore
+from protrain.runtime.chunks.layout import ParamInfo, layout_from_params
+from protrain.runtime.chunks.manager import ChunkManager
+from protrain.runtime.chunks.store_build import AdamWHyper
+from protrain.runtime.config.settings import PlanningSettings, TrainingSettings
+from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.device import DeviceInfo
+from protrain.runtime.distributed import DistContext
+from protrain.runtime.param_groups import resolve_param_hyper
+from protrain.runtime.planning.model_facts import COMPUTE_DTYPES, compute_element_size, model_blocks
+from protrain.runtime.planning.plan_switch import HeldState, move_state
+from protrain.runtime.weights import WeightReader
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -6,10 +6,10 @@ import psutil
 import torch
 from torch import nn
 
-from runtime.config.settings import PlanningSettings
-from runtime.device import DeviceInfo
-from runtime.nvml import other_processes
-from runtime.host_capacity import free_host_bytes
+from protrain.runtime.config.settings import PlanningSettings
+from protrain.runtime.device import DeviceInfo
+from protrain.runtime.nvml import other_processes
+from protrain.runtime.host_capacity import free_host_bytes
 
 DEVICE_RESERVE_FRACTION = 0.05
 """Kept free on a CUDA device for the CUDA context, NCCL and allocator slack."""

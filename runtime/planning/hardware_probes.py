@@ -21,11 +21,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from profiler.profile import HardwareProfile, cache_key
-from runtime import device_wall
-from runtime.activations.ssd_store import measure_disk_rates
-from runtime.cpu_adam import ShardAdamW
-from runtime.device import (
+from protrain.profiler.profile import HardwareProfile, cache_key
+from protrain.runtime import device_wall
+from protrain.runtime.activations.ssd_store import measure_disk_rates
+from protrain.runtime.cpu_adam import ShardAdamW
+from protrain.runtime.device import (
     DeviceInfo,
     counts_every_byte,
     device_allocated_bytes,
@@ -33,16 +33,16 @@ from runtime.device import (
     release_free_memory,
     synchronize,
 )
-from runtime.distributed import (
+from protrain.runtime.distributed import (
     DistContext,
     all_gather_flat,
     all_reduce_min_,
     all_reduce_sum_,
     reduce_scatter_flat_,
 )
-from runtime.nvml import describe_link, pcie_link
-from runtime.planning.host_rates import measure_host_rates
-from runtime.planning.profile_cache import ProfileOrigin, read_agreed, write_cached
+from protrain.runtime.nvml import describe_link, pcie_link
+from protrain.runtime.planning.host_rates import measure_host_rates
+from protrain.runtime.planning.profile_cache import ProfileOrigin, read_agreed, write_cached
 
 COPY_PROBE_BYTES = 32 << 20
 ADAM_PROBE_NUMEL = 4 << 20

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from rich import box
 from rich.table import Table
 
-from profiler.activation_cost import CHECKPOINT, KEEP, SSD, SWAP, ActivationCost, activation_cost
-from profiler.chunking import ChunkTooSmallError, candidate_chunk_bytes
-from profiler.cost_model import ChunkCosts, Prediction, chunk_costs, predict
-from profiler.plan import Plan
-from profiler.profile import HardwareProfile, ModelProfile
-from profiler.search import MEMORY_MARGIN
+from protrain.profiler.activation_cost import CHECKPOINT, KEEP, SSD, SWAP, ActivationCost, activation_cost
+from protrain.profiler.chunking import ChunkTooSmallError, candidate_chunk_bytes
+from protrain.profiler.cost_model import ChunkCosts, Prediction, chunk_costs, predict
+from protrain.profiler.plan import Plan
+from protrain.profiler.profile import HardwareProfile, ModelProfile
+from protrain.profiler.search import MEMORY_MARGIN
 
 ACTIVATION_WORDS = {KEEP: "kept", SWAP: "to host", CHECKPOINT: "recomputed", SSD: "to SSD"}
 PREFETCH_BUFFERS = 2

@@ -23,8 +23,8 @@ from typing import Any
 
 from torch import nn
 
-from runtime.device import DeviceInfo, counts_every_byte
-from runtime.memory_counter import (
+from protrain.runtime.device import DeviceInfo, counts_every_byte
+from protrain.runtime.memory_counter import (
     PeakWindow,
     device_peak_since_last_sample,
     sample_at_hooks,

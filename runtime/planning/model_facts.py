@@ -15,19 +15,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from profiler.chunking import candidate_chunk_bytes, pack, persistent_chunk_bytes
-from profiler.host_bytes import offloaded_region_bytes
-from profiler.feasibility import chunk_knob_conflict, spec_size
-from profiler.plan import Plan
-from profiler.plan_builder import KnobRequest, activations_searchable
-from runtime.batches import call_model
-from runtime.blocks import BlocksNotFoundError, find_blocks
-from runtime.chunks.layout import ParamInfo, first_use_order
-from runtime.config.settings import PlanningSettings
-from runtime.config.spec import Precision
-from runtime.config.spec_io import SpecError
-from runtime.device import DeviceInfo
-from runtime.weights import held_on, stand_ins
+from protrain.profiler.chunking import candidate_chunk_bytes, pack, persistent_chunk_bytes
+from protrain.profiler.host_bytes import offloaded_region_bytes
+from protrain.profiler.feasibility import chunk_knob_conflict, spec_size
+from protrain.profiler.plan import Plan
+from protrain.profiler.plan_builder import KnobRequest, activations_searchable
+from protrain.runtime.batches import call_model
+from protrain.runtime.blocks import BlocksNotFoundError, find_blocks
+from protrain.runtime.chunks.layout import ParamInfo, first_use_order
+from protrain.runtime.config.settings import PlanningSettings
+from protrain.runtime.config.spec import Precision
+from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.device import DeviceInfo
+from protrain.runtime.weights import held_on, stand_ins
 
 COMPUTE_DTYPES = {
     Precision.FP32: torch.float32,

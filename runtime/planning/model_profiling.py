@@ -29,13 +29,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from profiler.instruments import OUTSIDE, BlockTimer, PeakSampler, SavedBytes
-from profiler.profile import BlockProfile, ModelProfile
-from runtime import device_wall
-from runtime.chunks.layout import ParamInfo
-from runtime.device import DeviceInfo, synchronize
-from runtime.distributed import DistContext, all_reduce_min_
-from runtime.memory_counter import peak_reader, sample_at_hooks
+from protrain.profiler.instruments import OUTSIDE, BlockTimer, PeakSampler, SavedBytes
+from protrain.profiler.profile import BlockProfile, ModelProfile
+from protrain.runtime import device_wall
+from protrain.runtime.chunks.layout import ParamInfo
+from protrain.runtime.device import DeviceInfo, synchronize
+from protrain.runtime.distributed import DistContext, all_reduce_min_
+from protrain.runtime.memory_counter import peak_reader, sample_at_hooks
 
 STEADY_STEPS = 0.05
 """Profiling steps stop once one's wall time is within this fraction of the one before."""

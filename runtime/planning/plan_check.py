@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from profiler.plan import Plan
+from protrain.profiler.plan import Plan
 
 CHECK_AFTER_UPDATES = 5
 """Updates measured before the comparison; the first is left out (allocations, caches)."""

@@ -31,27 +31,27 @@ from typing import Any
 import torch
 from torch import nn
 
-from profiler.plan import BlockMode, Plan
-from profiler.plan_builder import (
+from protrain.profiler.plan import BlockMode, Plan
+from protrain.profiler.plan_builder import (
     KnobRequest,
     activations_searchable,
     block_modes_for,
     resident_plan,
     searched_plan,
 )
-from profiler.profile import HardwareProfile, ModelProfile, cache_key
-from profiler.chunking import min_buffers, pack, smallest_chunk_size
-from profiler.host_bytes import checkpoint_staging_bytes
-from profiler.search import NoPlanFitsError
-from runtime.batches import batch_shape, call_model, default_loss
-from runtime.chunks.layout import ParamInfo, first_use_order
-from runtime.config.settings import PlanningSettings
-from runtime.config.spec_io import SpecError
-from runtime.device import DeviceInfo, counts_every_byte, release_free_memory
-from runtime.distributed import DistContext, all_reduce_max, all_reduce_sum_
-from runtime.model_cache import cache_configs, caches_off
-from runtime.planning.hardware_probes import hardware_key, hardware_profile, with_disk_rates
-from runtime.planning.model_facts import (
+from protrain.profiler.profile import HardwareProfile, ModelProfile, cache_key
+from protrain.profiler.chunking import min_buffers, pack, smallest_chunk_size
+from protrain.profiler.host_bytes import checkpoint_staging_bytes
+from protrain.profiler.search import NoPlanFitsError
+from protrain.runtime.batches import batch_shape, call_model, default_loss
+from protrain.runtime.chunks.layout import ParamInfo, first_use_order
+from protrain.runtime.config.settings import PlanningSettings
+from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.device import DeviceInfo, counts_every_byte, release_free_memory
+from protrain.runtime.distributed import DistContext, all_reduce_max, all_reduce_sum_
+from protrain.runtime.model_cache import cache_configs, caches_off
+from protrain.runtime.planning.hardware_probes import hardware_key, hardware_profile, with_disk_rates
+from protrain.runtime.planning.model_facts import (
     AUTOCAST_DTYPES,
     compute_element_size,
     is_searchable,
@@ -60,8 +60,8 @@ from runtime.planning.model_facts import (
     module_params,
     refuse_impossible_knobs,
 )
-from runtime.planning.model_profiling import ChunkedRun, agree_model, profile_model
-from runtime.planning.profile_cache import ProfileOrigin, read_agreed, write_cached
+from protrain.runtime.planning.model_profiling import ChunkedRun, agree_model, profile_model
+from protrain.runtime.planning.profile_cache import ProfileOrigin, read_agreed, write_cached
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

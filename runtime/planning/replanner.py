@@ -28,18 +28,18 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from profiler.plan import Plan
-from runtime.activations.manager import ActivationManager
-from runtime.batches import LossNotFoundError
-from runtime.chunks.layout import model_params
-from runtime.chunks.manager import ChunkManager, SavedAlias
-from runtime.config.spec_io import SpecError
-from runtime.distributed import DistContext, all_reduce_max, broadcast_object
-from runtime.planning.apply_plan import PlanTarget, apply_plan
-from runtime.planning.model_profiling import ChunkedRun
-from runtime.planning.plan_check import judge as judge_plan_check
-from runtime.planning.plan_switch import hold_on_host
-from runtime.planning.planner import Planner
+from protrain.profiler.plan import Plan
+from protrain.runtime.activations.manager import ActivationManager
+from protrain.runtime.batches import LossNotFoundError
+from protrain.runtime.chunks.layout import model_params
+from protrain.runtime.chunks.manager import ChunkManager, SavedAlias
+from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.distributed import DistContext, all_reduce_max, broadcast_object
+from protrain.runtime.planning.apply_plan import PlanTarget, apply_plan
+from protrain.runtime.planning.model_profiling import ChunkedRun
+from protrain.runtime.planning.plan_check import judge as judge_plan_check
+from protrain.runtime.planning.plan_switch import hold_on_host
+from protrain.runtime.planning.planner import Planner
 
 REPLAN_MARGIN = 0.10
 """A measured peak this much above the prediction makes the engine re-plan."""

@@ -26,27 +26,27 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from profiler.analytic import (
+from protrain.profiler.analytic import (
     KNOWN_CONFIGS,
     TransformerShape,
     analytic_profile,
     shape_from_config,
 )
-from profiler.host_bytes import checkpoint_staging_bytes
-from profiler.plan import Plan
-from profiler.plan_builder import KnobRequest, searched_plan
-from profiler.profile import HardwareProfile, ModelProfile
-from profiler.search import NoPlanFitsError
-from runtime.config.hardware_spec import HardwareFile, load_hardware
-from runtime.config.spec_io import SpecError
-from runtime.console import plan_table
-from runtime.planning.memory_estimate import (
+from protrain.profiler.host_bytes import checkpoint_staging_bytes
+from protrain.profiler.plan import Plan
+from protrain.profiler.plan_builder import KnobRequest, searched_plan
+from protrain.profiler.profile import HardwareProfile, ModelProfile
+from protrain.profiler.search import NoPlanFitsError
+from protrain.runtime.config.hardware_spec import HardwareFile, load_hardware
+from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.console import plan_table
+from protrain.runtime.planning.memory_estimate import (
     Budgets,
     estimate_rows,
     estimate_table,
     needs_summary,
 )
-from runtime.planning.what_if_request import SEARCHED_KNOBS, WhatIfRequest
+from protrain.runtime.planning.what_if_request import SEARCHED_KNOBS, WhatIfRequest
 
 DEVICE_RESERVE_FRACTION = 0.05
 """As runtime/planning/budgets.py: kept free on a CUDA device for the context, NCCL and allocator slack."""

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from profiler.plan_builder import KnobRequest
-from runtime.config.settings import keeps_gradients, planning_settings_from_spec
-from runtime.config.spec import AUTO, Precision
-from runtime.config.spec_io import load_spec
+from protrain.profiler.plan_builder import KnobRequest
+from protrain.runtime.config.settings import keeps_gradients, planning_settings_from_spec
+from protrain.runtime.config.spec import AUTO, Precision
+from protrain.runtime.config.spec_io import load_spec
 
 SEARCHED_KNOBS = ("memory.chunk_size", "memory.n_persist", "memory.n_buffer")
 """The knobs the search fills when no spec sets any (activations are placed by it too)."""

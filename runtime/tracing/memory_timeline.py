@@ -32,13 +32,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from profiler.plan import Plan
-from runtime.activations.manager import ActivationManager
-from runtime.chunks.manager import ChunkManager
-from runtime.chunks.residency_states import Residency
-from runtime.device import DeviceInfo
-from runtime.memory_counter import peak_reader, sample_at_hooks
-from runtime.tracing.timeline_file import Mark, Sample, Span, Timeline
+from protrain.profiler.plan import Plan
+from protrain.runtime.activations.manager import ActivationManager
+from protrain.runtime.chunks.manager import ChunkManager
+from protrain.runtime.chunks.residency_states import Residency
+from protrain.runtime.device import DeviceInfo
+from protrain.runtime.memory_counter import peak_reader, sample_at_hooks
+from protrain.runtime.tracing.timeline_file import Mark, Sample, Span, Timeline
 
 
 class MemoryTimeline:

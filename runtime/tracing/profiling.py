@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from runtime.chunks import trace_labels
+from protrain.runtime.chunks import trace_labels
 
 CLOCK_MARK = "trace clock (protrain)"
 """A range on the starting thread whose start both clocks saw: it puts the ranges timed here on

@@ -24,16 +24,16 @@ from typing import Protocol
 
 from torch import nn
 
-from profiler.plan import Plan
-from runtime.activations.manager import ActivationManager
-from runtime.chunks.manager import ChunkManager
-from runtime.config.settings import TraceSettings
-from runtime.console import MetricsFile
-from runtime.device import DeviceInfo
-from runtime.distributed import DistContext, broadcast_object
-from runtime.tracing.memory_timeline import MemoryTimeline
-from runtime.tracing.profiling import ThreadTrace
-from runtime.tracing.timeline_file import timeline_path, trace_path, write_timeline
+from protrain.profiler.plan import Plan
+from protrain.runtime.activations.manager import ActivationManager
+from protrain.runtime.chunks.manager import ChunkManager
+from protrain.runtime.config.settings import TraceSettings
+from protrain.runtime.console import MetricsFile
+from protrain.runtime.device import DeviceInfo
+from protrain.runtime.distributed import DistContext, broadcast_object
+from protrain.runtime.tracing.memory_timeline import MemoryTimeline
+from protrain.runtime.tracing.profiling import ThreadTrace
+from protrain.runtime.tracing.timeline_file import timeline_path, trace_path, write_timeline
 
 
 class TracedEngine(Protocol):

@@ -26,28 +26,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from profiler.plan import BlockMode, Plan
-from runtime.activations.manager import ActivationManager
-from runtime.batches import refuse_larger_batch, to_device
-from runtime.checkpoint.checkpointer import Checkpointer
-from runtime.chunks.manager import ChunkManager
-from runtime.config.settings import TrainingSettings
-from runtime.console import MetricsFile, ProgressReporter, StepRecord
-from runtime.device import DeviceInfo, synchronize
-from runtime.distributed import DistContext
-from runtime.loaders import DataPosition
-from runtime.model_cache import TrainingCaches, refuse_cache_with_recompute
-from runtime.planning.model_facts import AUTOCAST_DTYPES
-from runtime.planning.replanner import Replanner
-from runtime.tracing.trace_window import NO_TRACE, UpdateObserver
-from runtime.training.engine_facades import EngineFacades, device_call
-from runtime.training.live_engines import EngineClaim
-from runtime.training.loss_scale import DynamicLossScaler
-from runtime.training.parts import EngineParts, close_dropped
-from runtime.training.reporting import UpdateReports
-from runtime.training.stop import StopRequest, TrainingStopped
-from runtime.training.update import sum_window, update_shards
-from runtime.training.window import Window
+from protrain.profiler.plan import BlockMode, Plan
+from protrain.runtime.activations.manager import ActivationManager
+from protrain.runtime.batches import refuse_larger_batch, to_device
+from protrain.runtime.checkpoint.checkpointer import Checkpointer
+from protrain.runtime.chunks.manager import ChunkManager
+from protrain.runtime.config.settings import TrainingSettings
+from protrain.runtime.console import MetricsFile, ProgressReporter, StepRecord
+from protrain.runtime.device import DeviceInfo, synchronize
+from protrain.runtime.distributed import DistContext
+from protrain.runtime.loaders import DataPosition
+from protrain.runtime.model_cache import TrainingCaches, refuse_cache_with_recompute
+from protrain.runtime.planning.model_facts import AUTOCAST_DTYPES
+from protrain.runtime.planning.replanner import Replanner
+from protrain.runtime.tracing.trace_window import NO_TRACE, UpdateObserver
+from protrain.runtime.training.engine_facades import EngineFacades, device_call
+from protrain.runtime.training.live_engines import EngineClaim
+from protrain.runtime.training.loss_scale import DynamicLossScaler
+from protrain.runtime.training.parts import EngineParts, close_dropped
+from protrain.runtime.training.reporting import UpdateReports
+from protrain.runtime.training.stop import StopRequest, TrainingStopped
+from protrain.runtime.training.update import sum_window, update_shards
+from protrain.runtime.training.window import Window
 
 
 class Engine(EngineFacades):

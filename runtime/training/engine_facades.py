@@ -19,23 +19,23 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from runtime import device_wall
-from runtime.activations.manager import ActivationManager
-from runtime.checkpoint.checkpointer import Checkpointer
-from runtime.checkpoint.store import Checkpoint, CheckpointError
-from runtime.chunks.manager import ChunkManager
-from runtime.config.settings import TrainingSettings
-from runtime.console import ProgressReporter
-from runtime.device import DeviceInfo
-from runtime.distributed import DistContext
-from runtime.loaders import DataPosition
-from runtime.param_groups import optimizer_groups
-from runtime.sampler import ShardedSampler
-from runtime.training.loss_scale import DynamicLossScaler
-from runtime.training.parts import EngineParts
-from runtime.training.optimizer_facade import EngineOptimizer, build_engine_optimizer
-from runtime.training.schedule import lr_factor
-from runtime.safetensors_stream import DEFAULT_MAX_SHARD_SIZE
+from protrain.runtime import device_wall
+from protrain.runtime.activations.manager import ActivationManager
+from protrain.runtime.checkpoint.checkpointer import Checkpointer
+from protrain.runtime.checkpoint.store import Checkpoint, CheckpointError
+from protrain.runtime.chunks.manager import ChunkManager
+from protrain.runtime.config.settings import TrainingSettings
+from protrain.runtime.console import ProgressReporter
+from protrain.runtime.device import DeviceInfo
+from protrain.runtime.distributed import DistContext
+from protrain.runtime.loaders import DataPosition
+from protrain.runtime.param_groups import optimizer_groups
+from protrain.runtime.sampler import ShardedSampler
+from protrain.runtime.training.loss_scale import DynamicLossScaler
+from protrain.runtime.training.parts import EngineParts
+from protrain.runtime.training.optimizer_facade import EngineOptimizer, build_engine_optimizer
+from protrain.runtime.training.schedule import lr_factor
+from protrain.runtime.safetensors_stream import DEFAULT_MAX_SHARD_SIZE
 
 _E = TypeVar("_E", bound="EngineFacades")
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -275,7 +275,7 @@ class EngineFacades:
         chunks holding adapter parameters are read). ``dtype`` casts floating tensors (e.g.
         ``torch.bfloat16``); default: as trained (fp32 masters). ``overwrite``: replace a
         non-empty directory."""
-        from runtime.export.from_engine import export_engine
+        from protrain.runtime.export.from_engine import export_engine
 
         if hf and adapter_only:
             raise ValueError("export: hf=True and adapter_only=True exclude each other; choose one")
@@ -307,7 +307,7 @@ class EngineFacades:
         other files in it stay, the old weight files are replaced), streamed as ``export`` does:
         a PEFT model's adapters, a transformers model's config and weights, another model's
         weights as ``model.safetensors``. What a Trainer's ``save_model`` and checkpoints use."""
-        from runtime.export.from_engine import export_engine, save_kind
+        from protrain.runtime.export.from_engine import export_engine, save_kind
 
         kind = save_kind(self.module)
         target = Path(directory) / "model.safetensors" if kind == "safetensors" else Path(directory)

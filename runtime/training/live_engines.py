@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from runtime import device_wall
-from runtime.config.spec_io import SpecError
+from protrain.runtime import device_wall
+from protrain.runtime.config.spec_io import SpecError
 
 PLAN_MARGIN = 0.05
 """An auto engine holds its plan's predicted device peak times (1 + this): the search's margin."""

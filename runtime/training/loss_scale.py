@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime.config.settings import LossScaleSettings
+from protrain.runtime.config.settings import LossScaleSettings
 
 
 class DynamicLossScaler:

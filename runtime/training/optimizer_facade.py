@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.config.settings import OptimizerSettings
-from runtime.param_groups import OptimizerGroup, resolve_param_hyper
+from protrain.runtime.config.settings import OptimizerSettings
+from protrain.runtime.param_groups import OptimizerGroup, resolve_param_hyper
 
 
 class EngineOptimizer(torch.optim.Optimizer):

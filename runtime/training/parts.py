@@ -18,14 +18,14 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from runtime.activations.manager import ActivationManager
-from runtime.checkpoint.checkpointer import Checkpointer
-from runtime.chunks.manager import ChunkManager
-from runtime.distributed import DistContext, release
-from runtime.tracing.trace_window import UpdateObserver
-from runtime.training.live_engines import EngineClaim
-from runtime.training.reporting import UpdateReports
-from runtime.training.stop import StopRequest
+from protrain.runtime.activations.manager import ActivationManager
+from protrain.runtime.checkpoint.checkpointer import Checkpointer
+from protrain.runtime.chunks.manager import ChunkManager
+from protrain.runtime.distributed import DistContext, release
+from protrain.runtime.tracing.trace_window import UpdateObserver
+from protrain.runtime.training.live_engines import EngineClaim
+from protrain.runtime.training.reporting import UpdateReports
+from protrain.runtime.training.stop import StopRequest
 
 
 @dataclass(eq=False, kw_only=True)

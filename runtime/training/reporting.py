@@ -17,18 +17,18 @@ import time
 
 from torch import nn
 
-from profiler.plan import Plan
-from runtime.config.settings import TrainingSettings
-from runtime.console import MetricsFile, ProgressReporter, StepRecord
-from runtime.device import DeviceInfo
-from runtime.distributed import DistContext
-from runtime.metrics.trackers import Trackers, open_trackers
-from runtime.metrics.update_metrics import MetricSources, UpdateMetrics, tracker_metrics
-from runtime.planning.memory_probe import PeakMemoryProbe
-from runtime.planning.plan_check import PlanCheck
-from runtime.planning.plan_check import describe as describe_plan_check
-from runtime.planning.plan_check import judge as judge_plan_check
-from runtime.planning.replanner import Replanner
+from protrain.profiler.plan import Plan
+from protrain.runtime.config.settings import TrainingSettings
+from protrain.runtime.console import MetricsFile, ProgressReporter, StepRecord
+from protrain.runtime.device import DeviceInfo
+from protrain.runtime.distributed import DistContext
+from protrain.runtime.metrics.trackers import Trackers, open_trackers
+from protrain.runtime.metrics.update_metrics import MetricSources, UpdateMetrics, tracker_metrics
+from protrain.runtime.planning.memory_probe import PeakMemoryProbe
+from protrain.runtime.planning.plan_check import PlanCheck
+from protrain.runtime.planning.plan_check import describe as describe_plan_check
+from protrain.runtime.planning.plan_check import judge as judge_plan_check
+from protrain.runtime.planning.replanner import Replanner
 
 
 class UpdateReports:

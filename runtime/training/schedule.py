@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from runtime.config.settings import ScheduleSettings
-from runtime.config.spec import SchedulerType
+from protrain.runtime.config.settings import ScheduleSettings
+from protrain.runtime.config.spec import SchedulerType
 
 
 def lr_factor(update_index: int, schedule: ScheduleSettings) -> float:

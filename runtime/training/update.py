@@ -20,13 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime import stream_chaos
-from runtime.chunks.manager import ChunkManager
-from runtime.config.settings import TrainingSettings
-from runtime.config.spec import NonFiniteLossPolicy
-from runtime.distributed import DistContext, all_reduce_sum_
-from runtime.training.loss_scale import DynamicLossScaler
-from runtime.training.window import Window
+from protrain.runtime import stream_chaos
+from protrain.runtime.chunks.manager import ChunkManager
+from protrain.runtime.config.settings import TrainingSettings
+from protrain.runtime.config.spec import NonFiniteLossPolicy
+from protrain.runtime.distributed import DistContext, all_reduce_sum_
+from protrain.runtime.training.loss_scale import DynamicLossScaler
+from protrain.runtime.training.window import Window
 
 
 class NonFiniteLossError(FloatingPointError):

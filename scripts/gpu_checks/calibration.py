@@ -65,7 +65,7 @@ REHEARSAL = Sizes(
 
 
 def device_info(ctx: Context) -> Any:
-    from runtime.device import DeviceInfo
+    from protrain.runtime.device import DeviceInfo
 
     return DeviceInfo(ctx.device, "nccl" if ctx.is_cuda else "gloo")
 
@@ -84,8 +84,8 @@ def timed_device(ctx: Context, work: Callable[[], object], repeats: int = 3) -> 
 
 
 def counter_cost(ctx: Context, readings: int) -> None:
-    from runtime.device import device_allocated_bytes
-    from runtime.memory_counter import device_peak_since_last_sample
+    from protrain.runtime.device import device_allocated_bytes
+    from protrain.runtime.memory_counter import device_peak_since_last_sample
 
     info = device_info(ctx)
 
@@ -115,7 +115,7 @@ def counter_cost(ctx: Context, readings: int) -> None:
 
 def copy_rates(ctx: Context, nbytes: int) -> None:
     """Registered vs pinned vs pageable, both directions."""
-    from runtime.host_memory import MmapArena
+    from protrain.runtime.host_memory import MmapArena
 
     numel = nbytes // 4
     on_device = torch.empty(numel, device=ctx.device)
@@ -176,9 +176,9 @@ def labelled_copies(ctx: Context, nbytes: int) -> None:
     """A side-stream copy up under ``protrain.gather.3`` and one back under ``protrain.reduce.5``,
     beside compute on the main thread, traced and parsed as the overlap stage parses its trace."""
     from gpu_checks.trace_overlap import parse_trace
-    from runtime.chunks.trace_labels import job_label
-    from runtime.device import SideStream
-    from runtime.tracing.profiling import profile_every_thread
+    from protrain.runtime.chunks.trace_labels import job_label
+    from protrain.runtime.device import SideStream
+    from protrain.runtime.tracing.profiling import profile_every_thread
 
     numel = nbytes // 4
     host = torch.ones(numel, pin_memory=ctx.is_cuda)
@@ -227,7 +227,7 @@ def labelled_copies(ctx: Context, nbytes: int) -> None:
 
 
 def hardware_profile(ctx: Context) -> None:
-    from runtime.planning.hardware_probes import measure_hardware
+    from protrain.runtime.planning.hardware_probes import measure_hardware
 
     started = time.perf_counter()
     profile = measure_hardware(device_info(ctx), None, world_size=1)
@@ -245,7 +245,7 @@ def hardware_profile(ctx: Context) -> None:
 
 
 def run(ctx: Context) -> None:
-    from runtime.device import host_worker_threads
+    from protrain.runtime.device import host_worker_threads
 
     sizes = REHEARSAL if ctx.rehearsal else GPU
     threads = host_worker_threads(device_info(ctx))

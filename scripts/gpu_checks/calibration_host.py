@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_checks.common import Context
-from runtime.planning.host_rates import best_time, on_thread
+from protrain.runtime.planning.host_rates import best_time, on_thread
 
 @dataclass(frozen=True, slots=True)
 class HostSizes:
@@ -43,7 +43,7 @@ class BackgroundAdam:
     stopped; its steps per second while it ran."""
 
     def __init__(self, numel: int, threads: int) -> None:
-        from runtime.cpu_adam import ShardAdamW
+        from protrain.runtime.cpu_adam import ShardAdamW
 
         self.master = torch.zeros(numel)
         self.grad = torch.full_like(self.master, 1e-3)
@@ -125,7 +125,7 @@ def host_rates(ctx: Context, sizes: HostSizes, worker_threads: int) -> None:
 
 def adam_rates(ctx: Context, sizes: HostSizes, worker_threads: int) -> None:
     """ShardAdamW over one fp32 shard of each size, at the host worker's thread count."""
-    from runtime.cpu_adam import ShardAdamW
+    from protrain.runtime.cpu_adam import ShardAdamW
 
     for numel in sizes.adam_numels:
 

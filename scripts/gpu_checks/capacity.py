@@ -155,7 +155,7 @@ class Speed:
 
 def hf_batches(shape: LlamaShape, sizes: Sizes) -> Callable[[int, int], dict[str, torch.Tensor]]:
     """Batch (update, micro) of byte-level text; Hugging Face's models shift labels themselves."""
-    from runtime.data import LMBatches, stdlib_text_corpus
+    from protrain.runtime.data import LMBatches, stdlib_text_corpus
 
     data = LMBatches(
         tokens=stdlib_text_corpus() % shape.vocab, seq_len=sizes.seq_len, micro_batch_size=sizes.micro_batch,
@@ -269,7 +269,7 @@ def plan_words(plan: Any) -> str:
 
 
 def run_protrain(ctx: Context, shape: LlamaShape, flops: int, sizes: Sizes) -> None:
-    from runtime.config.spec_io import SpecError
+    from protrain.runtime.config.spec_io import SpecError
 
     for budget, budget_bytes in sizes.budgets:
         name = f"{shape.name} @ {budget}"

@@ -131,7 +131,7 @@ def measure_once(
 def run(ctx: Context) -> None:
     import bench_cost_model as bench
 
-    from profiler.cost_model import chunk_costs, predict
+    from protrain.profiler.cost_model import chunk_costs, predict
 
     sizes = REHEARSAL if ctx.rehearsal else GPU
     shape = bench.ModelShape(sizes.layers, sizes.width, sizes.heads)

@@ -23,7 +23,7 @@ GIB = 1 << 30
 def quiet_initialize(model: nn.Module, spec: dict[str, Any], **kwargs: Any) -> Any:
     """``runtime.initialize`` with its plan table and progress lines kept off the report's
     output (the engine's console binds stdout when it is built)."""
-    import runtime
+    from protrain import runtime
 
     with contextlib.redirect_stdout(io.StringIO()):
         return runtime.initialize(model, config=spec, **kwargs)
@@ -35,7 +35,7 @@ def meta_model(build: Callable[[], nn.Module]) -> tuple[nn.Module, Any]:
     the model never exists whole in host memory, let alone twice (DESIGN section 4)."""
     from accelerate import init_empty_weights
 
-    from runtime.weights import ModelInit
+    from protrain.runtime.weights import ModelInit
 
     with init_empty_weights():
         model = build()
@@ -55,7 +55,7 @@ def free_memory(device: torch.device) -> None:
 
 def allocated_bytes(device: torch.device) -> int:
     """The device tier's bytes now: CUDA's allocator, or the C heap on CPU."""
-    from runtime.device import DeviceInfo, device_allocated_bytes
+    from protrain.runtime.device import DeviceInfo, device_allocated_bytes
 
     return device_allocated_bytes(DeviceInfo(device, "nccl" if device.type == "cuda" else "gloo"))
 
@@ -68,8 +68,8 @@ def device_peak(device: torch.device, model: nn.Module) -> Iterator[Callable[[],
     so only a ``PeakWindow`` sees every peak; read at every module's forward and every
     gradient, as the engine reads it, and once more at the end (the optimizer step). On CPU
     the C heap at the same hooks."""
-    from runtime.device import DeviceInfo
-    from runtime.memory_counter import PeakWindow, device_peak_since_last_sample, sample_at_hooks
+    from protrain.runtime.device import DeviceInfo
+    from protrain.runtime.memory_counter import PeakWindow, device_peak_since_last_sample, sample_at_hooks
 
     info = DeviceInfo(device, "nccl" if device.type == "cuda" else "gloo")
     window = PeakWindow(info)

@@ -163,7 +163,7 @@ def run(ctx: Context) -> None:
 def _model(size: Sizes, cls: type[torch.nn.Module] | None = None) -> torch.nn.Module:
     """The GPT with the suite's seed-0 weights (built on the host: ``initialize`` chunks it from
     there, plain PyTorch moves it)."""
-    from runtime.models.gpt import GPT
+    from protrain.runtime.models.gpt import GPT
 
     torch.manual_seed(0)
     return (cls or GPT)(size.model)
@@ -197,7 +197,7 @@ def _reference(ctx: Context, size: Sizes, *, clip: float) -> Reference:
 def _autocast_reference(ctx: Context, size: Sizes) -> Reference:
     """Plain PyTorch under autocast(bf16): fp32 parameters, bf16 matmuls, fp32 (fused) AdamW."""
     from gpu_checks.training import lm_data, on_device, to_cpu
-    from runtime.models.gpt import GPT
+    from protrain.runtime.models.gpt import GPT
     from tests.helpers import train_reference
 
     class AutocastGPT(GPT):
@@ -216,7 +216,7 @@ def _train(
 ) -> Run:
     """One engine under ``memory``, trained on the reference's batches with the pool check on;
     ``example``: plan on an example batch (the search fills the knobs left auto)."""
-    import runtime
+    from protrain import runtime
     from gpu_checks import training
 
     out = ctx.scratch / f"run-{len(ctx.report.checks)}"
@@ -325,7 +325,7 @@ def _judge_bf16(ctx: Context, name: str, run: Run, reference: Reference, size: S
 def _budget_checks(ctx: Context, size: Sizes, reference: Reference, tally: PoolReads) -> None:
     """A budget set by hand that the resident plan cannot meet: the search must offload, predict
     a peak within it, and (CUDA) the training steps must stay within it."""
-    import runtime
+    from protrain import runtime
     from gpu_checks import training
 
     generous = 16 * 2**30 if ctx.is_cuda else 2**30

@@ -103,7 +103,7 @@ def fsdp2(ctx: Context, shape: capacity.LlamaShape, sizes: capacity.Sizes) -> ca
 
 
 def run(ctx: Context) -> None:
-    from runtime.config.spec_io import SpecError
+    from protrain.runtime.config.spec_io import SpecError
 
     sizes = REHEARSAL if ctx.rehearsal else GPU
     (shape,), ((budget, budget_bytes),) = sizes.models, sizes.budgets

@@ -45,8 +45,8 @@ def run(ctx: Context) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from gpu_checks import training
-    from runtime import device_wall
-    from runtime.models.gpt import GPT, GPTConfig
+    from protrain.runtime import device_wall
+    from protrain.runtime.models.gpt import GPT, GPTConfig
 
     config = GPTConfig(**(REHEARSAL_MODEL if ctx.rehearsal else GPU_MODEL), dropout=0.1)
     plan = checkpoint.Resume(model=config, before=2 if ctx.rehearsal else 4, after=2 if ctx.rehearsal else 3)
@@ -84,10 +84,10 @@ def run(ctx: Context) -> None:
 
 def export(ctx: Context, config: Any, root: Path, overrides: dict[str, Any], plan: checkpoint.Resume) -> None:
     """A fresh engine resumes the fp32 case's save and exports; the file equals its state."""
-    import runtime
+    from protrain import runtime
     from gpu_checks.training import to_cpu, unequal
-    from runtime.export import load_safetensors_export
-    from runtime.models.gpt import GPT
+    from protrain.runtime.export import load_safetensors_export
+    from protrain.runtime.models.gpt import GPT
     from tests.checkpointing import checkpoint_job
 
     saved = root / "ckpt" / f"step-{plan.before:08d}"

@@ -43,7 +43,7 @@ from gpu_checks.engine_runs import free_memory, quiet_initialize, update_records
 from gpu_checks.overlap_report import report_labels, report_waits
 from gpu_checks.trace_overlap import overlap as trace_overlap
 from gpu_checks.trace_overlap import parse_trace
-from runtime.planning.plan_check import CHECK_AFTER_UPDATES
+from protrain.runtime.planning.plan_check import CHECK_AFTER_UPDATES
 
 TRACE_FILE = "trace.json.gz"
 WARMUP = CHECK_AFTER_UPDATES + 1
@@ -83,7 +83,7 @@ def traced_update(ctx: Context, run: Any, data: Any, update: int) -> tuple[dict[
     import gzip
     import json
 
-    from runtime.tracing.profiling import profile_every_thread
+    from protrain.runtime.tracing.profiling import profile_every_thread
 
     with profile_every_thread(ctx.is_cuda) as prof:
         ctx.synchronize()
@@ -154,7 +154,7 @@ def run(ctx: Context) -> None:
 
 
 def persistent_vs_offloaded(ctx: Context, sizes: overlap.Sizes, data: Any, plan: Any, step_s: float) -> None:
-    from runtime.config.spec_io import SpecError
+    from protrain.runtime.config.spec_io import SpecError
 
     modes = [mode.value for mode in plan.block_modes]
     memory: dict[str, Any] = {

@@ -74,7 +74,7 @@ from gpu_checks.engine_runs import free_memory, meta_model, quiet_initialize, up
 from gpu_checks.overlap_report import TRACE_FILE, report_chunks, report_labels, report_shares, report_waits
 from gpu_checks.trace_overlap import overlap as trace_overlap
 from gpu_checks.trace_overlap import parse_trace
-from runtime.tracing.profiling import profile_every_thread
+from protrain.runtime.tracing.profiling import profile_every_thread
 
 TRANSFER_MARGIN = 1.25
 
@@ -131,7 +131,7 @@ class BatchChoice:
 
 def choose_batch(model_profile: Any, hardware: Any, plan: Any, sizes: Sizes) -> BatchChoice:
     """Micro-batch and accumulation from the probe's profiles (see the module docstring)."""
-    from profiler.cost_model import chunk_costs
+    from protrain.profiler.cost_model import chunk_costs
 
     costs = chunk_costs(model_profile, hardware, plan.chunk_size)
     n = costs.num_chunks
@@ -178,7 +178,7 @@ def job(sizes: Sizes, scratch: Path, name: str, micro_batch: int, accumulation: 
 
 
 def batches(sizes: Sizes, micro_batch: int, accumulation: int) -> Any:
-    from runtime.data import LMBatches, stdlib_text_corpus
+    from protrain.runtime.data import LMBatches, stdlib_text_corpus
 
     return LMBatches(
         tokens=stdlib_text_corpus(), seq_len=sizes.seq_len, micro_batch_size=micro_batch,
@@ -187,7 +187,7 @@ def batches(sizes: Sizes, micro_batch: int, accumulation: int) -> Any:
 
 
 def build(sizes: Sizes) -> tuple[Any, Any]:
-    from runtime.models.gpt import GPT, GPTConfig
+    from protrain.runtime.models.gpt import GPT, GPTConfig
 
     config = GPTConfig(
         vocab_size=sizes.vocab, seq_len=sizes.seq_len, n_layer=sizes.layers, n_head=sizes.heads,
@@ -232,7 +232,7 @@ def engine_for(
     """The measured run's engine and the profile its initialize took (None if it took none),
     at the chosen batch or, when that does not fit the device, at half the micro-batch and
     twice the accumulation (down to the probe's batch)."""
-    from runtime.config.spec_io import SpecError
+    from protrain.runtime.config.spec_io import SpecError
 
     while True:
         try:

@@ -67,7 +67,7 @@ def report_chunks(
     """Per chunk: each kind of work's busy time and hidden share, and the chunk's profiled
     compute per micro-batch (forward + backward; scaled from the profile's batch if the run's
     initialize took no profile)."""
-    from profiler.cost_model import chunk_costs
+    from protrain.profiler.cost_model import chunk_costs
 
     costs = chunk_costs(model_profile, hardware, chunk_size)
     scale = micro_batch / model_profile.batch_shape[0]

@@ -118,7 +118,7 @@ def run(ctx: Context) -> None:
 
 
 def _model(size: Any, seed: int) -> torch.nn.Module:
-    from runtime.models.gpt import GPT
+    from protrain.runtime.models.gpt import GPT
 
     torch.manual_seed(seed)
     return GPT(size.model)
@@ -243,7 +243,7 @@ def _probe(device: torch.device, rank: int) -> dict[str, str]:
 
 def _runtime_collectives(device: torch.device, rank: int) -> list[str]:
     """The runtime's flat collectives on ``device``; every case whose result is wrong."""
-    from runtime.distributed import all_gather_flat, reduce_scatter_by_all_reduce_, reduce_scatter_flat_
+    from protrain.runtime.distributed import all_gather_flat, reduce_scatter_by_all_reduce_, reduce_scatter_flat_
 
     wrong = []
     for numel in (3, 1 << 16):
@@ -270,9 +270,9 @@ def _runtime_collectives(device: torch.device, rank: int) -> list[str]:
 def _train_case(job: dict[str, Any], case: dict[str, Any], rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    import runtime
+    from protrain import runtime
     from gpu_checks import training
-    from runtime.models.gpt import GPTConfig
+    from protrain.runtime.models.gpt import GPTConfig
 
     size = training.Sizes(model=GPTConfig(**job["model"]), micro_batch=job["micro_batch"], steps=job["steps"])
     out = Path(job["out"]) / f"case-{list(job['cases'].values()).index(case)}"

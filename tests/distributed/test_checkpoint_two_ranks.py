@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.export import load_safetensors_export
+from protrain.runtime.export import load_safetensors_export
 from tests.checkpointing import Windows, checkpoint_job, checkpoint_tensors, train_until
 from tests.distributed.pool import RankPool
 from tests.helpers import TINY_GPT, assert_state_close, assert_state_equal, tiny_gpt
@@ -94,7 +94,7 @@ def test_reshard_one_rank_to_two(rank_pool: RankPool, tmp_path: Path) -> None:
 
 
 def train_and_export(*, rank: int, root: str) -> dict[str, Any]:
-    import runtime
+    from protrain import runtime
 
     engine = runtime.initialize(tiny_gpt(0), config=checkpoint_job(root))
     with engine:
@@ -128,7 +128,7 @@ class ScaledGPT(torch.nn.Module):
 
 
 def save_scaled(*, rank: int, root: str) -> dict[str, Any]:
-    import runtime
+    from protrain import runtime
 
     config = checkpoint_job(root, memory={"chunk_size": "auto", "n_persist": 0, "n_buffer": "auto"})
     engine = runtime.initialize(ScaledGPT(), config=config)
@@ -142,7 +142,7 @@ def save_scaled(*, rank: int, root: str) -> dict[str, Any]:
 
 
 def test_a_scalar_parameter_is_saved_and_resharded(rank_pool: RankPool, tmp_path: Path) -> None:
-    import runtime
+    from protrain import runtime
 
     saved = rank_pool.run(save_scaled, root=str(tmp_path))
     tensors = checkpoint_tensors(saved[0]["path"])
@@ -157,8 +157,8 @@ def test_a_scalar_parameter_is_saved_and_resharded(rank_pool: RankPool, tmp_path
 def save_and_export_into_a_file(*, rank: int, root: str) -> dict[str, str]:
     """Rank 0 alone meets the broken directory (it does the shared file-system work): every rank
     must get the error, none may wait for it in a collective."""
-    import runtime
-    from runtime.checkpoint.store import CheckpointError
+    from protrain import runtime
+    from protrain.runtime.checkpoint.store import CheckpointError
 
     blocker = Path(root) / "not-a-directory"
     engine = runtime.initialize(tiny_gpt(0), config=checkpoint_job(root))

@@ -26,7 +26,7 @@ def flat_collectives(*, rank: int) -> list[str]:
     """Every case where ours and torch's differ (empty: all equal)."""
     import torch.distributed as dist
 
-    from runtime.distributed import all_gather_flat, reduce_scatter_flat_
+    from protrain.runtime.distributed import all_gather_flat, reduce_scatter_flat_
 
     mismatches = []
     for shard_numel in (3, 1023, 1 << 16):
@@ -65,7 +65,7 @@ def train_counting_gradient_buffers(*, rank: int, output_dir: str) -> dict[str, 
     """Every chunk persistent (backward then never waits for the side stream, which would pace
     it), 64 KiB chunks, every reduction slowed down; at every parameter's gradient hook, count
     the gradient buffers still alive."""
-    import runtime
+    from protrain import runtime
 
     def config(n_persist: int) -> dict[str, Any]:
         return {

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.training.update import NonFiniteLossError
+from protrain.runtime.training.update import NonFiniteLossError
 from tests.distributed.pool import RankPool, RemoteError
 from tests.helpers import (
     assert_matches_reference,
@@ -97,7 +97,7 @@ def _memory(offload: bool) -> dict[str, Any]:
 
 
 def nonfinite_on_rank_one(*, rank: int, output_dir: str, policy: str, offload: bool) -> dict[str, Any]:
-    import runtime
+    from protrain import runtime
 
     config = {
         "seed": 3,
@@ -155,7 +155,7 @@ def branch_on_rank_zero_only(*, rank: int, output_dir: str, offload: bool) -> di
     """A parameter that gets a gradient on rank 0 only, and one that gets none anywhere."""
     from torch import nn
 
-    import runtime
+    from protrain import runtime
 
     torch.manual_seed(5)
     model = nn.ModuleDict({"trunk": nn.Linear(4, 4), "branch": nn.Linear(4, 4), "never": nn.Linear(4, 4)})
@@ -255,7 +255,7 @@ def test_two_ranks_with_offloaded_chunks_match_plain_pytorch(
 
 
 def fp16_overflow_on_rank_one(*, rank: int, output_dir: str) -> dict[str, Any]:
-    import runtime
+    from protrain import runtime
 
     config = {
         "seed": 3,

@@ -101,7 +101,7 @@ def test_two_ranks_save_the_trained_lora_adapter(rank_pool: RankPool, tmp_path: 
 
 def refusal(*, rank: int, output_dir: str) -> str:
     """On a rank: the SpecError a Trainer without use_cpu=True raises on CPU, or what happened."""
-    from runtime.config.spec_io import SpecError
+    from protrain.runtime.config.spec_io import SpecError
 
     try:
         run_trainer(rank=rank, kind="gpt2", protrain=True, output_dir=output_dir, use_cpu=False, max_steps=2)

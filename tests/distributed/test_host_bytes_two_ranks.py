@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from runtime.host_memory import host_arena_bytes
+from protrain.runtime.host_memory import host_arena_bytes
 from tests.distributed.pool import RankPool
 from tests.helpers import lm_batches, tiny_gpt
 
 
 def host_bytes_after_training(*, rank: int, output_dir: str, clip: float) -> dict[str, Any]:
-    import runtime
+    from protrain import runtime
 
     gc.collect()
     before = host_arena_bytes()[0]

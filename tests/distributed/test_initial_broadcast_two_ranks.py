@@ -24,7 +24,7 @@ STEPS = 8
 
 
 def train_from_own_model(*, rank: int, output_dir: str) -> dict[str, Any]:
-    import runtime
+    from protrain import runtime
 
     model = tiny_gpt(rank)  # rank 1's values differ from rank 0's everywhere
     model.register_buffer("marker", torch.full((3,), float(rank)))

@@ -15,9 +15,9 @@ def agree_different_measurements(*, rank: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from profiler.profile import HardwareProfile
-    from runtime.distributed import DistContext
-    from runtime.planning.hardware_probes import agree_hardware
+    from protrain.profiler.profile import HardwareProfile
+    from protrain.runtime.distributed import DistContext
+    from protrain.runtime.planning.hardware_probes import agree_hardware
 
     mine = HardwareProfile(
         device_kind="cpu",
@@ -47,7 +47,7 @@ def test_every_hardware_figure_is_agreed(rank_pool: RankPool) -> None:
 
 
 def plan_with_a_tight_budget(*, rank: int, output_dir: str) -> dict[str, Any]:
-    import runtime
+    from protrain import runtime
 
     config = {
         "seed": 3,

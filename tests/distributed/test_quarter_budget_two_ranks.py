@@ -21,8 +21,8 @@ pytestmark = pytest.mark.timeout(300)
 def train_and_save(*, rank: int, root: str) -> dict[str, Any]:
     import torch
 
-    import runtime
-    from runtime.safetensors_stream import ShardedWriter
+    from protrain import runtime
+    from protrain.runtime.safetensors_stream import ShardedWriter
 
     writers: list[int] = []
     init = ShardedWriter.__init__
@@ -64,7 +64,7 @@ def train_and_save(*, rank: int, root: str) -> dict[str, Any]:
 def test_two_ranks_train_and_stream_every_save_within_a_quarter_of_the_model(
     rank_pool: RankPool, tmp_path: Path
 ) -> None:
-    from runtime.export import load_safetensors_export
+    from protrain.runtime.export import load_safetensors_export
 
     results = rank_pool.run(train_and_save, root=str(tmp_path))
     for result in results:
@@ -79,7 +79,7 @@ def test_two_ranks_train_and_stream_every_save_within_a_quarter_of_the_model(
 
 
 def export_adapter(*, rank: int, root: str) -> list[str]:
-    import runtime
+    from protrain import runtime
 
     model = deep_lora()
     budget = fp32_bytes(model) // 4

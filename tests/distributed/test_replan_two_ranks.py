@@ -21,7 +21,7 @@ STEPS = 8
 def train(
     *, rank: int, root: str, budget: int | None, underestimate: bool, example: bool = True
 ) -> dict[str, Any]:
-    import runtime
+    from protrain import runtime
 
     data = lm_batches(micro_batch_size=16, accumulation=1, world_size=2)
     config = {**job(Path(root), device_budget=budget or "1GiB"), "micro_batch_size": 16}
@@ -67,7 +67,7 @@ def test_two_ranks_plan_on_their_first_batch(rank_pool: RankPool, tmp_path: Path
 
 def train_offloaded(*, rank: int, root: str, budget: int | str) -> dict[str, Any]:
     """Micro-batches of 2, no example batch: the first batch is profiled and planned on."""
-    import runtime
+    from protrain import runtime
 
     data = lm_batches(micro_batch_size=2, accumulation=1, world_size=2)
     config = job(Path(root), device_budget=budget)

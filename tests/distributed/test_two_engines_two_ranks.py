@@ -52,7 +52,7 @@ def _delay_side_stream(engine: Any, *, seconds: float) -> None:
 def two_engines(*, rank: int, output_dir: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    import runtime
+    from protrain import runtime
 
     threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("protrain"))
     data = lm_batches(micro_batch_size=2, accumulation=1, world_size=2)

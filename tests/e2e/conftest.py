@@ -28,9 +28,9 @@ TRAIN_SCRIPT = """\
 import os, sys, time
 from pathlib import Path
 import torch
-import runtime
-from runtime.data import LMBatches, stdlib_text_corpus
-from runtime.models.gpt import GPT, PRESETS
+from protrain import runtime
+from protrain.runtime.data import LMBatches, stdlib_text_corpus
+from protrain.runtime.models.gpt import GPT, PRESETS
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "train"
 spec = runtime.current_spec()
@@ -68,7 +68,7 @@ class Job:
         self.script.write_text(TRAIN_SCRIPT)
 
     def command(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "protrain_launcher", *args]
+        return [sys.executable, "-m", "protrain.launcher", *args]
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

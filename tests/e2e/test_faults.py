@@ -18,9 +18,9 @@ SCRIPT = """\
 import os, signal, sys, time
 from pathlib import Path
 import torch
-import runtime
-from runtime.data import TokenWindows, stdlib_text_corpus
-from runtime.models.gpt import GPT, PRESETS
+from protrain import runtime
+from protrain.runtime.data import TokenWindows, stdlib_text_corpus
+from protrain.runtime.models.gpt import GPT, PRESETS
 
 mode, until = sys.argv[1], int(sys.argv[2])
 spec = runtime.current_spec()

@@ -15,7 +15,7 @@ import json, sys
 from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
-from runtime.integrations.hf import ProTrainTrainer
+from protrain.runtime.integrations.hf import ProTrainTrainer
 from tests.hf_trainer_runs import CausalWindows
 from tests.helpers import TINY_LLAMA
 

@@ -17,7 +17,7 @@ UPDATES = 2
 SEQUENTIAL_SCRIPT = f"""\
 from pathlib import Path
 import torch
-import runtime
+from protrain import runtime
 from tests.helpers import lm_batches, tiny_gpt, train_updates
 
 config = runtime.current_spec().model_dump(mode="json")

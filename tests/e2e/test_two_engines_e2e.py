@@ -12,9 +12,9 @@ from tests.e2e.conftest import Job
 TWO_ENGINES_SCRIPT = """\
 from pathlib import Path
 import torch
-import runtime
-from runtime.data import LMBatches, stdlib_text_corpus
-from runtime.models.gpt import GPT, PRESETS
+from protrain import runtime
+from protrain.runtime.data import LMBatches, stdlib_text_corpus
+from protrain.runtime.models.gpt import GPT, PRESETS
 
 # The launcher's spec with a device budget set by hand: 64 MiB each, well under the machine.
 config = runtime.current_spec().model_dump(mode="json")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from profiler.activation_cost import activation_cost
-from profiler.cost_model import chunk_costs, predict
-from profiler.profile import BlockProfile, HardwareProfile, ModelProfile
-from profiler.search import search
+from protrain.profiler.activation_cost import activation_cost
+from protrain.profiler.cost_model import chunk_costs, predict
+from protrain.profiler.profile import BlockProfile, HardwareProfile, ModelProfile
+from protrain.profiler.search import search
 
 
 def model() -> ModelProfile:

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-import runtime
-from runtime.activations import ssd_io
-from runtime.activations.ssd_store import SsdIoError
-from runtime.models.gpt import GPTConfig
+from protrain import runtime
+from protrain.runtime.activations import ssd_io
+from protrain.runtime.activations.ssd_store import SsdIoError
+from protrain.runtime.models.gpt import GPTConfig
 from tests.helpers import assert_state_equal, lm_batches, tiny_gpt
 
 FOUR_BLOCKS = GPTConfig(vocab_size=256, seq_len=32, n_layer=4, n_head=2, d_model=64)
@@ -208,8 +208,9 @@ def test_a_file_that_cannot_be_read_back_raises_and_never_gives_zeros(tmp_path: 
 
 
 SCRIPT = """
-import sys, torch, runtime
-from runtime.models.gpt import GPT, GPTConfig
+import sys, torch
+from protrain import runtime
+from protrain.runtime.models.gpt import GPT, GPTConfig
 from tests.helpers import lm_batches
 config = {{"seed": 3, "micro_batch_size": 2, "optimizer": {{"lr": 1e-3}},
           "memory": {{"ssd": {{"path": {ssd!r}, "n_offload": 4}}}}, "output_dir": {out!r}}}

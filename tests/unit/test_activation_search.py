@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from profiler.activation_cost import (
+from protrain.profiler.activation_cost import (
     CHECKPOINT,
     KEEP,
     SSD,
@@ -21,9 +21,9 @@ from profiler.activation_cost import (
     activation_options,
     block_layout,
 )
-from profiler.cost_model import predict
-from profiler.profile import BlockProfile, HardwareProfile, ModelProfile
-from profiler.search import SAME_SPEED, NoPlanFitsError, search
+from protrain.profiler.cost_model import predict
+from protrain.profiler.profile import BlockProfile, HardwareProfile, ModelProfile
+from protrain.profiler.search import SAME_SPEED, NoPlanFitsError, search
 from tests.unit.test_cost_model import MIB, chunk_plans, hardware, random_model
 
 
@@ -152,9 +152,9 @@ def test_more_memory_never_gives_a_slower_best_plan_with_layouts() -> None:
 def test_six_knob_search_on_an_80_block_model() -> None:
     """Llama-2-70B's shape on the H100 file's machine, with an NVMe disk: chunk size x n_persist x
     n_buffer x n_swap x n_checkpoint x ssd.n_offload."""
-    from profiler.analytic import KNOWN_CONFIGS, analytic_profile, shape_from_config
-    from runtime.config.hardware_spec import load_hardware
-    from runtime.planning.what_if import machine_from_file
+    from protrain.profiler.analytic import KNOWN_CONFIGS, analytic_profile, shape_from_config
+    from protrain.runtime.config.hardware_spec import load_hardware
+    from protrain.runtime.planning.what_if import machine_from_file
 
     machine = machine_from_file(load_hardware(Path(__file__).parents[2] / "configs/hardware/h100-80gb.yaml"))
     shape = shape_from_config(KNOWN_CONFIGS["llama-2-70b"])

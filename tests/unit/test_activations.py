@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-import runtime
-from runtime.activations.records import SavedTensorModifiedError
-from runtime.config.spec_io import SpecError
-from runtime.models.gpt import GPTConfig
+from protrain import runtime
+from protrain.runtime.activations.records import SavedTensorModifiedError
+from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.models.gpt import GPTConfig
 from tests.helpers import assert_state_close, assert_state_equal, lm_batches, tiny_gpt, train_reference
 
 STEPS = 4
@@ -259,7 +259,7 @@ def test_compiled_model_is_refused(tmp_path: Path) -> None:
 
 def test_encoder_decoder_blocks_are_both_lists_in_forward_order() -> None:
     transformers = pytest.importorskip("transformers")
-    from runtime.blocks import find_blocks
+    from protrain.runtime.blocks import find_blocks
 
     model = transformers.T5ForConditionalGeneration(
         transformers.T5Config(

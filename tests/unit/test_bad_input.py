@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from protrain_launcher.cli import main
-from protrain_launcher.preflight import check_master_addr, check_output_dir
-from protrain_launcher.request import EXIT_BAD_INPUT
-from runtime.config.spec import LauncherSpec
+from protrain.launcher.cli import main
+from protrain.launcher.preflight import check_master_addr, check_output_dir
+from protrain.launcher.request import EXIT_BAD_INPUT
+from protrain.runtime.config.spec import LauncherSpec
 
 SCRIPT_TEXT = "raise SystemExit('the script must not run on bad input')\n"
 

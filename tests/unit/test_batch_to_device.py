@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-import runtime
-import runtime.training.engine
-from runtime.batches import to_device
+from protrain import runtime
+import protrain.runtime.training.engine
+from protrain.runtime.batches import to_device
 from tests.helpers import lm_batches, tiny_gpt
 
 META = torch.device("meta")
@@ -85,7 +85,7 @@ def test_engine_forward_moves_the_batch_to_its_device(
         calls.append((batch, device, moved))
         return moved
 
-    monkeypatch.setattr(runtime.training.engine, "to_device", spy)
+    monkeypatch.setattr(protrain.runtime.training.engine, "to_device", spy)
     seen: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
     model.register_forward_pre_hook(lambda _, args, kwargs: seen.append((args, kwargs)), with_kwargs=True)
     batch = lm_batches(micro_batch_size=2, accumulation=1, world_size=1).batch(0, 0, 0)

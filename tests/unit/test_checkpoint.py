@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-import runtime
-from runtime.checkpoint.store import CheckpointError
+from protrain import runtime
+from protrain.runtime.checkpoint.store import CheckpointError
 from tests.checkpointing import DROPOUT_GPT, Windows, checkpoint_job, checkpoint_tensors, train_until
 from tests.helpers import assert_state_equal, tiny_gpt
 
@@ -180,7 +180,7 @@ def test_a_failing_save_keeps_the_previous_checkpoint_and_leaves_no_temporary(
 KILLED_DURING_SAVE = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import runtime.checkpoint.store as store
+import protrain.runtime.checkpoint.store as store
 from tests.checkpointing import checkpoint_job, train_until
 
 real = store.write_manifest
@@ -189,7 +189,7 @@ def die_on_second(directory, content):
         os.kill(os.getpid(), signal.SIGKILL)  # after the tensor files, before the manifest
     real(directory, content)
 store.write_manifest = die_on_second
-import runtime.checkpoint.checkpointer as checkpointer
+import protrain.runtime.checkpoint.checkpointer as checkpointer
 checkpointer.write_manifest = die_on_second
 train_until(checkpoint_job({workdir!r}, checkpoint={{"interval_steps": 2}}), until=6)
 """
@@ -211,7 +211,8 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path: 
 INTERRUPTED = """
 import sys, time
 sys.path.insert(0, {root!r})
-import torch, runtime
+import torch
+from protrain import runtime
 from tests.checkpointing import DROPOUT_GPT, Windows, checkpoint_job
 from tests.helpers import tiny_gpt
 
@@ -274,7 +275,7 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path: Path) -> None:
 
 
 def fake_checkpoint(directory: Path, step: int) -> None:
-    from runtime.checkpoint.store import write_manifest
+    from protrain.runtime.checkpoint.store import write_manifest
 
     directory.mkdir(parents=True)
     (directory / "__0_0.distcp").write_bytes(b"x" * step)
@@ -285,7 +286,7 @@ def test_a_crash_between_the_renames_of_a_resave_is_repaired(tmp_path: Path) -> 
     """Saving step 4 again moves the old step-00000004 aside before the new one takes its name;
     a crash in between leaves both under temporary names: the next look at the root puts the
     complete new one back (a save, or a resume)."""
-    from runtime.checkpoint.store import latest_checkpoint, publish, recover, remove_stale_temps
+    from protrain.runtime.checkpoint.store import latest_checkpoint, publish, recover, remove_stale_temps
 
     root = tmp_path / "ckpt"
     fake_checkpoint(root / ".tmp-step-00000004", 4)
@@ -336,7 +337,7 @@ def test_frozen_persistent_weights_are_reloaded_too(tmp_path: Path) -> None:
 AFTER_THE_LOOP = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import runtime
+from protrain import runtime
 from tests.checkpointing import Windows, checkpoint_job
 from tests.helpers import tiny_gpt
 

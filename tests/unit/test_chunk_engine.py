@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-import runtime
-from runtime.chunks.residency_states import IllegalTransition, Residency, check_move
-from runtime.config.spec_io import SpecError
-from runtime.device import DeviceInfo
-from runtime.planning.apply_plan import update_mode
+from protrain import runtime
+from protrain.runtime.chunks.residency_states import IllegalTransition, Residency, check_move
+from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.device import DeviceInfo
+from protrain.runtime.planning.apply_plan import update_mode
 from tests.helpers import (
     assert_matches_reference,
     assert_state_close,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-import runtime
+from protrain import runtime
 from tests.helpers import TINY_LLAMA, adamw_decaying_by_name, assert_state_equal, lm_batches
 
 transformers = pytest.importorskip("transformers")

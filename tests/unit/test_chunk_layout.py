@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from profiler.chunking import candidate_chunk_bytes, pack, search_chunk_size
-from runtime.chunks.layout import ChunkLayout, first_use_order, layout_from_params, model_params
+from protrain.profiler.chunking import candidate_chunk_bytes, pack, search_chunk_size
+from protrain.runtime.chunks.layout import ChunkLayout, first_use_order, layout_from_params, model_params
 from tests.helpers import tiny_gpt
 
 

@@ -11,16 +11,16 @@ from typing import Any
 import pytest
 import torch
 
-import runtime
-from profiler.plan import BlockMode
-from profiler.profile import ModelProfile
-from runtime.batches import call_model
-from runtime.blocks import find_blocks
-from runtime.chunks.residency_states import Residency
-from runtime.config.spec_io import SpecError
-from runtime.planning.model_profiling import ChunkedRun
-from runtime.planning.replanner import chunked_run
-from runtime.training.engine import Engine
+from protrain import runtime
+from protrain.profiler.plan import BlockMode
+from protrain.profiler.profile import ModelProfile
+from protrain.runtime.batches import call_model
+from protrain.runtime.blocks import find_blocks
+from protrain.runtime.chunks.residency_states import Residency
+from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.planning.model_profiling import ChunkedRun
+from protrain.runtime.planning.replanner import chunked_run
+from protrain.runtime.training.engine import Engine
 from tests.helpers import assert_state_equal, lm_batches, tiny_gpt, train_reference, train_updates
 from tests.unit.test_planning import fp32_profile, job
 

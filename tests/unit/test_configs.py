@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from protrain_launcher.cli import parse_command_line
-from runtime.config.spec_io import load_spec
+from protrain.launcher.cli import parse_command_line
+from protrain.runtime.config.spec_io import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

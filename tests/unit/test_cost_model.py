@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from profiler.cost_model import ChunkCosts, chunk_costs, predict
-from profiler.profile import BlockProfile, HardwareProfile, ModelProfile
-from profiler.search import SAME_SPEED, NoPlanFitsError, search
+from protrain.profiler.cost_model import ChunkCosts, chunk_costs, predict
+from protrain.profiler.profile import BlockProfile, HardwareProfile, ModelProfile
+from protrain.profiler.search import SAME_SPEED, NoPlanFitsError, search
 
 MIB = 1 << 20
 
@@ -155,7 +155,7 @@ def random_model(rng: random.Random, blocks: int) -> ModelProfile:
 
 def chunk_plans(model: ModelProfile, hw: HardwareProfile) -> Iterator[tuple[ChunkCosts, int, int]]:
     """Every valid (chunk costs, n_persist, n_buffer) over the candidate chunk sizes."""
-    from profiler.chunking import candidate_chunk_bytes
+    from protrain.profiler.chunking import candidate_chunk_bytes
 
     e = model.element_size
     total = sum(n for n, _ in model.param_sizes) * e
@@ -207,7 +207,7 @@ def test_search_equals_brute_force_and_prunes(seed: int) -> None:
 
 
 def smallest_plan_bytes(model: ModelProfile, hw: HardwareProfile) -> int:
-    from profiler.chunking import candidate_chunk_bytes
+    from protrain.profiler.chunking import candidate_chunk_bytes
 
     total = sum(n for n, _ in model.param_sizes) * model.element_size
     largest = max(n for n, _ in model.param_sizes) * model.element_size
@@ -274,9 +274,9 @@ def test_nothing_fits_says_by_how_much_and_what_to_change() -> None:
 def test_search_is_fast_on_an_80_block_model() -> None:
     """Llama-2-70B's shape (80 blocks, hundreds of chunks) on the H100 file's machine, at its
     budget and at one where everything fits."""
-    from profiler.analytic import KNOWN_CONFIGS, analytic_profile, shape_from_config
-    from runtime.config.hardware_spec import load_hardware
-    from runtime.planning.what_if import machine_from_file
+    from protrain.profiler.analytic import KNOWN_CONFIGS, analytic_profile, shape_from_config
+    from protrain.runtime.config.hardware_spec import load_hardware
+    from protrain.runtime.planning.what_if import machine_from_file
 
     machine = machine_from_file(load_hardware(Path(__file__).parents[2] / "configs/hardware/h100-80gb.yaml"))
     shape = shape_from_config(KNOWN_CONFIGS["llama-2-70b"])
@@ -296,7 +296,7 @@ def test_search_is_fast_on_an_80_block_model() -> None:
 
 @pytest.mark.parametrize("seed", range(5))
 def test_buffers_needed_for_every_n_persist_match_one_at_a_time(seed: int) -> None:
-    from profiler.chunking import min_buffers, min_buffers_by_persist, pack
+    from protrain.profiler.chunking import min_buffers, min_buffers_by_persist, pack
 
     model = random_model(random.Random(seed), blocks=5)
     packing = pack(model.param_sizes, 1 << 18, 2)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.cpu_adam import Segment, ShardAdamW
+from protrain.runtime.cpu_adam import Segment, ShardAdamW
 from tests.helpers import RELATIVE_TOLERANCE
 
 BETAS = (0.9, 0.95)

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import runtime
-from runtime import device_wall
-from runtime.device import DeviceInfo, SideStream
-from runtime.device_wall import Account, DeviceBudgetExceeded
-from runtime.host_memory import MmapArena
+from protrain import runtime
+from protrain.runtime import device_wall
+from protrain.runtime.device import DeviceInfo, SideStream
+from protrain.runtime.device_wall import Account, DeviceBudgetExceeded
+from protrain.runtime.host_memory import MmapArena
 from tests.helpers import lm_batches, tiny_gpt, train_updates
 
 CPU = torch.device("cpu")

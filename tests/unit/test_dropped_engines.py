@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-import runtime
-from runtime.host_memory import host_arena_bytes
-from runtime.training import live_engines
+from protrain import runtime
+from protrain.runtime.host_memory import host_arena_bytes
+from protrain.runtime.training import live_engines
 from tests.helpers import lm_batches, tiny_gpt, train_updates
 
 

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import yaml
 
-import runtime
-from runtime.config.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, load_spec, write_resolved
-from runtime.models.gpt import GPT, GPTConfig
+from protrain import runtime
+from protrain.runtime.config.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, load_spec, write_resolved
+from protrain.runtime.models.gpt import GPT, GPTConfig
 from tests.hf_trainer_runs import CausalWindows, tiny_model
 from tests.helpers import lm_batches
 
@@ -125,7 +125,7 @@ def trainer_args(folder: Path) -> Any:
 def test_a_trainer_with_its_own_spec_is_a_dry_run_and_makes_no_output_folder(
     launched: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from runtime.integrations.hf import ProTrainTrainer
+    from protrain.runtime.integrations.hf import ProTrainTrainer
 
     before = files(launched)
     spec = yaml.safe_load(SPEC)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-import runtime
+from protrain import runtime
 from tests.helpers import adamw_decaying_by_name, assert_state_close, assert_state_equal
 
 transformers = pytest.importorskip("transformers")

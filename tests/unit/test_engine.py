@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-import runtime
-from runtime.training.update import NonFiniteLossError
+from protrain import runtime
+from protrain.runtime.training.update import NonFiniteLossError
 from tests.helpers import (
     assert_matches_reference,
     assert_state_equal,
@@ -100,7 +100,7 @@ def test_unused_and_frozen_parameters_match_plain_adamw(tmp_path: Path) -> None:
         betas=(0.9, 0.95),
         fused=True,
     )
-    import runtime
+    from protrain import runtime
 
     engine = runtime.initialize(model, config=job(tmp_path, optimizer={"lr": 1e-2, "weight_decay": 0.1}))
     for step, x in enumerate(inputs):
@@ -117,7 +117,7 @@ def test_unused_and_frozen_parameters_match_plain_adamw(tmp_path: Path) -> None:
 
 @pytest.mark.skips_steps
 def test_nonfinite_loss_raise_and_skip(tmp_path: Path) -> None:
-    import runtime
+    from protrain import runtime
 
     engine = runtime.initialize(tiny_gpt(), config=job(tmp_path))
     data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
@@ -143,7 +143,7 @@ def test_nonfinite_loss_raise_and_skip(tmp_path: Path) -> None:
 
 @pytest.mark.skips_steps
 def test_fp16_overflow_skips_the_step_and_lowers_the_scale(tmp_path: Path) -> None:
-    import runtime
+    from protrain import runtime
 
     config = job(
         tmp_path,
@@ -181,7 +181,7 @@ def test_metrics_file_has_one_record_per_update(tmp_path: Path) -> None:
 def test_eval_forward_does_not_change_training(tmp_path: Path) -> None:
     """A no-grad evaluation forward between updates (even with offloaded chunks) leaves the
     training run bit-identical to one without it."""
-    import runtime
+    from protrain import runtime
 
     data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
     states = []
@@ -203,8 +203,8 @@ def test_eval_forward_does_not_change_training(tmp_path: Path) -> None:
 
 
 def test_memory_knobs_set_by_hand_are_obeyed_or_refused_clearly(tmp_path: Path) -> None:
-    import runtime
-    from runtime.config.spec_io import SpecError
+    from protrain import runtime
+    from protrain.runtime.config.spec_io import SpecError
 
     engine = runtime.initialize(tiny_gpt(), config=job(tmp_path, memory={"n_swap": 1}))
     assert [mode.value for mode in engine.plan.block_modes] == ["swap", "keep"]
@@ -232,7 +232,7 @@ def test_the_engine_waits_for_the_device_only_at_the_updates_whose_time_it_reads
     """A full device synchronize at an update's end keeps the host from queueing the next
     forward while the device finishes the update. The engine waits only where the time is read:
     the plan check's updates, update 1 and every ``logging.every_steps`` (before: every update)."""
-    import runtime.training.engine as engine_module
+    import protrain.runtime.training.engine as engine_module
 
     waits: list[int] = []
     monkeypatch.setattr(engine_module, "synchronize", lambda info: waits.append(1))

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-import runtime
+from protrain import runtime
 from tests.helpers import assert_matches_reference, lm_batches, reference_param_groups, tiny_gpt
 
 LR = 2e-3

@@ -19,13 +19,13 @@ import psutil
 import pytest
 import torch
 
-from profiler.analytic import KNOWN_CONFIGS, analytic_profile, shape_from_config
-from profiler.profile import PROFILE_VERSION, HardwareProfile
-from protrain_launcher.cli import main
-from runtime.env_report import host
-from runtime.env_report.gpus import gpu_rows, sysfs_bus_id
-from runtime.env_report.host import cgroup_limit, cgroup_row, cpu_ranges, cpu_rows, simd_row
-from runtime.env_report.rows import Status, format_age, run_probe
+from protrain.profiler.analytic import KNOWN_CONFIGS, analytic_profile, shape_from_config
+from protrain.profiler.profile import PROFILE_VERSION, HardwareProfile
+from protrain.launcher.cli import main
+from protrain.runtime.env_report import host
+from protrain.runtime.env_report.gpus import gpu_rows, sysfs_bus_id
+from protrain.runtime.env_report.host import cgroup_limit, cgroup_row, cpu_ranges, cpu_rows, simd_row
+from protrain.runtime.env_report.rows import Status, format_age, run_probe
 
 GIB = 1 << 30
 

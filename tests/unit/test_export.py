@@ -14,10 +14,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-import runtime
-from runtime import safetensors_stream
-from runtime.export import TIED_METADATA_KEY, export_hf, export_safetensors, load_safetensors_export
-from runtime.models.gpt import GPT, PRESETS
+from protrain import runtime
+from protrain.runtime import safetensors_stream
+from protrain.runtime.export import TIED_METADATA_KEY, export_hf, export_safetensors, load_safetensors_export
+from protrain.runtime.models.gpt import GPT, PRESETS
 from tests.helpers import TINY_LLAMA, assert_state_equal
 
 transformers = pytest.importorskip("transformers")

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from torch import nn
 
-import runtime
+from protrain import runtime
 from tests.helpers import assert_state_equal, lm_batches, tiny_gpt
 
 DATA = lm_batches(micro_batch_size=2, accumulation=2, world_size=1)

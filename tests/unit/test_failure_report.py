@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from protrain_launcher.env_names import BAD_INPUT_PREFIX as PREFIX
-from protrain_launcher.launch import _report_failures
-from protrain_launcher.request import EXIT_BAD_INPUT, EXIT_RANK_FAILED
+from protrain.launcher.env_names import BAD_INPUT_PREFIX as PREFIX
+from protrain.launcher.launch import _report_failures
+from protrain.launcher.request import EXIT_BAD_INPUT, EXIT_RANK_FAILED
 
 
 @dataclass

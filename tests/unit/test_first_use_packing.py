@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-import runtime
-from runtime.chunks.layout import first_use_order
+from protrain import runtime
+from protrain.runtime.chunks.layout import first_use_order
 from tests.helpers import TINY_LLAMA, adamw_decaying_by_name, assert_state_equal, lm_batches
 
 transformers = pytest.importorskip("transformers")

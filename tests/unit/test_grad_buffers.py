@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from runtime.chunks.grad_buffers import GradientBufferPool
-from runtime.device import DeviceEvent, DeviceInfo, SideStream
+from protrain.runtime.chunks.grad_buffers import GradientBufferPool
+from protrain.runtime.device import DeviceEvent, DeviceInfo, SideStream
 
 CPU = DeviceInfo(torch.device("cpu"), "gloo")
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.integrations.hf_spec import reconcile, set_paths, user_spec, with_decay_groups
+from protrain.runtime.integrations.hf_spec import reconcile, set_paths, user_spec, with_decay_groups
 from tests.helpers import assert_state_equal
 from tests.hf_trainer_runs import MEMORY, CausalWindows, run_trainer, tiny_model, training_args
 
@@ -62,7 +62,7 @@ def test_bf16_is_the_engines_autocast_as_the_trainers(tmp_path: Path) -> None:
 def test_a_skipped_update_holds_the_trainers_scheduler(tmp_path: Path) -> None:
     """A non-finite loss under on_nonfinite_loss: skip: the engine skips the update and the
     Trainer, reading step_was_skipped off the engine's optimizer, does not step its scheduler."""
-    from runtime.integrations.hf import ProTrainTrainer
+    from protrain.runtime.integrations.hf import ProTrainTrainer
 
     class NanAtUpdateTwo(ProTrainTrainer):
         def compute_loss(self, model: Any, inputs: Any, **kwargs: Any) -> Any:
@@ -90,7 +90,7 @@ def test_after_end_the_trainer_refuses_what_needs_the_closed_engine(tmp_path: Pa
     """end() closes the engine, and the model's parameters (chunk memory) go with it: evaluating
     after it gave a NaN loss (a new engine over the placeholders) and save_model a safetensors
     error; both now say to call end() last."""
-    from runtime.integrations.hf import ProTrainTrainer
+    from protrain.runtime.integrations.hf import ProTrainTrainer
 
     trainer = ProTrainTrainer(
         model=tiny_model("llama"),
@@ -165,7 +165,7 @@ def test_per_group_learning_rates_hold_under_the_trainers_scheduler(tmp_path: Pa
     crashed or gave the wrong group's rate), and changes nothing."""
     from transformers import Trainer
 
-    from runtime.integrations.hf import ProTrainTrainer
+    from protrain.runtime.integrations.hf import ProTrainTrainer
 
     head_lr, steps = 1e-2, 6
     empty = {"match": ["no_such_module.*"], "lr": 1.0}
@@ -268,7 +268,7 @@ def test_auto_training_values_are_filled_from_the_training_arguments(tmp_path: P
     assert engine_spec.micro_batch_size == 2 and engine_spec.gradient_accumulation_steps == 2
     assert engine_spec.precision.value == "fp32" and engine_spec.gradient_clipping == 0.5
     assert engine_spec.seed == 7
-    import runtime
+    from protrain import runtime
     from tests.hf_trainer_runs import tiny_model
 
     with pytest.raises(ValueError, match=r"seed, micro_batch_size, gradient_accumulation_steps, precision"):
@@ -278,7 +278,7 @@ def test_auto_training_values_are_filled_from_the_training_arguments(tmp_path: P
 def test_the_spec_protrain_run_hands_over_knows_which_keys_were_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from runtime.config.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, validate_spec, write_resolved
+    from protrain.runtime.config.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, validate_spec, write_resolved
 
     written = validate_spec({"optimizer": {"lr": 2e-3}, "memory": {"n_persist": "auto"}}, source="job.yaml")
     path = tmp_path / "spec.json"
@@ -295,7 +295,7 @@ def test_the_spec_protrain_run_hands_over_knows_which_keys_were_written(
 def test_a_micro_batch_set_in_the_spec_only_is_the_batch_the_trainer_loads(tmp_path: Path) -> None:
     """TrainingArguments leave the batch at its default (8): the spec's 2 is what the training
     DataLoader yields (Trainer.__init__ reads its batch size off the caller's arguments)."""
-    from runtime.integrations.hf import ProTrainTrainer
+    from protrain.runtime.integrations.hf import ProTrainTrainer
 
     args = training_args(tmp_path, per_device_train_batch_size=8, per_device_eval_batch_size=8)
     trainer = ProTrainTrainer(
@@ -337,7 +337,7 @@ def pad_to_longest(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
 def test_batches_of_varying_length_train_under_a_plan_for_the_longest(tmp_path: Path) -> None:
     """A padding collator gives batches of varying length: the plan made for the first batch
     refuses a longer one, naming example_batch; planned on the longest batch, the run trains."""
-    from runtime.integrations.hf import ProTrainTrainer
+    from protrain.runtime.integrations.hf import ProTrainTrainer
 
     data = RaggedWindows(12)
     kwargs: dict[str, Any] = {
@@ -384,7 +384,7 @@ def test_the_trainers_decay_split_becomes_the_spec_groups() -> None:
 def test_the_engine_optimizer_holds_the_trainers_param_groups(tmp_path: Path) -> None:
     from transformers import Trainer
 
-    from runtime.integrations.hf import ProTrainTrainer
+    from protrain.runtime.integrations.hf import ProTrainTrainer
 
     plain = Trainer(
         model=tiny_model("gpt2"), args=training_args(tmp_path / "p"), train_dataset=CausalWindows(4)
@@ -431,7 +431,7 @@ def test_the_engine_optimizer_holds_the_trainers_param_groups(tmp_path: Path) ->
 def test_clashing_trainer_options_are_refused_naming_the_protrain_way(
     tmp_path: Path, extra: dict[str, Any], message: str
 ) -> None:
-    from runtime.integrations.hf import ProTrainTrainer
+    from protrain.runtime.integrations.hf import ProTrainTrainer
 
     args = training_args(tmp_path)
     for name, value in extra.items():
@@ -441,7 +441,7 @@ def test_clashing_trainer_options_are_refused_naming_the_protrain_way(
 
 
 def test_an_optimizer_of_the_callers_own_is_refused(tmp_path: Path) -> None:
-    from runtime.integrations.hf import ProTrainTrainer
+    from protrain.runtime.integrations.hf import ProTrainTrainer
 
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="optimizers=/optimizer_cls_and_kwargs="):
@@ -461,7 +461,7 @@ def test_a_meta_model_streams_its_weights_into_the_chunks_and_trains_what_the_tr
     from accelerate import init_empty_weights
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from runtime.integrations.hf import ProTrainTrainer
+    from protrain.runtime.integrations.hf import ProTrainTrainer
     from tests.hf_trainer_runs import training_args
 
     tiny_model("llama").save_pretrained(tmp_path / "base")

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.integrations.hf import ProTrainMixin
+from protrain.runtime.integrations.hf import ProTrainMixin
 from tests.hf_trainer_runs import CausalWindows, tiny_model
 
 trl = pytest.importorskip("trl")

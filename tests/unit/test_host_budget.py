@@ -12,13 +12,13 @@ from typing import Any
 import psutil
 import pytest
 
-import runtime
-import runtime.entry  # noqa: F401 - imported before the readings: initialize's imports are not the test's
-from profiler.host_bytes import checkpoint_staging_bytes
-from runtime.config.spec_io import SpecError
-from runtime.env_report.host import free_row
-from runtime.host_capacity import HostSource, cgroup_headroom, free_host_bytes, host_sources, slurm_source
-from runtime.planning import budgets
+from protrain import runtime
+import protrain.runtime.entry  # noqa: F401 - imported before the readings: initialize's imports are not the test's
+from protrain.profiler.host_bytes import checkpoint_staging_bytes
+from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.env_report.host import free_row
+from protrain.runtime.host_capacity import HostSource, cgroup_headroom, free_host_bytes, host_sources, slurm_source
+from protrain.runtime.planning import budgets
 from tests.helpers import lm_batches, tiny_gpt
 
 GIB = 1 << 30

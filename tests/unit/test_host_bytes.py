@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 import torch
 
-import runtime
-from runtime.host_memory import PAGE_BYTES, host_arena_bytes
-from runtime.models.gpt import GPTConfig
+from protrain import runtime
+from protrain.runtime.host_memory import PAGE_BYTES, host_arena_bytes
+from protrain.runtime.models.gpt import GPTConfig
 from tests.helpers import lm_batches, tiny_gpt
 
 GPT_4X128 = GPTConfig(vocab_size=512, seq_len=32, n_layer=4, n_head=4, d_model=128)

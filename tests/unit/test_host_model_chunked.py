@@ -21,10 +21,10 @@ import pytest
 import torch
 from torch import nn
 
-import runtime
-import runtime.entry
-from runtime.chunks import store, store_build
-from runtime.device import malloc_in_use_bytes
+from protrain import runtime
+import protrain.runtime.entry
+from protrain.runtime.chunks import store, store_build
+from protrain.runtime.device import malloc_in_use_bytes
 from tests.helpers import TINY_GPT, assert_state_equal, lm_batches, tiny_gpt, train_reference, train_updates
 from tests.unit.test_planning import job
 from tests.unit.test_residency import warm_up_torch
@@ -89,7 +89,7 @@ def test_a_model_twice_the_device_budget_is_chunked_within_the_predicted_peak(
     expected, _ = train_reference(tiny_gpt(0, WIDE), data, steps=STEPS, lr=1e-3, weight_decay=0.1)
     warm_up_torch(data)
     if not on_device:
-        monkeypatch.setattr(runtime.entry, "held_on", lambda model, device: False)
+        monkeypatch.setattr(protrain.runtime.entry, "held_on", lambda model, device: False)
     model = tiny_gpt(0, WIDE)
     budget = 8 * sum(p.numel() for p in model.parameters())  # half the state: 16 bytes a parameter
     tier = DeviceTier()  # the model's own parameters are in the baseline
@@ -131,7 +131,7 @@ def test_a_model_twice_the_device_budget_is_chunked_within_the_predicted_peak(
 def test_stand_ins_swap_the_data_and_put_it_back() -> None:
     """The forward that records first-use order on a GPU runs on stand-ins (no memory, NaN on
     a stray read); afterwards every parameter holds its own host data again, ties kept."""
-    from runtime.weights import stand_ins
+    from protrain.runtime.weights import stand_ins
 
     model = tiny_gpt()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-import runtime
-import runtime.entry  # noqa: F401 - imported before the readings: initialize's imports are not the test's
-from runtime.models.gpt import GPT, GPTConfig
-from runtime.planning import budgets
+from protrain import runtime
+import protrain.runtime.entry  # noqa: F401 - imported before the readings: initialize's imports are not the test's
+from protrain.runtime.models.gpt import GPT, GPTConfig
+from protrain.runtime.planning import budgets
 from tests.helpers import lm_batches, train_updates
 
 MIB = 1 << 20

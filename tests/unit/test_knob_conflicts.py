@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from profiler.feasibility import chunk_knob_conflict, spec_size
-from profiler.profile import BlockProfile, ModelProfile
-from profiler.search import NoPlanFitsError, search
+from protrain.profiler.feasibility import chunk_knob_conflict, spec_size
+from protrain.profiler.profile import BlockProfile, ModelProfile
+from protrain.profiler.search import NoPlanFitsError, search
 from tests.unit.test_cost_model import hardware
 
 KIB = 1 << 10

@@ -1,4 +1,5 @@
-"""The import arrows of DESIGN section 2 (protrain_launcher -> runtime -> profiler), and the
+"""The import arrows of DESIGN section 2 (protrain_launcher -> runtime -> profiler), the one
+installed name (the folders are protrain.launcher, protrain.runtime and protrain.profiler), and the
 launcher's bad-input path staying free of torch."""
 
 from __future__ import annotations
@@ -11,22 +12,36 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# repository folder -> its installed name under protrain
+INSTALLED = {"protrain_launcher": "launcher", "runtime": "runtime", "profiler": "profiler"}
 ALLOWED = {
     "protrain_launcher": {"protrain_launcher", "runtime"},
     "runtime": {"runtime", "profiler"},
     "profiler": {"profiler"},
 }
+FOLDER_OF = {installed: folder for folder, installed in INSTALLED.items()}
+OLD_TOP_LEVEL = {"runtime", "profiler", "protrain_launcher"}
+
+
+def imported_modules(path: Path) -> list[str]:
+    """Every absolute import of the file, ``from a.b import c`` as ``a.b`` and ``a.b.c``."""
+    modules = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+    return modules
+
+
+def repository_folder(module: str) -> str | None:
+    """``protrain.runtime.entry`` -> ``runtime`` (the folder that holds it); None for others."""
+    parts = module.split(".")
+    return FOLDER_OF.get(parts[1]) if parts[0] == "protrain" and len(parts) > 1 else None
 
 
 def imported_packages(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module.split(".")[0])
-    return found & set(ALLOWED)
+    return {folder for module in imported_modules(path) if (folder := repository_folder(module))}
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
@@ -39,6 +54,19 @@ def test_imports_point_one_way(package: str) -> None:
     assert not offenders, f"back edges: {offenders}"
 
 
+def test_nothing_imports_the_folders_by_their_repository_names() -> None:
+    """Installed, there is no top-level ``runtime``, ``profiler`` or ``protrain_launcher``: code
+    that imports one works only from a checkout, and a user's ``profiler.py`` would shadow it."""
+    offenders = [
+        f"{path.relative_to(ROOT)} imports {module}"
+        for top in (*INSTALLED, "scripts", "tests")
+        for path in (ROOT / top).rglob("*.py")
+        for module in imported_modules(path)
+        if module.split(".")[0] in OLD_TOP_LEVEL
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
 def test_launcher_only_uses_the_spec_from_runtime() -> None:
     """The spec, the what-if planning command (which plans from files, without torch), the
     environment report's probes (which import torch only when they run) and the memory
@@ -46,14 +74,14 @@ def test_launcher_only_uses_the_spec_from_runtime() -> None:
     for path in (ROOT / "protrain_launcher").rglob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("runtime"):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("protrain.runtime"):
                 assert node.module in (
-                    "runtime.config.spec",
-                    "runtime.config.spec_io",
-                    "runtime.planning.what_if",
-                    "runtime.planning.what_if_request",
-                    "runtime.env_report",
-                    "runtime.tracing.timeline_file",
+                    "protrain.runtime.config.spec",
+                    "protrain.runtime.config.spec_io",
+                    "protrain.runtime.planning.what_if",
+                    "protrain.runtime.planning.what_if_request",
+                    "protrain.runtime.env_report",
+                    "protrain.runtime.tracing.timeline_file",
                 ), (
                     f"{path.name} imports {node.module}"
                 )
@@ -69,8 +97,8 @@ def launcher_import_graph() -> dict[str, set[str]]:
             names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names = [node.module]
-            targets |= {name for name in names if name.startswith("protrain_launcher.")}
-        graph[f"protrain_launcher.{path.stem}"] = targets
+            targets |= {name for name in names if name.startswith("protrain.launcher.")}
+        graph[f"protrain.launcher.{path.stem}"] = targets
     return graph
 
 
@@ -113,22 +141,22 @@ def test_the_plan_value_imports_nothing_of_ours() -> None:
 
 def test_reading_a_spec_loads_neither_the_search_nor_torch() -> None:
     code = (
-        "import sys, runtime.config.spec\n"
-        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('profiler', 'torch'))\n"
-        "assert loaded == ['profiler', 'profiler.plan'], loaded"
+        "import sys, protrain.runtime.config.spec\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(('protrain.profiler', 'torch')))\n"
+        "assert loaded == ['protrain.profiler', 'protrain.profiler.plan'], loaded"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 def test_profiler_does_not_import_torch() -> None:
-    code = "import sys, profiler.plan; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, protrain.profiler.plan; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 def test_spec_and_launcher_cli_do_not_import_torch() -> None:
     code = (
-        "import sys, runtime.config.spec, runtime.config.spec_io, protrain_launcher.cli, protrain_launcher.what_if_cli\n"
-        "import protrain_launcher.report_cli\n"
+        "import sys, protrain, protrain.runtime.config.spec, protrain.runtime.config.spec_io\n"
+        "import protrain.launcher.cli, protrain.launcher.what_if_cli, protrain.launcher.report_cli\n"
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
@@ -150,20 +178,17 @@ RUNTIME_FORBIDDEN = {
 
 def runtime_folder(module: str) -> str | None:
     parts = module.split(".")
-    return parts[1] if parts[0] == "runtime" and len(parts) > 1 else None
+    return parts[2] if parts[:2] == ["protrain", "runtime"] and len(parts) > 2 else None
 
 
 @pytest.mark.parametrize("folder", sorted(RUNTIME_FORBIDDEN))
 def test_runtime_folders_import_one_way(folder: str) -> None:
-    offenders = []
-    for path in (ROOT / "runtime" / folder).rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            modules = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                modules = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-            for module in modules:
-                if runtime_folder(module) in RUNTIME_FORBIDDEN[folder]:
-                    offenders.append(f"{path.relative_to(ROOT)} imports {module}")
+    offenders = [
+        f"{path.relative_to(ROOT)} imports {module}"
+        for path in (ROOT / "runtime" / folder).rglob("*.py")
+        for module in imported_modules(path)
+        if runtime_folder(module) in RUNTIME_FORBIDDEN[folder]
+    ]
     assert not offenders, "\n".join(offenders)
 
 

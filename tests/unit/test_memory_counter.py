@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 
-import runtime.memory_counter as memory_counter
-from runtime.batches import default_loss
-from runtime.device import DeviceInfo
-from runtime.memory_counter import PeakWindow, device_peak_since_last_sample, peak_reader
-from runtime.planning.memory_probe import PeakMemoryProbe
-from runtime.planning.model_profiling import _one_step
+import protrain.runtime.memory_counter as memory_counter
+from protrain.runtime.batches import default_loss
+from protrain.runtime.device import DeviceInfo
+from protrain.runtime.memory_counter import PeakWindow, device_peak_since_last_sample, peak_reader
+from protrain.runtime.planning.memory_probe import PeakMemoryProbe
+from protrain.runtime.planning.model_profiling import _one_step
 from tests.helpers import lm_batches, tiny_gpt
 
 CPU = DeviceInfo(torch.device("cpu"), "gloo")

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from protrain_launcher import cli, memory_picture
-from protrain_launcher.step_bars import step_bars
-from runtime.tracing.timeline_file import Sample, Span, Timeline
+from protrain.launcher import cli, memory_picture
+from protrain.launcher.step_bars import step_bars
+from protrain.runtime.tracing.timeline_file import Sample, Span, Timeline
 from tests.unit.test_trace_window import traced_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,7 +146,7 @@ def test_without_matplotlib_the_message_names_the_extra(
 def test_the_bad_input_path_loads_neither_torch_nor_matplotlib(tmp_path: Path) -> None:
     code = (
         "import sys\n"
-        "from protrain_launcher.cli import main\n"
+        "from protrain.launcher.cli import main\n"
         f"assert main(['--plot', {str(tmp_path)!r}]) == 2\n"
         "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'matplotlib'))\n"
         "assert not loaded, loaded\n"

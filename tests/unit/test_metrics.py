@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-import runtime
-import runtime.training.engine
-from runtime.config.spec_io import SpecError
-from runtime.metrics.peak_flops import PEAK_TFLOPS_ENV
+from protrain import runtime
+import protrain.runtime.training.engine
+from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.metrics.peak_flops import PEAK_TFLOPS_ENV
 from tests.helpers import TINY_GPT, lm_batches, tiny_gpt
 
 PEAK = 0.25
@@ -219,14 +219,14 @@ def test_tensorboard_missing_names_the_extra(tmp_path: Path, monkeypatch: pytest
 
 def test_measuring_never_waits_for_the_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine synchronises once per update; measuring and the trackers add none."""
-    synchronize = runtime.training.engine.synchronize
+    synchronize = protrain.runtime.training.engine.synchronize
     calls = []
 
     def counting(info: Any) -> None:
         calls.append(info)
         synchronize(info)
 
-    monkeypatch.setattr(runtime.training.engine, "synchronize", counting)
+    monkeypatch.setattr(protrain.runtime.training.engine, "synchronize", counting)
     train(job(tmp_path, tensorboard=True), updates=3)
     assert len(calls) == 3
     # Nor can it: nothing under runtime/metrics names a call that waits for a device or a

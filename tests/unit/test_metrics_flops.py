@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.blocks import find_blocks
-from runtime.chunks.layout import model_params
-from runtime.config.spec import Precision
-from runtime.device import DeviceInfo
-from runtime.metrics.flops import ModelFlops, model_flops
-from runtime.metrics.peak_flops import PEAK_TFLOPS_ENV, compute_dtype_name, peak_flops, table_tflops
+from protrain.runtime.blocks import find_blocks
+from protrain.runtime.chunks.layout import model_params
+from protrain.runtime.config.spec import Precision
+from protrain.runtime.device import DeviceInfo
+from protrain.runtime.metrics.flops import ModelFlops, model_flops
+from protrain.runtime.metrics.peak_flops import PEAK_TFLOPS_ENV, compute_dtype_name, peak_flops, table_tflops
 from tests.helpers import TINY_GPT, TINY_LLAMA, tiny_gpt
 
 CPU = DeviceInfo(torch.device("cpu"), "gloo")

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-import runtime
+from protrain import runtime
 from tests.helpers import lm_batches, tiny_gpt, train_reference, train_reference_fp16
 
 STEPS = 10

@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from profiler.plan_builder import transfer_notes
-from profiler.profile import HardwareProfile
-from runtime.config.spec import Precision
-from runtime.device import DeviceInfo
-from runtime.metrics.peak_flops import peak_flops
-from runtime.nvml import describe_link, other_processes, pcie_link
-from runtime.planning import budgets
+from protrain.profiler.plan_builder import transfer_notes
+from protrain.profiler.profile import HardwareProfile
+from protrain.runtime.config.spec import Precision
+from protrain.runtime.device import DeviceInfo
+from protrain.runtime.metrics.peak_flops import peak_flops
+from protrain.runtime.nvml import describe_link, other_processes, pcie_link
+from protrain.runtime.planning import budgets
 
 GIB = 1 << 30
 CUDA = DeviceInfo(torch.device("cuda", 0), "nccl")
@@ -124,7 +124,7 @@ def test_a_missing_optional_package_is_one_line_naming_the_extra(
 ) -> None:
     """A rank whose script needs an extra's package gets one line and exit 2, not a traceback;
     any other missing module is the script's own error and raises as it did."""
-    from protrain_launcher.rank_entry import ERROR_FILE_ENV, run_script
+    from protrain.launcher.rank_entry import ERROR_FILE_ENV, run_script
 
     monkeypatch.delenv(ERROR_FILE_ENV, raising=False)
     script = tmp_path / "train.py"

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from protrain_launcher.cli import parse_command_line, resolve_spec
-from runtime.config.spec import Precision
-from runtime.config.spec_io import SpecError, load_spec, parse_override
+from protrain.launcher.cli import parse_command_line, resolve_spec
+from protrain.runtime.config.spec import Precision
+from protrain.runtime.config.spec_io import SpecError, load_spec, parse_override
 
 
 def test_set_values_are_typed_like_the_file() -> None:
@@ -100,7 +100,7 @@ def test_set_error_names_the_override() -> None:
 def test_torchruns_spellings_standalone_and_version(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """What torchrun and deepspeed users type: the underscore spellings of the launcher options,
     ``--standalone`` (one node, a free local port) and ``--version``."""
-    from protrain_launcher.cli import main
+    from protrain.launcher.cli import main
 
     script = tmp_path / "train.py"
     script.write_text("")

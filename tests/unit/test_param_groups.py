@@ -15,11 +15,11 @@ import pytest
 import torch
 from torch import nn
 
-import runtime
-from runtime.config.settings import settings_from_spec
-from runtime.config.spec_io import SpecError, validate_spec
-from runtime.param_groups import resolve_param_hyper
-from runtime.training.schedule import build_scheduler
+from protrain import runtime
+from protrain.runtime.config.settings import settings_from_spec
+from protrain.runtime.config.spec_io import SpecError, validate_spec
+from protrain.runtime.param_groups import resolve_param_hyper
+from protrain.runtime.training.schedule import build_scheduler
 from tests.checkpointing import checkpoint_job, train_until
 from tests.helpers import assert_matches_reference, assert_state_equal, lm_batches, tiny_gpt
 

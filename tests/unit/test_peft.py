@@ -18,7 +18,7 @@ from torch import nn
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-import runtime  # noqa: E402
+from protrain import runtime  # noqa: E402
 from tests.helpers import TINY_LLAMA, assert_matches_reference, assert_state_equal, lm_batches  # noqa: E402
 
 # PEFT 0.21 itself reads transformers' deprecated is_gradient_checkpointing when wrapping a model.
@@ -206,8 +206,8 @@ def test_a_persistent_frozen_base_is_stored_once_and_adapter_chunks_hold_no_padd
     state for its parameters only, not for its padding. The device tier counted by the wall (not
     by the engine's own books) is what the cost model predicts for the layout, plus the engine's
     bookkeeping tensors (step counters, per-parameter flags: bytes)."""
-    from profiler.cost_model import chunk_costs
-    from profiler.profile import ModelProfile
+    from protrain.profiler.cost_model import chunk_costs
+    from protrain.profiler.profile import ModelProfile
     from tests.unit.test_cost_model import hardware
 
     monkeypatch.setenv("PROTRAIN_STRICT_DEVICE", "1")

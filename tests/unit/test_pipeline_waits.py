@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-import runtime
-from runtime.chunks.residency import ChunkResidency
-from runtime.cpu_adam import ShardAdamW
+from protrain import runtime
+from protrain.runtime.chunks.residency import ChunkResidency
+from protrain.runtime.cpu_adam import ShardAdamW
 from tests.helpers import lm_batches, tiny_gpt
 
 SLOW_S = 0.03

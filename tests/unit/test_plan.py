@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from profiler.plan import BlockMode, Plan
-from profiler.plan_builder import KnobRequest, default_block_layout, resident_plan
+from protrain.profiler.plan import BlockMode, Plan
+from protrain.profiler.plan_builder import KnobRequest, default_block_layout, resident_plan
 
 
 def make_plan(**overrides: object) -> Plan:

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import torch
 
-import runtime
-import runtime.training.engine
-from runtime.planning.model_profiling import profile_model
-from runtime.planning.plan_check import CHECK_AFTER_UPDATES
-from runtime.planning.planner import Profilers
-from runtime.training.engine import Engine
+from protrain import runtime
+import protrain.runtime.training.engine
+from protrain.runtime.planning.model_profiling import profile_model
+from protrain.runtime.planning.plan_check import CHECK_AFTER_UPDATES
+from protrain.runtime.planning.planner import Profilers
+from protrain.runtime.training.engine import Engine
 from tests.helpers import lm_batches, tiny_gpt, train_updates
 
 
@@ -51,7 +51,7 @@ def train_at(engine: Engine, step_s: float, monkeypatch: pytest.MonkeyPatch) -> 
         return now[0]
 
     with monkeypatch.context() as patch:
-        patch.setattr(runtime.training.engine, "time", types.SimpleNamespace(perf_counter=clock))
+        patch.setattr(protrain.runtime.training.engine, "time", types.SimpleNamespace(perf_counter=clock))
         data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
         train_updates(engine, data, range(CHECK_AFTER_UPDATES))
     engine.close()

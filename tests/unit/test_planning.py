@@ -10,16 +10,16 @@ from typing import Any
 import pytest
 import torch
 
-import runtime
-from profiler.plan import BlockMode, Plan
-from profiler.profile import ModelProfile
-from runtime.batches import call_model, default_loss
-from runtime.blocks import find_blocks
-from runtime.chunks.layout import model_params
-from runtime.config.spec_io import SpecError
-from runtime.device import select_device
-from runtime.planning.model_profiling import profile_model
-from runtime.planning.planner import Profilers
+from protrain import runtime
+from protrain.profiler.plan import BlockMode, Plan
+from protrain.profiler.profile import ModelProfile
+from protrain.runtime.batches import call_model, default_loss
+from protrain.runtime.blocks import find_blocks
+from protrain.runtime.chunks.layout import model_params
+from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.device import select_device
+from protrain.runtime.planning.model_profiling import profile_model
+from protrain.runtime.planning.planner import Profilers
 from tests.helpers import assert_state_equal, lm_batches, tiny_gpt, train_reference
 
 KIB = 1024
@@ -316,7 +316,7 @@ def test_profiling_stops_once_steps_agree(
 ) -> None:
     import types
 
-    from runtime.planning import model_profiling
+    from protrain.runtime.planning import model_profiling
 
     clock = [0.0]
     monkeypatch.setattr(model_profiling, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))

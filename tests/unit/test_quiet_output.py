@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import runtime
+from protrain import runtime
 from tests.helpers import lm_batches, tiny_gpt
 
 

@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """\
 import sys, time
 import torch
-from runtime.device import _OrderedWorker
-from runtime.training.stop import TrainingStopped
+from protrain.runtime.device import _OrderedWorker
+from protrain.runtime.training.stop import TrainingStopped
 
 def busy() -> None:  # a long job: the worker is inside torch when the rank ends
     x = torch.randn(128, 128)
@@ -46,7 +46,7 @@ def test_a_rank_ends_with_its_code_while_worker_threads_run(tmp_path: Path) -> N
     script.write_text(SCRIPT)
     runs = {
         end: subprocess.Popen(
-            [sys.executable, "-m", "protrain_launcher.rank_entry", str(script), end],
+            [sys.executable, "-m", "protrain.launcher.rank_entry", str(script), end],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

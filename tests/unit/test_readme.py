@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.config.spec_doc import readme_with_reference
+from protrain.runtime.config.spec_doc import readme_with_reference
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-import runtime
-from runtime.chunks.layout import layout_from_params
+from protrain import runtime
+from protrain.runtime.chunks.layout import layout_from_params
 from tests.checkpointing import checkpoint_tensors
 from tests.helpers import assert_state_equal, lm_batches, tiny_gpt, train_reference, train_updates
 from tests.unit.test_planning import all_kept_plan, big_batch_job, job

@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-import runtime
-from runtime.data import LMBatches
-from runtime.device import malloc_in_use_bytes
+from protrain import runtime
+from protrain.runtime.data import LMBatches
+from protrain.runtime.device import malloc_in_use_bytes
 from tests.helpers import lm_batches, tiny_gpt
 
 N_PERSIST, N_BUFFER = 2, 2

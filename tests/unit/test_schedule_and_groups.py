@@ -7,10 +7,10 @@ import math
 import pytest
 from torch import nn
 
-from runtime.config.settings import ScheduleSettings
-from runtime.config.spec import SchedulerType
-from runtime.param_groups import split_decay
-from runtime.training.schedule import lr_factor
+from protrain.runtime.config.settings import ScheduleSettings
+from protrain.runtime.config.spec import SchedulerType
+from protrain.runtime.param_groups import split_decay
+from protrain.runtime.training.schedule import lr_factor
 from tests.helpers import tiny_gpt
 
 

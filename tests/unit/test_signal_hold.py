@@ -32,7 +32,7 @@ if sys.argv[2] == "SIGTERM":
     signal.signal(signal.SIGTERM, on_term)
 try:
     if sys.argv[1] == "held":
-        from protrain_launcher.signal_hold import import_torch
+        from protrain.launcher.signal_hold import import_torch
         import_torch()
     else:
         import torch

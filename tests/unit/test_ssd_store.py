@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.activations.ssd_store import (
+from protrain.runtime.activations.ssd_store import (
     BLOCK_BYTES,
     IO_MODE_BUFFERED,
     IO_MODE_DIRECT,
@@ -551,7 +551,7 @@ def test_a_dir_left_by_an_earlier_process_with_this_pid_is_cleared(
 
 _WRITER = """
 import sys, time, torch
-from runtime.activations.ssd_store import ActivationFileStore
+from protrain.runtime.activations.ssd_store import ActivationFileStore
 store = ActivationFileStore(sys.argv[1], rank=0, max_inflight_bytes=4 << 20)
 data = torch.ones(1 << 20, dtype=torch.uint8)
 files = []

@@ -14,16 +14,16 @@ from typing import Any
 import pytest
 import torch
 
-import runtime
-from profiler.plan import BlockMode
-from runtime import stream_chaos
-from runtime.activations import transfers as transfers_module
-from runtime.activations.host_pool import HostActivationPool
-from runtime.activations.records import ActivationStats
-from runtime.activations.transfers import ActivationTransfers
-from runtime.chunks.grad_buffers import GradientBufferPool
-from runtime.device import DeviceEvent, DeviceInfo, HostWorker, SideStream
-from runtime.stream_chaos import StreamChaosError
+from protrain import runtime
+from protrain.profiler.plan import BlockMode
+from protrain.runtime import stream_chaos
+from protrain.runtime.activations import transfers as transfers_module
+from protrain.runtime.activations.host_pool import HostActivationPool
+from protrain.runtime.activations.records import ActivationStats
+from protrain.runtime.activations.transfers import ActivationTransfers
+from protrain.runtime.chunks.grad_buffers import GradientBufferPool
+from protrain.runtime.device import DeviceEvent, DeviceInfo, HostWorker, SideStream
+from protrain.runtime.stream_chaos import StreamChaosError
 from tests.helpers import lm_batches, tiny_gpt
 
 CPU = DeviceInfo(torch.device("cpu"), "gloo")

@@ -13,16 +13,16 @@ from typing import Any
 import pytest
 import torch
 
-import runtime
-from runtime.activations.transfers import ActivationTransfers
-from runtime.chunks.grad_buffers import GradientBufferPool
-from runtime.chunks.optimizer import ChunkOptimizer
-from runtime.chunks.side_stream import CollectiveQueue
-from runtime.chunks.staging import Staged
-from runtime.device import DeviceEvent
-from runtime.models.gpt import GPTConfig
-from runtime.stream_chaos import StreamChaosError
-from runtime.training.update import NonFiniteLossError
+from protrain import runtime
+from protrain.runtime.activations.transfers import ActivationTransfers
+from protrain.runtime.chunks.grad_buffers import GradientBufferPool
+from protrain.runtime.chunks.optimizer import ChunkOptimizer
+from protrain.runtime.chunks.side_stream import CollectiveQueue
+from protrain.runtime.chunks.staging import Staged
+from protrain.runtime.device import DeviceEvent
+from protrain.runtime.models.gpt import GPTConfig
+from protrain.runtime.stream_chaos import StreamChaosError
+from protrain.runtime.training.update import NonFiniteLossError
 from tests.helpers import assert_matches_reference, assert_state_equal, gpt_reference, lm_batches, tiny_gpt
 
 SEEDS = range(5)
@@ -114,7 +114,7 @@ def _skip_two_phase_wait(monkeypatch: pytest.MonkeyPatch) -> None:
 def _two_phase_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The two-phase step (updates on the host worker beside the next forward) as on CUDA; on
     CPU a clipped window otherwise defers every update to the step."""
-    import runtime.planning.apply_plan as apply_plan
+    import protrain.runtime.planning.apply_plan as apply_plan
 
     def two_phase(*, gradient_clipping: float, loss_scaled: bool, device: Any) -> tuple[bool, bool]:
         needs_norm = gradient_clipping > 0 or loss_scaled

@@ -1,6 +1,7 @@
 """The user-facing surface is frozen: every spec key (what it accepts and its default, as the
-README's spec reference shows them) and every option of protrain-run, protrain-run --what-if,
-protrain-run --report and protrain-run --plot.
+README's spec reference shows them), every option of protrain-run, protrain-run --what-if,
+protrain-run --report and protrain-run --plot, and the Python API ``import protrain`` offers
+(its names, ``initialize``'s signature, the Engine's public methods and properties).
 A change to either must be deliberate: the snapshot file is updated and reviewed with it.
 
     PROTRAIN_UPDATE_SURFACE=1 .venv/bin/python -m pytest tests/unit/test_surface_snapshot.py
@@ -9,16 +10,21 @@ A change to either must be deliberate: the snapshot file is updated and reviewed
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
+import subprocess
+import sys
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from protrain_launcher.cli import LAUNCHER_OPTIONS, SPEC_OPTIONS, build_parser
-from protrain_launcher.plot_cli import build_parser as build_plot_parser
-from protrain_launcher.report_cli import build_parser as build_report_parser
-from protrain_launcher.what_if_cli import build_parser as build_what_if_parser
-from runtime.config.spec_doc import reference_rows
+import protrain
+from protrain.launcher.cli import LAUNCHER_OPTIONS, SPEC_OPTIONS, build_parser
+from protrain.launcher.plot_cli import build_parser as build_plot_parser
+from protrain.launcher.report_cli import build_parser as build_report_parser
+from protrain.launcher.what_if_cli import build_parser as build_what_if_parser
+from protrain.runtime.config.spec_doc import reference_rows
 
 SNAPSHOT = Path(__file__).with_name("surface_snapshot.json")
 UPDATE_ENV = "PROTRAIN_UPDATE_SURFACE"
@@ -68,8 +74,32 @@ def launcher_surface() -> dict[str, dict[str, Any]]:
     return options
 
 
+def _signature(value: Any) -> str:
+    if isinstance(value, property):
+        return "property"
+    return f"{'async ' if inspect.iscoroutinefunction(value) else ''}{inspect.signature(value)}"
+
+
+def python_surface() -> dict[str, dict[str, str]]:
+    """``protrain``'s exported names, with ``initialize``'s signature and, for the Engine, each
+    public method's signature (or ``property``), own or inherited from its facades."""
+    names = {name: type(getattr(protrain, name)).__name__ for name in protrain.__all__ if name != "__version__"}
+    engine = {
+        name: _signature(member)
+        for cls in reversed(protrain.Engine.__mro__[:-1])
+        for name, member in vars(cls).items()
+        if not name.startswith("_") and (callable(member) or isinstance(member, property))
+    }
+    return {
+        "protrain": {"__all__": ", ".join(sorted(protrain.__all__)), **names},
+        "protrain.initialize": {"signature": _signature(protrain.initialize)},
+        "protrain.Engine": dict(sorted(engine.items())),
+    }
+
+
 def surface() -> dict[str, Any]:
     return {
+        **python_surface(),
         "spec": spec_surface(),
         "protrain-run": launcher_surface(),
         "protrain-run --what-if": parser_surface(build_what_if_parser()),
@@ -116,3 +146,19 @@ def test_the_snapshot_holds_every_key_and_option() -> None:
     assert launcher | {"script"} <= set(frozen["protrain-run"])
     assert {"--what-if", "--largest", "--seq-len"} <= set(frozen["protrain-run --what-if"])
     assert {"--report", "--ssd-path", "--json"} <= set(frozen["protrain-run --report"])
+    assert {"initialize", "Engine", "ProTrainTrainer"} <= set(frozen["protrain"])
+    assert {"backward", "step", "save_checkpoint", "state_dict"} <= set(frozen["protrain.Engine"])
+
+
+def test_import_protrain_is_cheap_and_versioned() -> None:
+    """``import protrain`` loads neither torch nor transformers (the launcher's bad-input path
+    imports it); ``protrain.__version__`` is the installed distribution's version."""
+    code = (
+        "import sys, protrain\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'})\n"
+        "assert not heavy, heavy\n"
+        "print(protrain.__version__)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == protrain.__version__ == version("protrain")
+    assert {"initialize", "Engine", "ProTrainTrainer"} <= set(dir(protrain))

@@ -8,7 +8,7 @@ import json
 import threading
 from pathlib import Path
 
-import runtime
+from protrain import runtime
 from tests.helpers import lm_batches, tiny_gpt
 
 

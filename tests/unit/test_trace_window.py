@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 
-import runtime
-from runtime.chunks.trace_labels import job_label
-from runtime.config.settings import TraceSettings
-from runtime.models.gpt import GPTConfig
-from runtime.tracing import profiling
-from runtime.tracing.profiling import ThreadTrace
-from runtime.tracing.timeline_file import read_timeline, timeline_path, trace_path
-from runtime.tracing.trace_window import TraceWindow
+from protrain import runtime
+from protrain.runtime.chunks.trace_labels import job_label
+from protrain.runtime.config.settings import TraceSettings
+from protrain.runtime.models.gpt import GPTConfig
+from protrain.runtime.tracing import profiling
+from protrain.runtime.tracing.profiling import ThreadTrace
+from protrain.runtime.tracing.timeline_file import read_timeline, timeline_path, trace_path
+from protrain.runtime.tracing.trace_window import TraceWindow
 from tests.helpers import lm_batches, tiny_gpt
 
 FOUR_BLOCKS = GPTConfig(vocab_size=256, seq_len=32, n_layer=4, n_head=2, d_model=64)

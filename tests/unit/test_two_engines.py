@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-import runtime
-from runtime.config.spec_io import SpecError
-from runtime.training.stop import TrainingStopped
+from protrain import runtime
+from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.training.stop import TrainingStopped
 from tests.helpers import TINY_GPT, assert_state_equal, lm_batches, tiny_gpt, train_reference, train_updates
 
 LR = 1e-3
@@ -116,7 +116,7 @@ def test_a_second_auto_budget_is_what_the_first_engines_plan_left(
     device less what the first one's plan holds (its predicted peak with the search's margin),
     not a refusal."""
     capacity = 64 * 2**20
-    monkeypatch.setattr("runtime.entry.auto_device_budget", lambda device, ranks: capacity)
+    monkeypatch.setattr("protrain.runtime.entry.auto_device_budget", lambda device, ranks: capacity)
     data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
     first = runtime.initialize(tiny_gpt(0), config=job(tmp_path, device_budget="auto"), example_batch=data.batch(0, 0, 0))
     try:
@@ -136,7 +136,7 @@ def test_a_second_auto_budget_is_what_the_first_engines_plan_left(
 def test_an_auto_budget_with_nothing_left_names_each_live_engine_and_how_to_free_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("runtime.entry.auto_device_budget", lambda device, ranks: 64 * 2**20)
+    monkeypatch.setattr("protrain.runtime.entry.auto_device_budget", lambda device, ranks: 64 * 2**20)
     first = runtime.initialize(tiny_gpt(0), config=job(tmp_path, device_budget="64MiB"))
     try:
         with pytest.raises(SpecError) as refused:
@@ -155,7 +155,7 @@ def test_an_auto_budget_with_nothing_left_names_each_live_engine_and_how_to_free
 def test_an_auto_budget_below_every_plan_names_the_engines_holding_the_rest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("runtime.entry.auto_device_budget", lambda device, ranks: 64 * 2**20)
+    monkeypatch.setattr("protrain.runtime.entry.auto_device_budget", lambda device, ranks: 64 * 2**20)
     data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
     with runtime.initialize(tiny_gpt(0), config=job(tmp_path, device_budget=64 * 2**20 - 200 * 2**10)) as first:
         with pytest.raises(SpecError) as refused:
@@ -168,7 +168,7 @@ def test_an_auto_budget_below_every_plan_names_the_engines_holding_the_rest(
 def test_auto_budget_beside_a_set_one_is_what_the_set_one_left(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("runtime.entry.auto_device_budget", lambda device, ranks: 1 << 30)
+    monkeypatch.setattr("protrain.runtime.entry.auto_device_budget", lambda device, ranks: 1 << 30)
     first = runtime.initialize(tiny_gpt(0), config=job(tmp_path, device_budget="300MiB"))
     try:
         second = runtime.initialize(tiny_gpt(1), config=job(tmp_path, device_budget="auto"))
@@ -209,7 +209,7 @@ def test_closing_one_engine_leaves_ctrl_c_stopping_the_other(tmp_path: Path) -> 
 def test_a_second_engine_on_a_terminal_prints_named_lines_instead_of_a_second_bar() -> None:
     from rich.console import Console
 
-    from runtime.console import ProgressReporter, StepRecord
+    from protrain.runtime.console import ProgressReporter, StepRecord
 
     first = ProgressReporter(total_steps=4, enabled=True)
     second = ProgressReporter(total_steps=4, enabled=True, name="engine 2")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import runtime
+from protrain import runtime
 from tests.helpers import TINY_LLAMA, assert_state_equal, lm_batches, tiny_gpt
 
 
@@ -152,7 +152,7 @@ def test_model_init_gives_each_parameter_its_constructors_init(arch: str) -> Non
     random state, and one source per seed."""
     from accelerate import init_empty_weights
 
-    from runtime.weights import ModelInit
+    from protrain.runtime.weights import ModelInit
 
     if arch == "gpt":
         torch.manual_seed(0)
@@ -187,7 +187,7 @@ def test_model_init_gives_each_parameter_its_constructors_init(arch: str) -> Non
 def test_model_init_refuses_a_parameter_nothing_initialises() -> None:
     from accelerate import init_empty_weights
 
-    from runtime.weights import ModelInit
+    from protrain.runtime.weights import ModelInit
 
     class Scaled(torch.nn.Module):
         def __init__(self) -> None:

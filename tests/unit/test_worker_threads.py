@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-import runtime
+from protrain import runtime
 from tests.helpers import lm_batches, tiny_gpt
 
 Call = tuple[str, str, torch.dtype, torch.dtype]
