@@ -7,7 +7,7 @@ with the other names kept as aliases.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,3 +178,26 @@ def layout_from_params(params: tuple[ParamInfo, ...], *, chunk_numel: int, world
             for i, chunk in enumerate(packing.chunks)
         ),
     )
+
+
+def check_buffers(
+    model: nn.Module, params: Sequence[nn.Parameter], layout: ChunkLayout, *, n_persist: int, n_buffer: int
+) -> None:
+    """ValueError naming the fix when one module needs more non-persistent chunks at once than
+    there are buffer slots (its forward could never have all its parameters on the device)."""
+    if all(info.index < n_persist for info in layout.chunks):
+        return
+    chunk_of = {id(p): layout.slots[i].chunk for i, p in enumerate(params)}
+    need = 1
+    owner = ""
+    for name, module in model.named_modules():
+        chunks = {chunk_of[id(p)] for p in module.parameters(recurse=False)}
+        count = sum(1 for c in chunks if c >= n_persist)
+        if count > need:
+            need, owner = count, name
+    if n_buffer < need:
+        where = f"module {owner!r} uses {need} non-persistent chunks at once" if owner else "one is needed"
+        raise ValueError(
+            f"memory.n_buffer={n_buffer} is too few: {where}; set memory.n_buffer >= {need} "
+            f"or raise memory.n_persist"
+        )

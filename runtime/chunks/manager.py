@@ -36,12 +36,12 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from protrain.runtime.chunks.layout import ChunkLayout
+from protrain.runtime.chunks.layout import ChunkLayout, check_buffers
 from protrain.runtime import device_wall, stream_chaos
 from protrain.runtime.chunks.optimizer import ChunkOptimizer
 from protrain.runtime.chunks.readout import ChunkReadout
 from protrain.runtime.chunks.reduce import GradientReducer
-from protrain.runtime.chunks.residency import ChunkResidency, SavedAlias, check_buffers
+from protrain.runtime.chunks.residency import ChunkResidency, SavedAlias
 from protrain.runtime.chunks.side_stream import CollectiveQueue
 from protrain.runtime.chunks.store import Chunk, Segment, shard_segments
 from protrain.runtime.chunks.store_build import AdamWHyper, build_store

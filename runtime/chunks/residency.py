@@ -40,7 +40,6 @@ from protrain.runtime.device import DeviceEvent, HostWorker, host_worker_threads
 from protrain.runtime.distributed import all_gather_flat
 
 if TYPE_CHECKING:  # store.py imports the states from here; the chunks come in as values
-    from protrain.runtime.chunks.layout import ChunkLayout
     from protrain.runtime.chunks.side_stream import CollectiveQueue
     from protrain.runtime.chunks.store import Chunk, ChunkStore, OffloadedChunk
 
@@ -53,29 +52,6 @@ class SavedAlias:
     offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
-
-
-def check_buffers(
-    model: nn.Module, params: Sequence[nn.Parameter], layout: ChunkLayout, *, n_persist: int, n_buffer: int
-) -> None:
-    """ValueError naming the fix when one module needs more non-persistent chunks at once than
-    there are buffer slots (its forward could never have all its parameters on the device)."""
-    if all(info.index < n_persist for info in layout.chunks):
-        return
-    chunk_of = {id(p): layout.slots[i].chunk for i, p in enumerate(params)}
-    need = 1
-    owner = ""
-    for name, module in model.named_modules():
-        chunks = {chunk_of[id(p)] for p in module.parameters(recurse=False)}
-        count = sum(1 for c in chunks if c >= n_persist)
-        if count > need:
-            need, owner = count, name
-    if n_buffer < need:
-        where = f"module {owner!r} uses {need} non-persistent chunks at once" if owner else "one is needed"
-        raise ValueError(
-            f"memory.n_buffer={n_buffer} is too few: {where}; set memory.n_buffer >= {need} "
-            f"or raise memory.n_persist"
-        )
 
 
 def _offloaded(chunk: Chunk) -> OffloadedChunk:
@@ -118,6 +94,9 @@ class ChunkResidency:
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._slot_storage = {slot.untyped_storage().data_ptr(): i for i, slot in enumerate(self.slots)}
         self._pinned: set[int] = set()
+        self._held: dict[int, int] = {}
+        """Chunks held on the device by ``hold`` (engine.gathered), with how many holds each:
+        pinned whatever modules run, until let go."""
         self._recomputing = False
         self._privatized: set[int] = set()
         self._stand_ins: list[tuple[nn.Module, str, nn.Parameter]] = []
@@ -308,11 +287,28 @@ class ChunkResidency:
             elif chunk.residency is Residency.RESIDENT:
                 self.evict(chunk.index)
 
+    def hold(self, chunk_indices: Sequence[int]) -> None:
+        """Bring these chunks to the device and keep them there until ``let_go`` (nested holds
+        count): a read of their parameters outside their modules' forward (engine.gathered)."""
+        for chunk_index in chunk_indices:
+            self._held[chunk_index] = self._held.get(chunk_index, 0) + 1
+            self._pinned.add(chunk_index)
+        if chunk_indices:
+            self._wait_for(chunk_indices)
+
+    def let_go(self, chunk_indices: Sequence[int]) -> None:
+        """The end of a ``hold``: the chunks stay resident, evictable as any other."""
+        for chunk_index in chunk_indices:
+            self._held[chunk_index] -= 1
+            if not self._held[chunk_index]:
+                del self._held[chunk_index]
+                self._pinned.discard(chunk_index)
+
     def resident_chunks(self) -> list[int]:
         return [c.index for c in self.chunks if c.residency is Residency.RESIDENT]
 
     def unpin(self) -> None:
-        self._pinned = set()
+        self._pinned = set(self._held)
 
     # ------------------------------------------------------------------ forward and recompute
 
@@ -326,7 +322,7 @@ class ChunkResidency:
 
     def _make_pre_forward(self, owned: list[int]) -> Any:
         def pre_forward(module: nn.Module, _inputs: Any) -> None:
-            self._pinned = set(owned)
+            self._pinned = set(owned) | self._held.keys()
             self._wait_for(owned)
             if self._recomputing:
                 # The block's forward runs again inside backward: no prefetch in either
@@ -352,7 +348,7 @@ class ChunkResidency:
             yield
         finally:
             self._recomputing = False
-            self._pinned = set()
+            self._pinned = set(self._held)
             for chunk_index in self._privatized:
                 self.store.point_params(self.chunks[chunk_index])
             self._privatized.clear()
@@ -418,7 +414,7 @@ class ChunkResidency:
     def end_profiling(self) -> None:
         self._profiling = False
         self.prefetch_depth = self._saved_prefetch_depth
-        self._pinned = set()
+        self._pinned = set(self._held)
 
     def _wait_for(self, chunk_indices: Sequence[int]) -> torch.Tensor:
         """Make these chunks resident (compute waits here); the last one's full copy. While

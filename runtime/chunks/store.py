@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from protrain.runtime.chunks.layout import ChunkInfo, ChunkLayout
+from protrain.runtime.chunks.released import mark_released, mark_resident
 from protrain.runtime.chunks.residency_states import Residency, check_move
 from protrain.runtime.cpu_adam import ShardAdamW
 from protrain.runtime.device import DeviceInfo
@@ -216,6 +217,13 @@ class ChunkStore:
     def chunk_of(self, param: nn.Parameter) -> int:
         return self.chunk_of_param[self._index_of[id(param)]]
 
+    def manages(self, param: torch.Tensor) -> bool:
+        index = self._index_of.get(id(param))
+        return index is not None and self.params[index] is param
+
+    def param_index(self, param: nn.Parameter) -> int:
+        return self._index_of[id(param)]
+
     def trainable_chunks(self) -> Iterator[Chunk]:
         return (chunk for chunk in self.chunks if chunk.training is not None)
 
@@ -228,11 +236,17 @@ class ChunkStore:
     # ------------------------------------------------------------------ where parameters point
 
     def point_params(self, chunk: Chunk) -> None:
-        """Parameters view the chunk's full copy, or the NaN placeholder when it has none."""
+        """Parameters view the chunk's full copy, or the NaN placeholder when it has none (a
+        read of one is refused then: released.py)."""
         full = chunk.full
         for index in chunk.info.params:
             param = self.params[index]
-            param.data = self._placeholder(param) if full is None else self.view(full, index)
+            if full is None:
+                param.data = self._placeholder(param)
+                mark_released(param, self.layout.params[index].name)
+            else:
+                param.data = self.view(full, index)
+                mark_resident(param)
 
     def _placeholder(self, param: nn.Parameter) -> torch.Tensor:
         if self._nan is None:
@@ -312,6 +326,7 @@ class ChunkStore:
         for index, param in enumerate(self.params):
             param.data = self._placeholder(param)
             param.grad = None
+            mark_released(param, self.layout.params[index].name, closed=True)
         self.chunks.clear()
 
 

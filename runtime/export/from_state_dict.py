@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from protrain.runtime.chunks.released import released_name
 from protrain.runtime.export.targets import (
     TIED_METADATA_KEY,
     check_dtype,
@@ -117,7 +118,7 @@ def export_hf(
     check_dtype(dtype)
     target = Path(directory)
     check_target(target, overwrite)
-    expected = set(model.state_dict())
+    expected = set(model.state_dict(keep_vars=True))
     missing = [name for name, _ in model.named_parameters(remove_duplicate=False) if name not in state_dict]
     unexpected = sorted(set(state_dict) - expected)
     if missing or unexpected:
@@ -245,6 +246,8 @@ def _refuse_placeholders(state_dict: Mapping[str, torch.Tensor]) -> None:
 def _is_placeholder(tensor: torch.Tensor) -> bool:
     """The stand-ins of ``runtime.weights.install_placeholders_``: one NaN element in memory,
     seen through stride-0 views."""
+    if released_name(tensor) is not None:
+        return True
     if tensor.numel() <= 1 or not tensor.is_floating_point() or tensor.device.type == "meta":
         return False
     if tensor.untyped_storage().nbytes() > tensor.element_size():

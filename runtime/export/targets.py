@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from protrain.runtime.chunks.released import names_only
 from protrain.runtime.durable import fsync_path
 
 TIED_METADATA_KEY = "protrain.tied"
@@ -190,7 +191,8 @@ def adapter_names(model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> li
     original = {id(tensor): name for name, tensor in meta.items()}
     chosen: list[str] = []
     for adapter in getattr(model, "peft_config", {"default": None}):
-        picked = get_peft_model_state_dict(model, state_dict=meta, adapter_name=adapter)
+        with names_only():  # PEFT walks modules_to_save's state_dict() for names: no values read
+            picked = get_peft_model_state_dict(model, state_dict=meta, adapter_name=adapter)
         chosen += [original[id(tensor)] for tensor in picked.values() if id(tensor) in original]
     return list(dict.fromkeys(chosen))
 
@@ -198,6 +200,7 @@ def adapter_names(model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> li
 def save_adapter(model: nn.Module, tensors: dict[str, torch.Tensor], directory: Path) -> None:
     """PEFT's own ``save_pretrained`` of ``tensors`` (model names: PEFT renames them), so the
     directory holds what PEFT saves and ``PeftModel.from_pretrained`` loads."""
-    model.save_pretrained(str(directory), state_dict=tensors, is_main_process=True)  # type: ignore[operator]
+    with names_only():  # it maps ``tensors`` by the names modules_to_save's state_dict() gives
+        model.save_pretrained(str(directory), state_dict=tensors, is_main_process=True)  # type: ignore[operator]
     if not any(directory.rglob("adapter_model.safetensors")):
         raise RuntimeError(f"PEFT's save_pretrained wrote no adapter weights into {directory}")

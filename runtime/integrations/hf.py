@@ -60,6 +60,7 @@ from protrain.runtime.integrations.hf_spec import (
     with_args,
     with_decay_groups,
 )
+from protrain.runtime.integrations.fused_head import gather_head_after_backbone
 from protrain.runtime.training.engine import Engine
 from protrain.runtime.training.optimizer_facade import EngineOptimizer
 from protrain.runtime.training.schedule import build_scheduler
@@ -104,6 +105,7 @@ class ProTrainMixin:
         self._weights = weights
         self._protrain: Reconciled | None = None
         self._engine: Engine | None = None
+        self._head_hooks: list[Any] = []
         self._ended = False
         super().__init__(*args, **kwargs)
         # Trainer.__init__ takes its loader's batch size off the caller's arguments, after the seam
@@ -161,6 +163,8 @@ class ProTrainMixin:
         with torch.random.fork_rng(devices=devices):
             engine = runtime.initialize(model, config=spec, example_batch=self._example_batch, weights=self._weights)
         engine.lr_from_optimizer = True
+        # TRL's fused loss reads the head's weight outside the head's forward.
+        self._head_hooks = gather_head_after_backbone(model, engine)
         self._engine = engine
         return engine
 
@@ -262,6 +266,8 @@ class ProTrainMixin:
         last: the model's weights lived in the engine's chunks (save_model first)."""
         if self._engine is not None:
             self._ended = True
+            for hook in self._head_hooks:
+                hook.remove()
             self._engine.close()
             self._engine = None
         super().end()  # type: ignore[misc]

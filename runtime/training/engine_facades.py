@@ -8,10 +8,11 @@ protocol (forward, backward, step) and the plan in force.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,6 +24,7 @@ from protrain.runtime import device_wall
 from protrain.runtime.activations.manager import ActivationManager
 from protrain.runtime.checkpoint.checkpointer import Checkpointer
 from protrain.runtime.checkpoint.store import Checkpoint, CheckpointError
+from protrain.runtime.chunks.gathered import gathered
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.config.settings import TrainingSettings
 from protrain.runtime.console import ProgressReporter
@@ -109,6 +111,17 @@ class EngineFacades:
     def chunks(self) -> ChunkManager:
         """The chunk manager of the plan in force (a plan switch replaces it)."""
         return self._parts.chunks
+
+    def gathered(
+        self, params: Iterable[nn.Parameter], *, modify: bool = False
+    ) -> contextlib.AbstractContextManager[None]:
+        """``with engine.gathered(model.lm_head.parameters()):`` the parameters hold their values
+        on the device for the block, wherever it reads them (DeepSpeed's ``GatheredParameters``):
+        for code that reads a weight outside the forward of the module that owns it, which is
+        refused otherwise while its chunk is offloaded. Gradients of a differentiable use take
+        the usual path. ``modify=True`` keeps what the block wrote (rank 0's values) in the fp32
+        masters. Every rank enters it, in the same order (runtime/chunks/gathered.py)."""
+        return gathered(self.chunks, params, modify=modify)
 
     @property
     def activations(self) -> ActivationManager:
@@ -246,7 +259,7 @@ class EngineFacades:
         streams it to files instead. Every rank calls it (the chunks are gathered) and gets it."""
         params = self.chunks.full_parameters()
         result: dict[str, torch.Tensor] = {}
-        for name, tensor in self.module.state_dict().items():
+        for name, tensor in self.module.state_dict(keep_vars=True).items():
             if name in params:
                 result[name] = params[name]
             else:

@@ -118,3 +118,22 @@ def test_a_trainer_that_sees_one_process_of_two_is_refused_with_the_fix(rank_poo
     for message in messages:
         assert "TrainingArguments see 1 process(es) but 2 ranks were started" in message, message
         assert "use_cpu=True" in message
+
+
+def test_two_ranks_of_trls_sft_trainer_with_the_head_offloaded_train_what_plain_trl_trains(
+    rank_pool: RankPool, tmp_path: Path
+) -> None:
+    """TRL's fused loss reads the offloaded head outside its forward; its gradient is
+    reduce-scattered with its chunk's: losses and every trained parameter as plain TRL on DDP."""
+    from tests.unit.test_hf_trainer_trl import run_sft
+
+    plain = rank_pool.run(run_sft, plan=None, output_dir=str(tmp_path / "plain"))
+    ours = rank_pool.run(run_sft, plan="all-offloaded", output_dir=str(tmp_path / "ours"))
+    assert plain[0]["world_size"] == ours[0]["world_size"] == 2
+    for rank in (0, 1):
+        assert len(ours[rank]["losses"]) == 6
+        assert ours[rank]["losses"] == pytest.approx(plain[rank]["losses"], rel=RTOL)
+    for name, expected in plain[0]["state"].items():
+        got = ours[0]["state"][name]
+        assert (got - expected).abs().max() <= RTOL * expected.abs().max(), name
+    assert_state_equal(ours[1]["state"], ours[0]["state"])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from protrain import runtime
+from protrain.runtime.chunks.released import ReleasedParameterError
 from protrain.runtime.chunks.residency_states import IllegalTransition, Residency, check_move
 from protrain.runtime.config.spec_io import SpecError
 from protrain.runtime.device import DeviceInfo
@@ -144,9 +145,12 @@ def test_residency_moves_are_checked() -> None:
 
 
 def test_evicted_parameters_hold_no_data(tmp_path: Path) -> None:
+    """And a read of one is refused, naming it (it would compute on a placeholder)."""
     engine = runtime.initialize(tiny_gpt(), config=job(tmp_path, n_persist=0, n_buffer=2))
-    for param in engine.module.parameters():
-        assert param.untyped_storage().nbytes() <= 4 and torch.isnan(param).all()
+    for name, param in engine.module.named_parameters():
+        assert param.untyped_storage().nbytes() <= 4 and param.shape == param.data.shape
+        with pytest.raises(ReleasedParameterError, match=rf"^{name} was read"):
+            torch.isnan(param)
     engine.close()
 
 
