@@ -67,6 +67,8 @@ test-chaos: $(STAMP)
 	$(CHAOS_RANDOM) $(BIN)/python -m pytest $(CHAOS_RANDOM_DIST)
 	PROTRAIN_STREAM_CHAOS=lazy $(BIN)/python -m pytest $(CHAOS_LAZY)
 
+# The key table of docs/spec-reference.md, regenerated from the spec's pydantic models
+# (tests/unit/test_readme.py fails while it is stale).
 spec-reference: $(STAMP)
 	$(BIN)/python -m protrain.runtime.config.spec_doc --write
 

@@ -1,7 +1,9 @@
-"""The README's spec reference, generated from the pydantic models so the two cannot drift.
+"""The job spec reference (docs/spec-reference.md), generated from the pydantic models so the two
+cannot drift; tests/unit/test_readme.py checks the page is current.
 
 python -m protrain.runtime.config.spec_doc            # print the reference table
-python -m protrain.runtime.config.spec_doc --write    # rewrite the README section between its markers
+python -m protrain.runtime.config.spec_doc --write    # rewrite the page's table between its markers
+                                                      #   (in a checkout; make spec-reference)
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from protrain.runtime.config.spec_io import allowed_text, section_type
 
 START = "<!-- spec-reference:start -->"
 END = "<!-- spec-reference:end -->"
+REFERENCE_PAGE = Path("docs") / "spec-reference.md"
+"""The page holding the table, relative to the repository root; its prose is written by hand."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,18 +81,22 @@ def reference_markdown() -> str:
     return "\n".join(header + [_markdown_row(row) for row in reference_rows()]) + "\n"
 
 
-def readme_with_reference(readme: str) -> str:
-    before, start, rest = readme.partition(START)
+def page_with_reference(page: str) -> str:
+    """``page`` with the text between its markers replaced by the current reference table."""
+    before, start, rest = page.partition(START)
     _, end, after = rest.partition(END)
     if not start or not end:
-        raise ValueError(f"README lacks the markers {START} ... {END}")
+        raise ValueError(f"{REFERENCE_PAGE} lacks the markers {START} ... {END}")
     return f"{before}{START}\n{reference_markdown()}{END}{after}"
 
 
 def main(argv: list[str]) -> int:
     if argv == ["--write"]:
-        readme = Path(__file__).resolve().parents[2] / "README.md"
-        readme.write_text(readme_with_reference(readme.read_text()))
+        page = Path(__file__).resolve().parents[2] / REFERENCE_PAGE
+        if not page.is_file():
+            sys.stderr.write(f"--write rewrites {REFERENCE_PAGE} in a checkout of ProTrain; no {page}\n")
+            return 2
+        page.write_text(page_with_reference(page.read_text()))
         return 0
     sys.stdout.write(reference_markdown())
     return 0

@@ -3,7 +3,7 @@
 Each leaf type (``PositiveInt``, ``AutoSize``, ``Betas`` ...) is an ``Annotated`` type whose
 validator accepts exactly what its ``Allowed`` phrase says: no bool for an int, no float for an
 int, no string for a number; ``"auto"`` only in the ``Auto*`` types, which mark themselves
-``AutoFilled``. The same phrase goes into error messages and the README's spec reference, so
+``AutoFilled``. The same phrase goes into error messages and docs/spec-reference.md, so
 the two cannot disagree. ``SpecModel`` is the base of every spec section (here so the hardware
 files share it). The sections themselves are ``runtime/config/spec.py``.
 

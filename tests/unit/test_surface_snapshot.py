@@ -1,5 +1,5 @@
 """The user-facing surface is frozen: every spec key (what it accepts and its default, as the
-README's spec reference shows them), every option of protrain-run, protrain-run --what-if,
+spec reference page shows them), every option of protrain-run, protrain-run --what-if,
 protrain-run --report and protrain-run --plot, and the Python API ``import protrain`` offers
 (its names, ``initialize``'s signature, the Engine's public methods and properties).
 A change to either must be deliberate: the snapshot file is updated and reviewed with it.
