@@ -55,6 +55,10 @@ class Plan:
     rule: str = ""
     """How the auto knobs were filled, in words."""
     predicted_step_s: float | None = None
+    predicted_compute_s: float | None = None
+    """Of the predicted step, one micro-batch's forward and backward (the transfers they cannot
+    hide included, not the update): what the stale-profile check compares, since a busy host
+    moves the rest of the step (CPU Adam, the update) and not the profile's compute."""
     predicted_peak_device_bytes: int | None = None
     predicted_peak_host_bytes: int | None = None
     """What a rank's process holds in host memory at its peak: the plan's host regions (chunk

@@ -209,6 +209,7 @@ def searched_plan(
         rule=f"search: fastest of {result.evaluated} plans that fit; {result.binding}",
         batch_shape=model.batch_shape,
         predicted_step_s=best.prediction.step_s,
+        predicted_compute_s=best.prediction.forward_s + best.prediction.backward_s,
         predicted_peak_device_bytes=best.prediction.peak_device_bytes,
         predicted_peak_host_bytes=best.prediction.host_bytes + host_fixed_bytes,
         host_fixed_bytes=host_fixed_bytes,

@@ -71,7 +71,7 @@ def hardware_profile(
     cached = read_agreed(path, HardwareProfile.from_dict, dist_ctx)
     if cached is not None:
         if origin is not None:
-            origin.cached.append(path)
+            origin.add(path)
         return cached
     profile = measure_hardware(device, dist_ctx, world_size=world_size, device_budget=device_budget)
     release_free_memory(device)  # the probes' buffers, freed but still resident

@@ -4,10 +4,15 @@ the peak measured over the same updates (``runtime.planning.memory_probe``: the 
 read at the profile's hooks, ``runtime.memory_counter``), printed on rank 0 and written to the
 metrics file, so a wrong model (or a machine busier than when it was profiled) shows.
 
-A step time off the prediction by more than ``STALE_MARGIN`` is named: when the profiles came
-from the cache, they were measured at a busier (or quieter) moment than now, so the engine drops
-those cache entries and the next launch profiles again; when they were measured in this run, the
-cost model itself is off."""
+The verdict compares like with like: the compute share of the step (the forward and backward
+phases, measured on the compute clock, against the plan's ``predicted_compute_s``), which the
+profile's measurements decide, not the whole step, which a busy host moves (CPU Adam and the update
+run on its cores). Compute off the prediction by more than ``STALE_MARGIN`` is named: when the
+profiles came from the cache they may have been measured at a busier (or quieter) moment than
+now: the first launch to find them off notes it in the cache entries, the next that finds them
+off too drops them, so the launch after profiles again (replanner.py, profile_cache.py); when they
+were measured in this run, the cost model itself is off. Without phase times (no metrics), the
+step time is compared instead."""
 
 from __future__ import annotations
 
@@ -20,7 +25,9 @@ from protrain.profiler.plan import Plan
 CHECK_AFTER_UPDATES = 5
 """Updates measured before the comparison; the first is left out (allocations, caches)."""
 STALE_MARGIN = 0.25
-"""A measured step time off the prediction by more than this fraction is reported as off."""
+"""A measured compute (or step) time off the prediction by more than this fraction is off."""
+FINDING_KEYS = ("measured_compute_s", "predicted_compute_s", "compute_error", "measured_step_s", "error")
+"""What a cache entry keeps of the check that found it off."""
 
 
 class PlanCheck:
@@ -29,9 +36,13 @@ class PlanCheck:
         # several micro-batches repeats the first part (counting the update once per micro-batch
         # overstates it a little).
         self.predicted_s = None if plan.predicted_step_s is None else plan.predicted_step_s * accumulation
+        self.predicted_compute_s = (
+            None if plan.predicted_compute_s is None else plan.predicted_compute_s * accumulation
+        )
         self.predicted_peak_bytes = plan.predicted_peak_device_bytes
         self.after = after
         self._seconds: list[float] = []
+        self._compute: list[float] = []
         self.done = self.predicted_s is None
 
     @property
@@ -40,13 +51,16 @@ class PlanCheck:
         return not self.done and len(self._seconds) >= 1
 
     def observe(
-        self, step_time_s: float, peak_bytes: Callable[[], int] | None = None
+        self, step_time_s: float, peak_bytes: Callable[[], int] | None = None, compute_s: float | None = None
     ) -> dict[str, Any] | None:
-        """Note one update's time; returns the comparison (once) when enough are in, with the
-        measured peak from ``peak_bytes()`` (called then) when given."""
+        """Note one update's time (and ``compute_s``, its forward and backward phases, when
+        measured); returns the comparison (once) when enough are in, with the measured peak from
+        ``peak_bytes()`` (called then) when given."""
         if self.done:
             return None
         self._seconds.append(step_time_s)
+        if compute_s is not None:
+            self._compute.append(compute_s)
         if len(self._seconds) < self.after:
             return None
         self.done = True
@@ -59,6 +73,11 @@ class PlanCheck:
             "predicted_step_s": round(self.predicted_s, 6),
             "error": round(self.predicted_s / measured - 1.0, 4),
         }
+        if self.predicted_compute_s is not None and len(self._compute) == len(self._seconds):
+            compute = statistics.median(self._compute[1:])
+            event["measured_compute_s"] = round(compute, 6)
+            event["predicted_compute_s"] = round(self.predicted_compute_s, 6)
+            event["compute_error"] = round(self.predicted_compute_s / compute - 1.0, 4) if compute > 0 else None
         if peak_bytes is not None and self.predicted_peak_bytes is not None:
             peak = peak_bytes()
             event["measured_peak_device_bytes"] = peak
@@ -69,8 +88,10 @@ class PlanCheck:
 
 def judge(event: dict[str, Any], *, from_cache: bool) -> dict[str, Any]:
     """``event`` with where its profiles came from (``profile``: "cached" or "measured") and
-    whether the prediction is off by more than ``STALE_MARGIN`` (``off``)."""
-    off = abs(event["error"]) > STALE_MARGIN
+    whether the prediction is off by more than ``STALE_MARGIN`` (``off``): the compute share's
+    when it was measured, else the step time's."""
+    error = event.get("compute_error")
+    off = abs(event["error"] if error is None else error) > STALE_MARGIN
     return {**event, "profile": "cached" if from_cache else "measured", "off": off}
 
 
@@ -82,6 +103,11 @@ def describe(event: dict[str, Any]) -> str:
         f"(median of updates 2-{event['updates']}), predicted {event['predicted_step_s']:.4f} s "
         f"(prediction {abs(error):.1%} {'above' if error >= 0 else 'below'} the measured)"
     )
+    if event.get("compute_error") is not None:
+        text += (
+            f"; forward and backward {event['measured_compute_s']:.4f} s, predicted "
+            f"{event['predicted_compute_s']:.4f} s ({event['compute_error']:+.1%})"
+        )
     if event.get("measured_peak_device_bytes") is not None:
         error = event.get("peak_error")
         text += (
@@ -97,12 +123,17 @@ def _verdict(event: dict[str, Any]) -> str | None:
     """What an off prediction means and what was done about it (None when it is not off)."""
     if not event.get("off"):
         return None
-    off = f"the step time is off the prediction by more than {STALE_MARGIN:.0%}"
+    what = "the step time" if event.get("compute_error") is None else "the forward and backward time"
+    off = f"{what} is off the prediction by more than {STALE_MARGIN:.0%}"
     if event.get("profile") != "cached":
         return f"{off} although the profile was measured in this run: the cost model misjudges this run"
-    done = (
-        "dropped it from the cache, so the next launch profiles again"
-        if event.get("dropped_profiles")
-        else "remove it from profiler.cache_dir, or launch with PROTRAIN_REFRESH_PROFILE=1, to profile again"
-    )
+    if event.get("dropped_profiles"):
+        done = "the previous launch found it off too: dropped it from the cache, so the next launch profiles again"
+    elif event.get("noted_off"):
+        done = (
+            "noted in the cache: if the next launch finds it off too, it is dropped and measured again "
+            "(PROTRAIN_REFRESH_PROFILE=1 measures now)"
+        )
+    else:
+        done = "remove it from profiler.cache_dir, or launch with PROTRAIN_REFRESH_PROFILE=1, to profile again"
     return f"{off}: the cached profile looks stale (measured at a busier or quieter moment than now); {done}"

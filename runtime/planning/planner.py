@@ -337,10 +337,10 @@ class Planner:
         subject, settings, dist_ctx = self.subject, self.settings, self.dist_ctx
         shape = batch_shape(batch)
         path = settings.cache_dir / f"model-{self._cache_key(shape)}.json"
-        self.origin.cached.clear()
+        self.origin.clear()
         profile = read_agreed(path, ModelProfile.from_dict, dist_ctx)
         if profile is not None:
-            self.origin.cached.append(path)
+            self.origin.add(path)
         else:
             self.failure = None
             profile = self._measure(batch, shape, chunked)

@@ -22,6 +22,9 @@ from protrain.runtime.distributed import DistContext, all_reduce_min_
 T = TypeVar("T")
 REFRESH_ENV = "PROTRAIN_REFRESH_PROFILE"
 """Set to 1 to measure the hardware again instead of using the cached profile."""
+FOUND_OFF = "found_off"
+"""Key of a cache entry: the plan check of the launch that last found the entry off (the
+profile's own fields are the rest)."""
 
 
 def read_agreed(path: Path, parse: Callable[[dict[str, Any]], T], dist_ctx: DistContext | None) -> T | None:
@@ -30,7 +33,9 @@ def read_agreed(path: Path, parse: Callable[[dict[str, Any]], T], dist_ctx: Dist
     cached: T | None = None
     if os.environ.get(REFRESH_ENV) != "1":
         try:
-            cached = parse(json.loads(path.read_text()))
+            body = json.loads(path.read_text())
+            body.pop(FOUND_OFF, None)
+            cached = parse(body)
         except (OSError, ValueError, TypeError, KeyError):
             cached = None
     have = torch.tensor([1.0 if cached is not None else 0.0], dtype=torch.float64)
@@ -57,13 +62,41 @@ class ProfileOrigin:
     measured step time says they are stale (``runtime.planning.plan_check``): the next launch measures."""
 
     cached: list[Path] = dataclasses.field(default_factory=list)
+    found_off_before: set[Path] = dataclasses.field(default_factory=set)
+    """Of ``cached``, the entries the previous launch found off (read with them, before any rank
+    of this launch could note anything)."""
 
-    def drop(self) -> list[Path]:
-        """Remove the cached entries; those now gone (another rank on the host may have removed
-        one first). An entry that cannot be removed stays, and is left out."""
+    def add(self, path: Path) -> None:
+        """``path`` was read from the cache (by every rank) for the plan in force."""
+        self.cached.append(path)
+        with contextlib.suppress(OSError, ValueError):
+            if FOUND_OFF in json.loads(path.read_text()):
+                self.found_off_before.add(path)
+
+    def clear(self) -> None:
+        self.cached.clear()
+        self.found_off_before.clear()
+
+    def found_off(self, check: dict[str, Any]) -> list[Path]:
+        """This launch found the plan's prediction off: the entries the previous launch found
+        off too are removed (returned: those now gone; another rank on the host may have removed
+        one first); the others keep ``check`` for the next launch to confirm."""
         gone = []
         for path in self.cached:
-            with contextlib.suppress(OSError):
-                path.unlink(missing_ok=True)
-                gone.append(path)
+            if path in self.found_off_before:
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
+                    gone.append(path)
+            else:
+                self._rewrite(path, lambda body: {**body, FOUND_OFF: check})
         return gone
+
+    def found_right(self) -> None:
+        """This launch found the prediction right: an earlier finding was a passing moment."""
+        for path in self.found_off_before:
+            self._rewrite(path, lambda body: {k: v for k, v in body.items() if k != FOUND_OFF})
+
+    @staticmethod
+    def _rewrite(path: Path, change: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            write_cached(path, change(json.loads(path.read_text())))

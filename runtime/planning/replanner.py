@@ -37,6 +37,7 @@ from protrain.runtime.config.spec_io import SpecError
 from protrain.runtime.distributed import DistContext, all_reduce_max, broadcast_object
 from protrain.runtime.planning.apply_plan import PlanTarget, apply_plan
 from protrain.runtime.planning.model_profiling import ChunkedRun
+from protrain.runtime.planning.plan_check import FINDING_KEYS
 from protrain.runtime.planning.plan_check import judge as judge_plan_check
 from protrain.runtime.planning.plan_switch import hold_on_host
 from protrain.runtime.planning.planner import Planner
@@ -158,12 +159,21 @@ class Replanner:
         )
 
     def judge(self, check: dict[str, Any]) -> dict[str, Any]:
-        """A step time far off the prediction of a plan made from cached profiles: they were
-        measured at another moment; drop them, so the next launch measures again."""
+        """Compute far off the prediction of a plan made from cached profiles: they may have been
+        measured at another moment. The first launch to find them off notes it in the cache
+        entries; the next that finds them off again drops them, so the launch after measures
+        again; one that finds them right clears the note (profile_cache.py)."""
         origin = self.planner.origin
         check = judge_plan_check(check, from_cache=bool(origin.cached))
-        if check["off"] and check["profile"] == "cached":
-            check["dropped_profiles"] = [str(path) for path in origin.drop()]
+        if check["profile"] != "cached":
+            return check
+        if check["off"]:
+            dropped = origin.found_off({key: check[key] for key in FINDING_KEYS if key in check})
+            check["dropped_profiles" if dropped else "noted_off"] = [
+                str(path) for path in (dropped or origin.cached)
+            ]
+        else:
+            origin.found_right()
         return check
 
     def after_window(self, plan: Plan, check: dict[str, Any], dist_ctx: DistContext) -> Plan | None:

@@ -110,13 +110,15 @@ class UpdateReports:
         None (every rank gets the same answer: the replanner agrees it across ranks)."""
         started = time.thread_time()
         self.reporter.update(record)
+        compute_s = None
         if self.metrics is not None and self.measured is not None:
             extra = self.measured.collect(record, plan=plan, static_device_bytes=self._static_device_bytes)
             self.metrics.write({**record.to_json(), **extra})
             if self.trackers.due(record.step):
                 self.trackers.log(tracker_metrics(record, extra), record.step)
             self.measured.add_logging_time(time.thread_time() - started)
-        check = None if record.skipped else self.check.observe(record.step_time_s, self._probe.stop)
+            compute_s = extra["time_metrics/forward(s)"] + extra["time_metrics/backward(s)"]
+        check = None if record.skipped else self.check.observe(record.step_time_s, self._probe.stop, compute_s)
         if check is None:
             return None
         # Stale cached profiles are dropped (only a plan from a Replanner's profiles has any).
