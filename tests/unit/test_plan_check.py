@@ -98,6 +98,12 @@ def scale_times(entry: Path, factor: float) -> None:
     entry.write_text(json.dumps(body))
 
 
+def from_the_cache(tmp_path: Path, run: str) -> tuple[list[Path], Engine]:
+    """A launch that profiles and fills the cache, then ``run``'s engine planned from it."""
+    start(tmp_path, "fresh").close()
+    return cache_entries(tmp_path), start(tmp_path, run)
+
+
 def stale_cache(tmp_path: Path) -> tuple[float, float]:
     """A cached model profile whose times are twice what this machine measures now; the step and
     compute times a right profile predicts."""
@@ -148,9 +154,7 @@ def test_a_stale_cached_profile_is_noted_then_dropped_by_the_next_launch_then_me
 def test_one_off_launch_between_right_ones_costs_no_profiling(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    start(tmp_path, "fresh").close()
-    entries = cache_entries(tmp_path)
-    busy = start(tmp_path, "busy")
+    entries, busy = from_the_cache(tmp_path, "busy")
     assert busy.plan.predicted_compute_s is not None and busy.plan.predicted_step_s is not None
     train_at(busy, busy.plan.predicted_step_s, monkeypatch, busy.plan.predicted_compute_s * 2)
     assert plan_check_record(tmp_path, "busy")["off"] is True
@@ -167,9 +171,7 @@ def test_a_busy_host_that_slows_the_step_but_not_the_compute_keeps_the_profile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Before, the step time was compared: every launch on a busy machine dropped the cache."""
-    start(tmp_path, "fresh").close()
-    entries = cache_entries(tmp_path)
-    busy = start(tmp_path, "busy")
+    entries, busy = from_the_cache(tmp_path, "busy")
     predicted_s = busy.plan.predicted_step_s
     assert predicted_s is not None
     capsys.readouterr()
@@ -185,14 +187,10 @@ def test_a_busy_host_that_slows_the_step_but_not_the_compute_keeps_the_profile(
 def test_a_cached_profile_within_25_percent_is_kept_and_nothing_more_is_said(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    start(tmp_path, "fresh").close()
-    entries = cache_entries(tmp_path)
-    cached = start(tmp_path, "cached")
-    predicted_s = cached.plan.predicted_step_s
-    assert predicted_s is not None
+    entries, cached = from_the_cache(tmp_path, "cached")
+    predicted_s, compute_s = cached.plan.predicted_step_s, cached.plan.predicted_compute_s
+    assert predicted_s is not None and compute_s is not None
     capsys.readouterr()
-    compute_s = cached.plan.predicted_compute_s
-    assert compute_s is not None
     train_at(cached, predicted_s * 1.2, monkeypatch, compute_s * 1.2)  # predictions 16.7% below
     out = printed(capsys)
     check = plan_check_record(tmp_path, "cached")
