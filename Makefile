@@ -36,7 +36,7 @@ test-dist: $(STAMP)
 test-e2e: $(STAMP)
 	$(BIN)/python -m pytest -m e2e tests
 
-# Stream chaos (runtime/stream_chaos.py): equivalence tests that cover every chunk plan
+# Stream chaos (runtime/hw/stream_chaos.py): equivalence tests that cover every chunk plan
 # (offloaded, buffered, persistent), reductions on two ranks, every activation mode, fp32 and
 # bf16, run again with every side-stream and host-worker job delayed by 0-5 ms, then a few with
 # every job held back until its event is waited on (lazy). Another seed: make test-chaos

@@ -22,7 +22,7 @@ from protrain.runtime.chunks.layout import model_params
 from protrain.runtime.config.settings import PlanningSettings
 from protrain.runtime.config.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, SpecError, read_resolved
 from protrain.runtime.console import plan_table
-from protrain.runtime.device import select_device
+from protrain.runtime.hw.device import select_device
 from protrain.runtime.planning.budgets import host_parameter_bytes, process_rss_bytes, resolve_budgets
 from protrain.runtime.planning.model_facts import check_supported, execution_order
 from protrain.runtime.planning.planner import Profilers, build_planner

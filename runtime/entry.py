@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from protrain.profiler.plan import BlockMode, Plan
-from protrain.runtime import device_wall
+from protrain.runtime.hw import device_wall
 from protrain.runtime.batches import to_device
 from protrain.runtime.blocks import refuse_foreign_activation_handling
 from protrain.runtime.checkpoint.checkpointer import Checkpointer, CheckpointSettings
@@ -36,8 +36,8 @@ from protrain.runtime.config.spec_io import (
     validate_spec,
 )
 from protrain.runtime.console import MetricsFile, ProgressReporter, frozen_note, groups_table
-from protrain.runtime.device import DeviceInfo, select_device
-from protrain.runtime.distributed import (
+from protrain.runtime.hw.device import DeviceInfo, select_device
+from protrain.runtime.hw.distributed import (
     DistContext,
     all_reduce_max,
     all_reduce_min_,

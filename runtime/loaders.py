@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from protrain.runtime.distributed import DistContext
+from protrain.runtime.hw.distributed import DistContext
 from protrain.runtime.sampler import ShardedSampler
 
 

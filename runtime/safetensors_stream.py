@@ -30,7 +30,7 @@ from typing import BinaryIO
 
 import torch
 
-from protrain.runtime.durable import fsync_path
+from protrain.runtime.hw.durable import fsync_path
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 """ProTrain's default: a host holds at most one file's worth while an export is written."""

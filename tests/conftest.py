@@ -2,7 +2,7 @@
 tests/distributed -> dist (2 gloo ranks from one reusable worker pool), tests/e2e -> e2e (real
 protrain-run processes). The marker follows the folder so no test can be left out of a run.
 
-Under stream chaos (PROTRAIN_STREAM_CHAOS, runtime/stream_chaos.py) a skipped step raises, so
+Under stream chaos (PROTRAIN_STREAM_CHAOS, runtime/hw/stream_chaos.py) a skipped step raises, so
 tests marked ``skips_steps`` (they skip on purpose: a NaN loss, an fp16 overflow) are skipped."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ if not os.environ.get("PROTRAIN_TESTS_HOME"):
     os.environ["PROTRAIN_TESTS_HOME"] = os.environ["HOME"] = scratch_home
     atexit.register(shutil.rmtree, scratch_home, True)
 
-# The device wall (runtime/device_wall.py, DESIGN section 6) is up for every test, and for the
+# The device wall (runtime/hw/device_wall.py, DESIGN section 6) is up for every test, and for the
 # processes tests start: a plan, save or export that would run out of memory on a GPU of the
 # budget's size fails here too. PROTRAIN_STRICT_DEVICE=0 lowers it (a benchmark's figures).
 os.environ.setdefault("PROTRAIN_STRICT_DEVICE", "1")
@@ -53,7 +53,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         marker = _MARKERS.get(folder)
         if marker is not None:
             item.add_marker(marker)
-    from protrain.runtime import stream_chaos  # here, not at the top: torch after OMP_NUM_THREADS is set
+    from protrain.runtime.hw import stream_chaos  # here, not at the top: torch after OMP_NUM_THREADS is set
 
     if stream_chaos.enabled():
         chaos_skip = pytest.mark.skip(reason="skips steps on purpose; stream chaos refuses skipped steps")
@@ -66,7 +66,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def chaos(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
     """``chaos(mode, seed=0)``: switch stream chaos on for what is built next (workers and pools
     read it when they are made); the environment is restored after the test."""
-    from protrain.runtime import stream_chaos
+    from protrain.runtime.hw import stream_chaos
 
     def switch(mode: str, seed: int = 0) -> None:
         monkeypatch.setenv(stream_chaos.ENV, mode)

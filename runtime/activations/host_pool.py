@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from protrain.runtime import stream_chaos
-from protrain.runtime.device import DeviceEvent
-from protrain.runtime.host_memory import PAGE_BYTES, MmapArena
+from protrain.runtime.hw import stream_chaos
+from protrain.runtime.hw.device import DeviceEvent
+from protrain.runtime.hw.host_memory import PAGE_BYTES, MmapArena
 
 _MIN_SEGMENT_BYTES = 16 << 20
 

@@ -50,7 +50,7 @@ from protrain.runtime.activations.records import (
 from protrain.runtime.activations.ssd_store import ActivationFileStore, SsdIoError
 from protrain.runtime.activations.transfers import ActivationTransfers
 from protrain.runtime.chunks.manager import ChunkManager, SavedAlias
-from protrain.runtime.device import DeviceInfo
+from protrain.runtime.hw.device import DeviceInfo
 
 __all__ = ["OFFLOADED", "SMALL_TENSOR_BYTES", "ActivationManager", "ActivationStats", "Phase"]
 

@@ -22,7 +22,7 @@ import socket
 import threading
 from pathlib import Path
 
-from protrain.runtime.activations.ssd_io import SsdIoError
+from protrain.runtime.hw.ssd_io import SsdIoError
 
 RUN_DIR_PREFIX = "protrain-act-"
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from protrain.runtime.activations.ssd_io import SsdIoError
+from protrain.runtime.hw.ssd_io import SsdIoError
 
 
 class WriteState(enum.Enum):

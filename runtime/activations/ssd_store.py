@@ -33,16 +33,16 @@ from types import TracebackType
 
 import torch
 
-from protrain.runtime.activations import run_dirs, ssd_io
+from protrain.runtime.activations import run_dirs
+from protrain.runtime.hw import ssd_io
 from protrain.runtime.activations.ssd_files import ActivationFile, PendingRead, WriteState
-from protrain.runtime.activations.ssd_io import (
+from protrain.runtime.hw.ssd_io import (
     BLOCK_BYTES,
     IO_MODE_BUFFERED,
     IO_MODE_DIRECT,
     SsdIoError,
     StagingBuffers,
     io_error,
-    measure_disk_rates,
     padded,
     remove_file,
 )
@@ -57,7 +57,6 @@ __all__ = [
     "PendingRead",
     "SsdIoError",
     "StoreStats",
-    "measure_disk_rates",
 ]
 
 _THREAD_PREFIX = "protrain-ssd"

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from protrain.runtime import device_wall
+from protrain.runtime.hw import device_wall
 from protrain.runtime.checkpoint import rng
 from protrain.runtime.checkpoint.params import ParameterSpace, expected_entries
 from protrain.runtime.checkpoint.staging import DeviceStaging, StagingLoadPlanner, StagingSavePlanner
@@ -51,7 +51,7 @@ from protrain.runtime.checkpoint.store import (
     write_manifest,
 )
 from protrain.runtime.chunks.manager import ChunkManager
-from protrain.runtime.distributed import DistContext, broadcast_object
+from protrain.runtime.hw.distributed import DistContext, broadcast_object
 
 BUFFER = "buffer."
 T = TypeVar("T")

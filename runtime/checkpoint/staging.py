@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem
 
-from protrain.runtime import device_wall
+from protrain.runtime.hw import device_wall
 
 
 def exact_alias(tensor: torch.Tensor) -> torch.Tensor:

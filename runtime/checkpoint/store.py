@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from protrain.runtime.durable import fsync_path
+from protrain.runtime.hw.durable import fsync_path
 
 MANIFEST = "protrain.json"
 LATEST = "latest"

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from protrain.runtime.distributed import broadcast_from_main_
+from protrain.runtime.hw.distributed import broadcast_from_main_
 
 if TYPE_CHECKING:
     from protrain.runtime.chunks.manager import ChunkManager

@@ -30,8 +30,8 @@ from collections import deque
 
 import torch
 
-from protrain.runtime import stream_chaos
-from protrain.runtime.device import DeviceEvent, DeviceInfo, SideStream
+from protrain.runtime.hw import stream_chaos
+from protrain.runtime.hw.device import DeviceEvent, DeviceInfo, SideStream
 
 GRADIENT_BUFFERS = 2
 """One buffer filling while the previous chunk's is reduced: enough to overlap the two."""

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from protrain.runtime.chunks.layout import ChunkLayout, check_buffers
-from protrain.runtime import device_wall, stream_chaos
+from protrain.runtime.hw import device_wall, stream_chaos
 from protrain.runtime.chunks.optimizer import ChunkOptimizer
 from protrain.runtime.chunks.readout import ChunkReadout
 from protrain.runtime.chunks.reduce import GradientReducer
@@ -46,9 +46,9 @@ from protrain.runtime.chunks.side_stream import CollectiveQueue
 from protrain.runtime.chunks.store import Chunk, Segment, shard_segments
 from protrain.runtime.chunks.store_build import AdamWHyper, build_store
 from protrain.runtime.cpu_adam import GroupValues
-from protrain.runtime.device import DeviceInfo, SideStream, synchronize
-from protrain.runtime.distributed import DistContext, all_reduce_sum_
-from protrain.runtime.host_memory import MmapArena
+from protrain.runtime.hw.device import DeviceInfo, SideStream, synchronize
+from protrain.runtime.hw.distributed import DistContext, all_reduce_sum_
+from protrain.runtime.hw.host_memory import MmapArena
 
 __all__ = ["Chunk", "ChunkManager", "SavedAlias", "Segment", "shard_segments"]
 
@@ -248,7 +248,7 @@ class ChunkManager:
     def _host_first(self) -> bool:
         """Lazy stream chaos: every other drain asks the host worker before the side stream, so
         that a host job missing its wait for side-stream work (or the reverse) meets that work
-        still held in one of every two drains (runtime/stream_chaos.py). Never otherwise."""
+        still held in one of every two drains (runtime/hw/stream_chaos.py). Never otherwise."""
         if not self._lazy_chaos:
             return False
         self._drains += 1

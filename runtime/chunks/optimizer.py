@@ -46,9 +46,9 @@ from protrain.runtime.chunks.store import Chunk, ChunkStore
 from protrain.runtime.chunks.trace_labels import job_label
 from protrain.runtime.chunks.waits import ExposedWaits
 from protrain.runtime.cpu_adam import GroupValues
-from protrain.runtime.device import DeviceEvent, HostWorker, host_worker_threads
-from protrain.runtime.distributed import DistContext, all_reduce_sum_
-from protrain.runtime.host_memory import MmapArena
+from protrain.runtime.hw.device import DeviceEvent, HostWorker, host_worker_threads
+from protrain.runtime.hw.distributed import DistContext, all_reduce_sum_
+from protrain.runtime.hw.host_memory import MmapArena
 
 
 @dataclass(frozen=True, slots=True)

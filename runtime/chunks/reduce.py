@@ -34,8 +34,8 @@ from protrain.runtime.chunks.side_stream import CollectiveQueue
 from protrain.runtime.chunks.staging import Staged, StagingRing
 from protrain.runtime.chunks.store import Chunk, ChunkStore
 from protrain.runtime.chunks.trace_labels import job_label
-from protrain.runtime.device import DeviceEvent, used_on_this_stream
-from protrain.runtime.distributed import reduce_scatter_flat_
+from protrain.runtime.hw.device import DeviceEvent, used_on_this_stream
+from protrain.runtime.hw.distributed import reduce_scatter_flat_
 
 
 class ReducedGradientSink(Protocol):

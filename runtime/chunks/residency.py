@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from protrain.runtime import stream_chaos
+from protrain.runtime.hw import stream_chaos
 from protrain.runtime.chunks.residency_states import IllegalTransition, Residency
 from protrain.runtime.chunks.staging import Staged, StagingRing
 from protrain.runtime.chunks.trace_labels import job_label
-from protrain.runtime.device import DeviceEvent, HostWorker, host_worker_threads, synchronize
-from protrain.runtime.distributed import all_gather_flat
+from protrain.runtime.hw.device import DeviceEvent, HostWorker, host_worker_threads, synchronize
+from protrain.runtime.hw.distributed import all_gather_flat
 
 if TYPE_CHECKING:  # store.py imports the states from here; the chunks come in as values
     from protrain.runtime.chunks.side_stream import CollectiveQueue

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from protrain.runtime.chunks.waits import ExposedWaits
-from protrain.runtime.device import DeviceEvent, DeviceInfo, SideStream
+from protrain.runtime.hw.device import DeviceEvent, DeviceInfo, SideStream
 
 
 class CollectiveQueue:

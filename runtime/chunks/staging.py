@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from protrain.profiler.host_bytes import STAGING_BUFFERS, ring_bytes
-from protrain.runtime import stream_chaos
-from protrain.runtime.device import DeviceEvent
-from protrain.runtime.host_memory import MmapArena
+from protrain.runtime.hw import stream_chaos
+from protrain.runtime.hw.device import DeviceEvent
+from protrain.runtime.hw.host_memory import MmapArena
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,9 +43,9 @@ from protrain.runtime.chunks.layout import ChunkInfo, ChunkLayout
 from protrain.runtime.chunks.released import mark_released, mark_resident
 from protrain.runtime.chunks.residency_states import Residency, check_move
 from protrain.runtime.cpu_adam import ShardAdamW
-from protrain.runtime.device import DeviceInfo
-from protrain.runtime.distributed import DistContext
-from protrain.runtime.host_memory import MmapArena
+from protrain.runtime.hw.device import DeviceInfo
+from protrain.runtime.hw.distributed import DistContext
+from protrain.runtime.hw.host_memory import MmapArena
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,11 +24,11 @@ from protrain.runtime.chunks.store import (
     ShardTraining,
     shard_segments,
 )
-from protrain.runtime import device_wall
+from protrain.runtime.hw import device_wall
 from protrain.runtime.cpu_adam import ShardAdamW
-from protrain.runtime.device import DeviceInfo, trim_host_heap
-from protrain.runtime.distributed import DistContext, broadcast_from_main_
-from protrain.runtime.host_memory import MmapArena
+from protrain.runtime.hw.device import DeviceInfo, trim_host_heap
+from protrain.runtime.hw.distributed import DistContext, broadcast_from_main_
+from protrain.runtime.hw.host_memory import MmapArena
 
 
 @dataclass(frozen=True, slots=True)

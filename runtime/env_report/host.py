@@ -4,7 +4,7 @@ the memory-lock limit, /dev/shm).
 
 The host budget ("auto") is what this node has free for the job less a reserve: the smallest of
 available RAM, the cgroup headroom (what ends a job: the kernel's OOM killer) and Slurm's
-allocation, read by the one function the budget uses (``runtime.host_capacity``). Files are
+allocation, read by the one function the budget uses (``runtime.hw.host_capacity``). Files are
 read from a root folder argument so tests can hand in their own /proc and /sys.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 
 from protrain.runtime.env_report.rows import Row, Status, format_bytes, run_probe
-from protrain.runtime.host_capacity import cgroup_limit, free_host_bytes, slurm_source
+from protrain.runtime.hw.host_capacity import cgroup_limit, free_host_bytes, slurm_source
 
 SIMD_FLAGS = {
     "AVX2": ("avx2",),
@@ -96,7 +96,7 @@ def slurm_row() -> Row:
 
 
 def free_row(root: Path) -> Row:
-    """What memory.host_budget auto divides among this node's ranks (``runtime.host_capacity``:
+    """What memory.host_budget auto divides among this node's ranks (``runtime.hw.host_capacity``:
     the smallest of available RAM, the cgroup headroom and Slurm's allocation)."""
     free, source = free_host_bytes(root=root, ranks_on_host=_local_ranks())
     return Row("free for the job", f"{format_bytes(free)} (the tightest: {source.name}; {source.detail})", free)

@@ -17,7 +17,7 @@ from protrain.runtime.env_report.rows import Row, Status, format_age, format_byt
 PROBE_PIECE_BYTES = 8 << 20
 """Bytes per write and read of the disk probe (as the store's files are written: whole pieces)."""
 ALIGN = 4096
-"""O_DIRECT alignment of lengths (``runtime.activations.ssd_io.BLOCK_BYTES``)."""
+"""O_DIRECT alignment of lengths (``runtime.hw.ssd_io.BLOCK_BYTES``)."""
 MAX_CACHE_ROWS = 20
 """Cache entries shown, newest first; the JSON output lists them all."""
 
@@ -58,7 +58,7 @@ def filesystem_row(folder: Path, mounts: Path = Path("/proc/mounts")) -> Row:
 
 
 def _rate_rows(folder: Path, probe_bytes: int) -> list[Row]:
-    from protrain.runtime.activations.ssd_io import IO_MODE_DIRECT, measure_disk_rates  # imports torch
+    from protrain.runtime.hw.ssd_io import IO_MODE_DIRECT, measure_disk_rates  # imports torch
 
     piece = min(PROBE_PIECE_BYTES, -(-probe_bytes // ALIGN) * ALIGN)
     write_bps, read_bps, mode = measure_disk_rates(folder, nbytes=probe_bytes, chunk_bytes=piece)

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from protrain.runtime import device_wall
+from protrain.runtime.hw import device_wall
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.chunks.readout import ChunkReadout
-from protrain.runtime.distributed import DistContext, broadcast_object
+from protrain.runtime.hw.distributed import DistContext, broadcast_object
 from protrain.runtime.export.targets import (
     TIED_METADATA_KEY,
     adapter_names,

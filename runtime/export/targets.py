@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from protrain.runtime.chunks.released import names_only
-from protrain.runtime.durable import fsync_path
+from protrain.runtime.hw.durable import fsync_path
 
 TIED_METADATA_KEY = "protrain.tied"
 """Metadata key of an exported file: JSON ``{alias: canonical}`` for every tied name dropped."""

@@ -1,7 +1,7 @@
 """Memory over one update: the device peak and reserved bytes, the host regions, SSD traffic.
 
 - Device peak (``memory/max_active(GiB)``, torchtitan's name) and reserved
-  (``memory/max_reserved(GiB)``). On CUDA: the profiler's counter (``runtime.memory_counter``)
+  (``memory/max_reserved(GiB)``). On CUDA: the profiler's counter (``runtime.hw.memory_counter``)
   read at the update's start, at the end of each forward (where activations peak) and at its
   end, plus any reading another reader took meanwhile (the plan check's probe at every hook);
   a reading is the allocator's peak since the one before, so nothing in between is missed. The
@@ -14,10 +14,10 @@
   (``runtime.planning.memory_probe``, which reads it at the start of every window it measures).
   A peak inside backward is not seen, and what else the process allocates as it goes (a data
   loader's buffers) counts as the engine's: a stand-in for the device's figure, not more. Under
-  the device wall (``runtime.device_wall``) the CPU reads the engine's own count as CUDA reads
+  the device wall (``runtime.hw.device_wall``) the CPU reads the engine's own count as CUDA reads
   its allocator: every peak, this engine's tensors only (reserved is then the same figure).
 - Host (``memory/host_in_use(GiB)``, ``memory/host_pinned(GiB)``): every host region of the
-  runtime alive (``runtime.host_memory.host_arena_bytes``: chunk state, the swap pool), and the
+  runtime alive (``runtime.hw.host_memory.host_arena_bytes``: chunk state, the swap pool), and the
   process's resident high-water (``memory/host_max_rss(GiB)``).
 - SSD (``ssd/written(GiB)``, ``ssd/read(GiB)``): activation bytes written and read back during
   the update (the store's payload counters).
@@ -29,9 +29,9 @@ import resource
 import sys
 
 from protrain.runtime.activations.ssd_store import StoreStats
-from protrain.runtime.device import DeviceInfo, counts_every_byte, cuda_reserved_peak_bytes, malloc_heap_bytes
-from protrain.runtime.host_memory import host_arena_bytes
-from protrain.runtime.memory_counter import PeakWindow, device_peak_since_last_sample
+from protrain.runtime.hw.device import DeviceInfo, counts_every_byte, cuda_reserved_peak_bytes, malloc_heap_bytes
+from protrain.runtime.hw.host_memory import host_arena_bytes
+from protrain.runtime.hw.memory_counter import PeakWindow, device_peak_since_last_sample
 
 GIB = float(1 << 30)
 _RSS_UNIT = 1 if sys.platform == "darwin" else 1024

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from protrain.runtime.config.spec import Precision
-from protrain.runtime.device import DeviceInfo
-from protrain.runtime.nvml import max_sm_clock_mhz
+from protrain.runtime.hw.device import DeviceInfo
+from protrain.runtime.hw.nvml import max_sm_clock_mhz
 
 PEAK_TFLOPS_ENV = "PROTRAIN_PEAK_TFLOPS"
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from protrain.runtime.device import DeviceInfo
+from protrain.runtime.hw.device import DeviceInfo
 
 
 class TimeMark:

@@ -36,8 +36,8 @@ from protrain.runtime.activations.manager import ActivationManager
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.config.settings import TrainingSettings
 from protrain.runtime.console import StepRecord
-from protrain.runtime.device import DeviceInfo
-from protrain.runtime.distributed import DistContext
+from protrain.runtime.hw.device import DeviceInfo
+from protrain.runtime.hw.distributed import DistContext
 from protrain.runtime.metrics.flops import model_flops
 from protrain.runtime.metrics.memory import GIB, MemoryMeter
 from protrain.runtime.metrics.peak_flops import peak_flops

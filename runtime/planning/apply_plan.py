@@ -27,8 +27,8 @@ from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.chunks.store_build import AdamWHyper
 from protrain.runtime.config.settings import PlanningSettings, TrainingSettings
 from protrain.runtime.config.spec_io import SpecError
-from protrain.runtime.device import DeviceInfo
-from protrain.runtime.distributed import DistContext
+from protrain.runtime.hw.device import DeviceInfo
+from protrain.runtime.hw.distributed import DistContext
 from protrain.runtime.param_groups import resolve_param_hyper
 from protrain.runtime.planning.model_facts import COMPUTE_DTYPES, compute_element_size, model_blocks
 from protrain.runtime.planning.plan_switch import HeldState, move_state

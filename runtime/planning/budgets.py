@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from protrain.runtime.config.settings import PlanningSettings
-from protrain.runtime.device import DeviceInfo
-from protrain.runtime.nvml import other_processes
-from protrain.runtime.host_capacity import free_host_bytes
+from protrain.runtime.hw.device import DeviceInfo
+from protrain.runtime.hw.nvml import other_processes
+from protrain.runtime.hw.host_capacity import free_host_bytes
 
 DEVICE_RESERVE_FRACTION = 0.05
 """Kept free on a CUDA device for the CUDA context, NCCL and allocator slack."""
@@ -48,7 +48,7 @@ def auto_host_budget(ranks_on_host: int) -> int:
     """(what the node has free for the job - reserve) / ranks on this host, plus what this
     process holds already (the host budget is what a rank's process may hold in all): the free
     figure is the smallest of available RAM, the cgroup headroom and Slurm's allocation
-    (``runtime.host_capacity``)."""
+    (``runtime.hw.host_capacity``)."""
     free, _ = free_host_bytes(ranks_on_host=ranks_on_host)
     share = max(0, free - HOST_RESERVE_BYTES) // max(1, ranks_on_host)
     return share + process_rss_bytes()

@@ -22,10 +22,10 @@ from typing import Any, TypeVar
 import torch
 
 from protrain.profiler.profile import HardwareProfile, cache_key
-from protrain.runtime import device_wall
-from protrain.runtime.activations.ssd_store import measure_disk_rates
+from protrain.runtime.hw import device_wall
+from protrain.runtime.hw.ssd_io import measure_disk_rates
 from protrain.runtime.cpu_adam import ShardAdamW
-from protrain.runtime.device import (
+from protrain.runtime.hw.device import (
     DeviceInfo,
     counts_every_byte,
     device_allocated_bytes,
@@ -33,14 +33,14 @@ from protrain.runtime.device import (
     release_free_memory,
     synchronize,
 )
-from protrain.runtime.distributed import (
+from protrain.runtime.hw.distributed import (
     DistContext,
     all_gather_flat,
     all_reduce_min_,
     all_reduce_sum_,
     reduce_scatter_flat_,
 )
-from protrain.runtime.nvml import describe_link, pcie_link
+from protrain.runtime.hw.nvml import describe_link, pcie_link
 from protrain.runtime.planning.host_rates import measure_host_rates
 from protrain.runtime.planning.profile_cache import ProfileOrigin, read_agreed, write_cached
 

@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import torch
 
-from protrain.runtime import device_wall
+from protrain.runtime.hw import device_wall
 from protrain.runtime.chunks.grad_add import add_widened
 from protrain.runtime.cpu_adam import ShardAdamW
 

@@ -1,10 +1,10 @@
 """The measured peak of device memory over a few updates, for the plan check (measured beside
 predicted).
 
-It reads the profiler's counter (``runtime.memory_counter``), so that the two figures the plan
+It reads the profiler's counter (``runtime.hw.memory_counter``), so that the two figures the plan
 check compares through the plan differ by what the plan gets wrong, not by how they were
 measured. On CUDA that is the allocator's high-water mark, and on CPU under the device wall
-(``runtime.device_wall``) the engine's own count's: every byte on the device, and a high-water
+(``runtime.hw.device_wall``) the engine's own count's: every byte on the device, and a high-water
 mark needs no reading between the window's opening and its closing (nor do readings others take
 meanwhile lose it: each goes to every open window). So the probe places no hooks there: a reading
 costs about 60 us on CUDA (``max_memory_allocated`` and a reset), and at every module and every
@@ -23,8 +23,8 @@ from typing import Any
 
 from torch import nn
 
-from protrain.runtime.device import DeviceInfo, counts_every_byte
-from protrain.runtime.memory_counter import (
+from protrain.runtime.hw.device import DeviceInfo, counts_every_byte
+from protrain.runtime.hw.memory_counter import (
     PeakWindow,
     device_peak_since_last_sample,
     sample_at_hooks,

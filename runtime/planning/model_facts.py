@@ -26,7 +26,7 @@ from protrain.runtime.chunks.layout import ParamInfo, first_use_order
 from protrain.runtime.config.settings import PlanningSettings
 from protrain.runtime.config.spec import Precision
 from protrain.runtime.config.spec_io import SpecError
-from protrain.runtime.device import DeviceInfo
+from protrain.runtime.hw.device import DeviceInfo
 from protrain.runtime.weights import held_on, stand_ins
 
 COMPUTE_DTYPES = {

@@ -13,7 +13,7 @@ transient peak then also holds the activations one block brings back in backward
 of at most a block's, on the safe side). Backward time per block is the measured
 backward total shared in proportion to forward time (per block backward hooks would wrap every
 block's outputs). The transient peak is read with the plan check's counter at the plan check's
-hooks (``runtime.memory_counter``). Every rank must plan alike, so ``agree_model`` takes the
+hooks (``runtime.hw.memory_counter``). Every rank must plan alike, so ``agree_model`` takes the
 longest times and the most bytes of any rank.
 """
 
@@ -31,11 +31,11 @@ from torch import nn
 
 from protrain.profiler.instruments import OUTSIDE, BlockTimer, PeakSampler, SavedBytes
 from protrain.profiler.profile import BlockProfile, ModelProfile
-from protrain.runtime import device_wall
+from protrain.runtime.hw import device_wall
 from protrain.runtime.chunks.layout import ParamInfo
-from protrain.runtime.device import DeviceInfo, synchronize
-from protrain.runtime.distributed import DistContext, all_reduce_min_
-from protrain.runtime.memory_counter import peak_reader, sample_at_hooks
+from protrain.runtime.hw.device import DeviceInfo, synchronize
+from protrain.runtime.hw.distributed import DistContext, all_reduce_min_
+from protrain.runtime.hw.memory_counter import peak_reader, sample_at_hooks
 
 STEADY_STEPS = 0.05
 """Profiling steps stop once one's wall time is within this fraction of the one before."""
@@ -229,7 +229,7 @@ def _one_step(
     if chunked is not None:
         param_storages |= chunked.model_state()
     grad_bytes = [0]
-    # The plan check's counter at the plan check's hooks (runtime.memory_counter): the two peaks
+    # The plan check's counter at the plan check's hooks (runtime.hw.memory_counter): the two peaks
     # are compared through the plan, so they must not differ by how they were read.
     peak = PeakSampler(peak_reader(device))
 

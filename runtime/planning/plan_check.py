@@ -1,7 +1,7 @@
 """Measured beside predicted: after the first updates, the step time the plan's cost model
 predicted is set against the median measured one, and the predicted peak device memory against
 the peak measured over the same updates (``runtime.planning.memory_probe``: the profile's counter
-read at the profile's hooks, ``runtime.memory_counter``), printed on rank 0 and written to the
+read at the profile's hooks, ``runtime.hw.memory_counter``), printed on rank 0 and written to the
 metrics file, so a wrong model (or a machine busier than when it was profiled) shows.
 
 The verdict compares like with like: the compute share of the step (the forward and backward

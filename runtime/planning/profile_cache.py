@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from protrain.runtime.distributed import DistContext, all_reduce_min_
+from protrain.runtime.hw.distributed import DistContext, all_reduce_min_
 
 T = TypeVar("T")
 REFRESH_ENV = "PROTRAIN_REFRESH_PROFILE"

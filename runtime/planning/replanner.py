@@ -34,7 +34,7 @@ from protrain.runtime.batches import LossNotFoundError
 from protrain.runtime.chunks.layout import model_params
 from protrain.runtime.chunks.manager import ChunkManager, SavedAlias
 from protrain.runtime.config.spec_io import SpecError
-from protrain.runtime.distributed import DistContext, all_reduce_max, broadcast_object
+from protrain.runtime.hw.distributed import DistContext, all_reduce_max, broadcast_object
 from protrain.runtime.planning.apply_plan import PlanTarget, apply_plan
 from protrain.runtime.planning.model_profiling import ChunkedRun
 from protrain.runtime.planning.plan_check import FINDING_KEYS

@@ -1,5 +1,5 @@
 """One update's memory through time: device-tier, host and SSD bytes, sampled at the hooks the
-plan check and the profiler sample at (``runtime.memory_counter.sample_at_hooks``: after every
+plan check and the profiler sample at (``runtime.hw.memory_counter.sample_at_hooks``: after every
 module's forward, after every trainable parameter's gradient), with what happened between.
 
 - Device bytes come from the one device counter (``device_peak_since_last_sample``): on CUDA
@@ -36,8 +36,8 @@ from protrain.profiler.plan import Plan
 from protrain.runtime.activations.manager import ActivationManager
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.chunks.residency_states import Residency
-from protrain.runtime.device import DeviceInfo
-from protrain.runtime.memory_counter import peak_reader, sample_at_hooks
+from protrain.runtime.hw.device import DeviceInfo
+from protrain.runtime.hw.memory_counter import peak_reader, sample_at_hooks
 from protrain.runtime.tracing.timeline_file import Mark, Sample, Span, Timeline
 
 

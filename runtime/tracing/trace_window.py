@@ -29,8 +29,8 @@ from protrain.runtime.activations.manager import ActivationManager
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.config.settings import TraceSettings
 from protrain.runtime.console import MetricsFile
-from protrain.runtime.device import DeviceInfo
-from protrain.runtime.distributed import DistContext, broadcast_object
+from protrain.runtime.hw.device import DeviceInfo
+from protrain.runtime.hw.distributed import DistContext, broadcast_object
 from protrain.runtime.tracing.memory_timeline import MemoryTimeline
 from protrain.runtime.tracing.profiling import ThreadTrace
 from protrain.runtime.tracing.timeline_file import timeline_path, trace_path, write_timeline

@@ -33,8 +33,8 @@ from protrain.runtime.checkpoint.checkpointer import Checkpointer
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.config.settings import TrainingSettings
 from protrain.runtime.console import MetricsFile, ProgressReporter, StepRecord
-from protrain.runtime.device import DeviceInfo, synchronize
-from protrain.runtime.distributed import DistContext
+from protrain.runtime.hw.device import DeviceInfo, synchronize
+from protrain.runtime.hw.distributed import DistContext
 from protrain.runtime.loaders import DataPosition
 from protrain.runtime.model_cache import TrainingCaches, refuse_cache_with_recompute
 from protrain.runtime.planning.model_facts import AUTOCAST_DTYPES

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from protrain.runtime import device_wall
+from protrain.runtime.hw import device_wall
 from protrain.runtime.activations.manager import ActivationManager
 from protrain.runtime.checkpoint.checkpointer import Checkpointer
 from protrain.runtime.checkpoint.store import Checkpoint, CheckpointError
@@ -28,8 +28,8 @@ from protrain.runtime.chunks.gathered import gathered
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.config.settings import TrainingSettings
 from protrain.runtime.console import ProgressReporter
-from protrain.runtime.device import DeviceInfo
-from protrain.runtime.distributed import DistContext
+from protrain.runtime.hw.device import DeviceInfo
+from protrain.runtime.hw.distributed import DistContext
 from protrain.runtime.loaders import DataPosition
 from protrain.runtime.param_groups import optimizer_groups
 from protrain.runtime.sampler import ShardedSampler
@@ -52,7 +52,7 @@ def _weak_call(method: Callable[[], bool]) -> Callable[[], bool]:
 
 def device_call(operation: str) -> Callable[[_F], _F]:
     """An engine call: what it allocates on the device counts to the engine's budget under the
-    device wall (runtime/device_wall.py), whoever allocates it."""
+    device wall (runtime/hw/device_wall.py), whoever allocates it."""
 
     def wrap(method: _F) -> _F:
         @functools.wraps(method)

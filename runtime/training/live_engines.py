@@ -3,7 +3,7 @@
 A teacher and a student, or an actor and a critic, are two engines alive at once in one process;
 so are a notebook's engine and the one its re-run cell makes, two Trainers of one script, and an
 engine an exception left behind. Most of what an engine owns is its own (chunks, side streams,
-activation files, run folder, process group: see ``runtime.distributed``); this module keeps the
+activation files, run folder, process group: see ``runtime.hw.distributed``); this module keeps the
 few claims that would collide, registered at ``initialize`` and released at ``close`` (or when
 the engine is dropped: ``runtime.training.parts``):
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from protrain.runtime import device_wall
+from protrain.runtime.hw import device_wall
 from protrain.runtime.config.spec_io import SpecError
 
 PLAN_MARGIN = 0.05

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from protrain.runtime.activations.manager import ActivationManager
 from protrain.runtime.checkpoint.checkpointer import Checkpointer
 from protrain.runtime.chunks.manager import ChunkManager
-from protrain.runtime.distributed import DistContext, release
+from protrain.runtime.hw.distributed import DistContext, release
 from protrain.runtime.tracing.trace_window import UpdateObserver
 from protrain.runtime.training.live_engines import EngineClaim
 from protrain.runtime.training.reporting import UpdateReports

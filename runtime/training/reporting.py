@@ -20,8 +20,8 @@ from torch import nn
 from protrain.profiler.plan import Plan
 from protrain.runtime.config.settings import TrainingSettings
 from protrain.runtime.console import MetricsFile, ProgressReporter, StepRecord
-from protrain.runtime.device import DeviceInfo
-from protrain.runtime.distributed import DistContext
+from protrain.runtime.hw.device import DeviceInfo
+from protrain.runtime.hw.distributed import DistContext
 from protrain.runtime.metrics.trackers import Trackers, open_trackers
 from protrain.runtime.metrics.update_metrics import MetricSources, UpdateMetrics, tracker_metrics
 from protrain.runtime.planning.memory_probe import PeakMemoryProbe

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from protrain.runtime import stream_chaos
+from protrain.runtime.hw import stream_chaos
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.config.settings import TrainingSettings
 from protrain.runtime.config.spec import NonFiniteLossPolicy
-from protrain.runtime.distributed import DistContext, all_reduce_sum_
+from protrain.runtime.hw.distributed import DistContext, all_reduce_sum_
 from protrain.runtime.training.loss_scale import DynamicLossScaler
 from protrain.runtime.training.window import Window
 

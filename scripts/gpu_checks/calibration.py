@@ -1,11 +1,11 @@
 """Stage ``calibration`` of the first-contact run (issue 26, item 7): the rates and costs the cost
 model and the pipeline rest on, each measured directly, cheapest and most telling first.
 
-1. A memory-counter reading (``runtime.memory_counter.device_peak_since_last_sample``: on CUDA
+1. A memory-counter reading (``runtime.hw.memory_counter.device_peak_since_last_sample``: on CUDA
    ``max_memory_allocated`` and a reset), timed over N readings, beside its two calls alone:
    the engine reads it at every module's forward and every gradient (issue 26, item 4).
 2. Copy rates between host and device, host to device and back, from a region registered with
-   ``cudaHostRegister`` (``runtime.host_memory.MmapArena``: the host tier's memory), from
+   ``cudaHostRegister`` (``runtime.hw.host_memory.MmapArena``: the host tier's memory), from
    ``pin_memory`` allocations and from pageable memory. On CUDA the registered rate must reach
    80% of the pinned one (the host tier is registered memory; a refused registration is
    reported). On CPU both are plain memory: figures only.
@@ -65,7 +65,7 @@ REHEARSAL = Sizes(
 
 
 def device_info(ctx: Context) -> Any:
-    from protrain.runtime.device import DeviceInfo
+    from protrain.runtime.hw.device import DeviceInfo
 
     return DeviceInfo(ctx.device, "nccl" if ctx.is_cuda else "gloo")
 
@@ -84,8 +84,8 @@ def timed_device(ctx: Context, work: Callable[[], object], repeats: int = 3) -> 
 
 
 def counter_cost(ctx: Context, readings: int) -> None:
-    from protrain.runtime.device import device_allocated_bytes
-    from protrain.runtime.memory_counter import device_peak_since_last_sample
+    from protrain.runtime.hw.device import device_allocated_bytes
+    from protrain.runtime.hw.memory_counter import device_peak_since_last_sample
 
     info = device_info(ctx)
 
@@ -115,7 +115,7 @@ def counter_cost(ctx: Context, readings: int) -> None:
 
 def copy_rates(ctx: Context, nbytes: int) -> None:
     """Registered vs pinned vs pageable, both directions."""
-    from protrain.runtime.host_memory import MmapArena
+    from protrain.runtime.hw.host_memory import MmapArena
 
     numel = nbytes // 4
     on_device = torch.empty(numel, device=ctx.device)
@@ -177,7 +177,7 @@ def labelled_copies(ctx: Context, nbytes: int) -> None:
     beside compute on the main thread, traced and parsed as the overlap stage parses its trace."""
     from gpu_checks.trace_overlap import parse_trace
     from protrain.runtime.chunks.trace_labels import job_label
-    from protrain.runtime.device import SideStream
+    from protrain.runtime.hw.device import SideStream
     from protrain.runtime.tracing.profiling import profile_every_thread
 
     numel = nbytes // 4
@@ -245,7 +245,7 @@ def hardware_profile(ctx: Context) -> None:
 
 
 def run(ctx: Context) -> None:
-    from protrain.runtime.device import host_worker_threads
+    from protrain.runtime.hw.device import host_worker_threads
 
     sizes = REHEARSAL if ctx.rehearsal else GPU
     threads = host_worker_threads(device_info(ctx))

@@ -6,7 +6,7 @@ threads (torch's OpenMP backend keeps that number per thread).
 - widen-then-add: a bf16 gradient widened into an fp32 scratch, then added into the fp32 shard,
   beside the mixed-dtype ``add_`` it replaces (issue 26, item 2: 131 ms against 32 ms for 64M
   elements on the 2-core CPU machine);
-- each alone at the host worker's thread count (``runtime.device.host_worker_threads``: on a
+- each alone at the host worker's thread count (``runtime.hw.device.host_worker_threads``: on a
   16-core GPU machine 14), alone at half of it, and at half of it while CPU Adam steps without
   pause on the other half (the memory bus is shared: the rate beside Adam is what a pipeline
   that overlaps them gets);

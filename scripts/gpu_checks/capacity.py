@@ -16,7 +16,7 @@ each update). Figures: tokens/s over the timed updates; TFLOPS = tokens/s x FLOP
 with torchtitan's count (``get_num_flop_per_token`` in torchtitan/utils.py: 6 x parameters
 without the token embedding + 12 x layers x hidden x seq; causal masking and recompute not
 counted); MFU against the H100's dense bf16 peak, 989 TFLOPS; the device's peak allocation
-over the timed updates (``runtime.memory_counter``'s window) against the budget.
+over the timed updates (``runtime.hw.memory_counter``'s window) against the budget.
 
 Plain PyTorch, as a user would train the same model: fp32 weights on the device, bf16 autocast,
 ``torch.optim.AdamW(fused=True)`` in fp32, the same batches and accumulation; its peak decides

@@ -15,7 +15,7 @@ What differs here:
   ``ssd.n_offload`` 0), the case ``predict`` without an activation cost describes;
 - the measured peak is the device's highest allocation over the timed steps minus what was
   allocated before the engine was built. On CUDA that is the allocator's
-  ``max_memory_allocated``, read through ``runtime.memory_counter``'s ``PeakWindow``: the
+  ``max_memory_allocated``, read through ``runtime.hw.memory_counter``'s ``PeakWindow``: the
   engine's own plan check reads and resets the allocator's peak at its hooks, so a bare read
   after the steps would miss what came before the last reset (engine_runs.device_peak). On CPU
   the C heap at the same hooks, as the bench reads it;

@@ -55,7 +55,7 @@ def free_memory(device: torch.device) -> None:
 
 def allocated_bytes(device: torch.device) -> int:
     """The device tier's bytes now: CUDA's allocator, or the C heap on CPU."""
-    from protrain.runtime.device import DeviceInfo, device_allocated_bytes
+    from protrain.runtime.hw.device import DeviceInfo, device_allocated_bytes
 
     return device_allocated_bytes(DeviceInfo(device, "nccl" if device.type == "cuda" else "gloo"))
 
@@ -63,13 +63,13 @@ def allocated_bytes(device: torch.device) -> int:
 @contextlib.contextmanager
 def device_peak(device: torch.device, model: nn.Module) -> Iterator[Callable[[], int]]:
     """The highest device allocation while the block runs (read the result after it), through
-    the runtime's one memory counter (``runtime.memory_counter``): on CUDA the allocator's
+    the runtime's one memory counter (``runtime.hw.memory_counter``): on CUDA the allocator's
     ``max_memory_allocated``, which the engine's own plan check reads and resets at its hooks,
     so only a ``PeakWindow`` sees every peak; read at every module's forward and every
     gradient, as the engine reads it, and once more at the end (the optimizer step). On CPU
     the C heap at the same hooks."""
-    from protrain.runtime.device import DeviceInfo
-    from protrain.runtime.memory_counter import PeakWindow, device_peak_since_last_sample, sample_at_hooks
+    from protrain.runtime.hw.device import DeviceInfo
+    from protrain.runtime.hw.memory_counter import PeakWindow, device_peak_since_last_sample, sample_at_hooks
 
     info = DeviceInfo(device, "nccl" if device.type == "cuda" else "gloo")
     window = PeakWindow(info)

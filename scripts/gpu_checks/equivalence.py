@@ -23,7 +23,7 @@ exactly the plan named, with nothing left to a search:
   under a device budget set by hand at half of what the resident plan is predicted to peak at
   (the knobs left to the search, so the plan must offload), the searched plan predicts a peak
   within the budget and on CUDA ``max_memory_allocated`` over its training steps stays within
-  it (read through the engine's own counter, ``runtime.memory_counter``, which resets CUDA's
+  it (read through the engine's own counter, ``runtime.hw.memory_counter``, which resets CUDA's
   peak at its hooks). On CPU the heap is not a device: that peak is a figure. That run must
   equal plain PyTorch too.
 - One run (half offloaded, the four block modes, clipping) in a child process under

@@ -2,7 +2,7 @@
 random weights, no hub) at a 24 GiB device cap, trained by ProTrain's plan and by FSDP2 with CPU
 offload on the same model, batch and cap, one after the other in this process, each timed and
 peak-measured by the same code (capacity.timed_training: warm-up updates, then timed ones with
-the device's peak read through ``runtime.memory_counter`` at every module and gradient).
+the device's peak read through ``runtime.hw.memory_counter`` at every module and gradient).
 
 - The cap: ``torch.cuda.set_per_process_memory_fraction(24 GiB / the card)`` before either runs
   (the caching allocator refuses past it, as a 24 GiB card would); ProTrain also gets

@@ -45,7 +45,7 @@ def run(ctx: Context) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from gpu_checks import training
-    from protrain.runtime import device_wall
+    from protrain.runtime.hw import device_wall
     from protrain.runtime.models.gpt import GPT, GPTConfig
 
     config = GPTConfig(**(REHEARSAL_MODEL if ctx.rehearsal else GPU_MODEL), dropout=0.1)

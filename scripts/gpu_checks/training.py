@@ -24,8 +24,8 @@ from torch import nn
 
 from gpu_checks.common import Context
 from protrain.runtime.data import LMBatches
-from protrain.runtime.device import DeviceInfo
-from protrain.runtime.memory_counter import PeakWindow
+from protrain.runtime.hw.device import DeviceInfo
+from protrain.runtime.hw.memory_counter import PeakWindow
 from protrain.runtime.models.gpt import GPTConfig
 from tests.helpers import TINY_GPT, lm_batches
 
@@ -218,7 +218,7 @@ def pool_reads(engine: Any) -> Iterator[PoolReads]:
 @contextmanager
 def device_peak(device: torch.device) -> Iterator[list[int]]:
     """The highest device allocation in the block, as the engine's own counter reads it
-    (``runtime.memory_counter``: the engine resets CUDA's peak at its hooks, and a window open
+    (``runtime.hw.memory_counter``: the engine resets CUDA's peak at its hooks, and a window open
     receives every reading, so none is lost). On CUDA the allocator's absolute peak
     (``max_memory_allocated``, everything allocated counts); on CPU the C heap's growth at the
     readings taken (a figure only: the heap is not a device). The list holds it afterwards."""

@@ -10,7 +10,7 @@ there and gloo runs on CUDA tensors.
    reduce-scatter-tensor run over gloo on tensors of the device, with the right values (torch
    documents only broadcast and all-reduce for gloo on CUDA). The runtime's gloo path needs only
    those two there: its all-gather is one broadcast per rank, and its reduce-scatter of a CUDA
-   tensor is one all-reduce (``runtime.distributed.reduce_scatter_by_all_reduce_``; host
+   tensor is one all-reduce (``runtime.hw.distributed.reduce_scatter_by_all_reduce_``; host
    tensors keep one reduce per rank). A check that they ran; the rest are figures.
 2. The runtime's flat collectives on the device (fp32 and bf16), against sums computed locally
    from both ranks' seeded inputs; the all-reduce reduce-scatter is run on the CPU too, so the
@@ -243,7 +243,7 @@ def _probe(device: torch.device, rank: int) -> dict[str, str]:
 
 def _runtime_collectives(device: torch.device, rank: int) -> list[str]:
     """The runtime's flat collectives on ``device``; every case whose result is wrong."""
-    from protrain.runtime.distributed import all_gather_flat, reduce_scatter_by_all_reduce_, reduce_scatter_flat_
+    from protrain.runtime.hw.distributed import all_gather_flat, reduce_scatter_by_all_reduce_, reduce_scatter_flat_
 
     wrong = []
     for numel in (3, 1 << 16):

@@ -1,7 +1,7 @@
 """The engine's flat collectives on two gloo ranks, and the gradient buffers backward reuses.
 
 On gloo the chunk engine all-gathers with one broadcast per rank and reduce-scatters with one
-in-place reduce per rank (runtime/distributed.py says why); these must give exactly what torch's
+in-place reduce per rank (runtime/hw/distributed.py says why); these must give exactly what torch's
 own flat collectives give. Backward's gradient buffers come from a small pool: a step with many
 offloaded chunks keeps only a few alive, counted here from the live tensors themselves."""
 
@@ -26,7 +26,7 @@ def flat_collectives(*, rank: int) -> list[str]:
     """Every case where ours and torch's differ (empty: all equal)."""
     import torch.distributed as dist
 
-    from protrain.runtime.distributed import all_gather_flat, reduce_scatter_flat_
+    from protrain.runtime.hw.distributed import all_gather_flat, reduce_scatter_flat_
 
     mismatches = []
     for shard_numel in (3, 1023, 1 << 16):

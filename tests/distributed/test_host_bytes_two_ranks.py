@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from protrain.runtime.host_memory import host_arena_bytes
+from protrain.runtime.hw.host_memory import host_arena_bytes
 from tests.distributed.pool import RankPool
 from tests.helpers import lm_batches, tiny_gpt
 

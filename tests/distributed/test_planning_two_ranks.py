@@ -16,7 +16,7 @@ def agree_different_measurements(*, rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from protrain.profiler.profile import HardwareProfile
-    from protrain.runtime.distributed import DistContext
+    from protrain.runtime.hw.distributed import DistContext
     from protrain.runtime.planning.hardware_probes import agree_hardware
 
     mine = HardwareProfile(

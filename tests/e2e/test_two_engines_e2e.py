@@ -45,7 +45,7 @@ def test_closing_the_engine_that_made_the_process_group_leaves_the_other_trainin
 ) -> None:
     # Under the device wall each engine's device tier is its own count: the C heap, which the
     # CPU reads otherwise, is the process's, and the student's profile took the teacher's (and
-    # gloo's) allocations for its own transient peak (runtime/device_wall.py).
+    # gloo's) allocations for its own transient peak (runtime/hw/device_wall.py).
     monkeypatch.setenv("PROTRAIN_STRICT_DEVICE", "1")
     job.script.write_text(TWO_ENGINES_SCRIPT)
     result = job.run("--nproc-per-node", "2", str(job.script), "--config", str(job.spec), timeout=180)

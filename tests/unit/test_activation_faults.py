@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from protrain import runtime
-from protrain.runtime.activations import ssd_io
+from protrain.runtime.hw import ssd_io
 from protrain.runtime.activations.ssd_store import SsdIoError
 from protrain.runtime.models.gpt import GPTConfig
 from tests.helpers import assert_state_equal, lm_batches, tiny_gpt

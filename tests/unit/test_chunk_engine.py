@@ -14,7 +14,7 @@ from protrain import runtime
 from protrain.runtime.chunks.released import ReleasedParameterError
 from protrain.runtime.chunks.residency_states import IllegalTransition, Residency, check_move
 from protrain.runtime.config.spec_io import SpecError
-from protrain.runtime.device import DeviceInfo
+from protrain.runtime.hw.device import DeviceInfo
 from protrain.runtime.planning.apply_plan import update_mode
 from tests.helpers import (
     assert_matches_reference,

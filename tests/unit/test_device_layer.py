@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from protrain.runtime.device import DeviceInfo, HostWorker, SideStream, host_worker_threads, malloc_in_use_bytes
-from protrain.runtime.host_memory import PAGE_BYTES, MmapArena
+from protrain.runtime.hw.device import DeviceInfo, HostWorker, SideStream, host_worker_threads, malloc_in_use_bytes
+from protrain.runtime.hw.host_memory import PAGE_BYTES, MmapArena
 
 CPU = DeviceInfo(torch.device("cpu"), "gloo")
 
@@ -108,7 +108,7 @@ def test_malloc_counter_sees_ordinary_tensors() -> None:
 def test_freed_heap_pages_go_back_to_the_os() -> None:
     """What profiling leaves behind (many small freed tensors) stops counting in the process's
     resident set once released, so the chunk state allocated next does not add up on top."""
-    from protrain.runtime.device import release_free_memory
+    from protrain.runtime.hw.device import release_free_memory
 
     def resident_mib() -> float:
         with open("/proc/self/status") as status:
@@ -180,7 +180,7 @@ def test_a_host_that_refuses_to_page_lock_a_region_gets_torchs_pinned_memory(
     pinned host allocator (here a plain tensor stands in for it), counted at the power of two
     that allocator rounds it to, with one warning per error code (before: a RuntimeError, and
     no run on such a host)."""
-    import protrain.runtime.host_memory as host_memory
+    import protrain.runtime.hw.host_memory as host_memory
 
     class RefusingCudart:
         def cudaHostRegister(self, *_: object) -> int:  # noqa: N802 - CUDA's name

@@ -1,4 +1,4 @@
-"""The device wall (``PROTRAIN_STRICT_DEVICE=1``, runtime/device_wall.py): on CPU every storage
+"""The device wall (``PROTRAIN_STRICT_DEVICE=1``, runtime/hw/device_wall.py): on CPU every storage
 allocated on the compute device while an engine call runs counts against the engine's budget, as
 CUDA's allocator counts it, whoever allocates it; passing the budget raises at once."""
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from protrain import runtime
-from protrain.runtime import device_wall
-from protrain.runtime.device import DeviceInfo, SideStream
-from protrain.runtime.device_wall import Account, DeviceBudgetExceeded
-from protrain.runtime.host_memory import MmapArena
+from protrain.runtime.hw import device_wall
+from protrain.runtime.hw.device import DeviceInfo, SideStream
+from protrain.runtime.hw.device_wall import Account, DeviceBudgetExceeded
+from protrain.runtime.hw.host_memory import MmapArena
 from tests.helpers import lm_batches, tiny_gpt, train_updates
 
 CPU = torch.device("cpu")

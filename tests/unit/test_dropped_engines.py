@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from protrain import runtime
-from protrain.runtime.host_memory import host_arena_bytes
+from protrain.runtime.hw.host_memory import host_arena_bytes
 from protrain.runtime.training import live_engines
 from tests.helpers import lm_batches, tiny_gpt, train_updates
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from protrain.runtime.chunks.grad_buffers import GradientBufferPool
-from protrain.runtime.device import DeviceEvent, DeviceInfo, SideStream
+from protrain.runtime.hw.device import DeviceEvent, DeviceInfo, SideStream
 
 CPU = DeviceInfo(torch.device("cpu"), "gloo")
 

@@ -1,4 +1,4 @@
-"""Host memory as a user's machine has it (runtime/host_capacity.py): the auto host budget is the
+"""Host memory as a user's machine has it (runtime/hw/host_capacity.py): the auto host budget is the
 smallest of available RAM, a cgroup's headroom (Docker, Kubernetes, Slurm's cgroups) and Slurm's
 allocation, shared among the node's ranks; the plan's host figure counts what the process holds
 at start and an asynchronous save's staging, and a plan that does not fit is refused before
@@ -17,7 +17,7 @@ import protrain.runtime.entry  # noqa: F401 - imported before the readings: init
 from protrain.profiler.host_bytes import checkpoint_staging_bytes
 from protrain.runtime.config.spec_io import SpecError
 from protrain.runtime.env_report.host import free_row
-from protrain.runtime.host_capacity import HostSource, cgroup_headroom, free_host_bytes, host_sources, slurm_source
+from protrain.runtime.hw.host_capacity import HostSource, cgroup_headroom, free_host_bytes, host_sources, slurm_source
 from protrain.runtime.planning import budgets
 from tests.helpers import lm_batches, tiny_gpt
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from protrain import runtime
-from protrain.runtime.host_memory import PAGE_BYTES, host_arena_bytes
+from protrain.runtime.hw.host_memory import PAGE_BYTES, host_arena_bytes
 from protrain.runtime.models.gpt import GPTConfig
 from tests.helpers import lm_batches, tiny_gpt
 

@@ -24,7 +24,7 @@ from torch import nn
 from protrain import runtime
 import protrain.runtime.entry
 from protrain.runtime.chunks import store, store_build
-from protrain.runtime.device import malloc_in_use_bytes
+from protrain.runtime.hw.device import malloc_in_use_bytes
 from tests.helpers import TINY_GPT, assert_state_equal, lm_batches, tiny_gpt, train_reference, train_updates
 from tests.unit.test_planning import job
 from tests.unit.test_residency import warm_up_torch

@@ -54,6 +54,23 @@ def test_imports_point_one_way(package: str) -> None:
     assert not offenders, f"back edges: {offenders}"
 
 
+def test_setup_cfg_installs_every_package_folder() -> None:
+    """setup.cfg lists the packages by hand (package_dir maps folders to other names): a new
+    folder missing from the list would be left out of the wheel."""
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    listed = set(config["options"]["packages"].split())
+    folders = {
+        ".".join(["protrain", INSTALLED[folder], *init.parent.relative_to(ROOT / folder).parts])
+        for folder in INSTALLED
+        for init in (ROOT / folder).rglob("__init__.py")
+        if init.parent.name != "protrain_root"
+    }
+    assert folders <= listed, f"not in setup.cfg's packages: {sorted(folders - listed)}"
+
+
 def test_nothing_imports_the_folders_by_their_repository_names() -> None:
     """Installed, there is no top-level ``runtime``, ``profiler`` or ``protrain_launcher``: code
     that imports one works only from a checkout, and a user's ``profiler.py`` would shadow it."""
@@ -188,6 +205,18 @@ def test_runtime_folders_import_one_way(folder: str) -> None:
         for path in (ROOT / "runtime" / folder).rglob("*.py")
         for module in imported_modules(path)
         if runtime_folder(module) in RUNTIME_FORBIDDEN[folder]
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_hardware_layer_imports_nothing_else_of_ours() -> None:
+    """runtime/hw/ (device, host memory, collectives, disk I/O, ...) is the floor every other
+    folder stands on: it imports nothing of runtime/ but itself, nor the profiler."""
+    offenders = [
+        f"{path.relative_to(ROOT)} imports {module}"
+        for path in (ROOT / "runtime" / "hw").rglob("*.py")
+        for module in imported_modules(path)
+        if module.split(".")[0] == "protrain" and not module.startswith("protrain.runtime.hw")
     ]
     assert not offenders, "\n".join(offenders)
 

@@ -1,5 +1,5 @@
 """The profile's transient peak and the plan check's measured peak come from one counter read at
-the same hooks (``runtime.memory_counter``): on CPU the same step gives the same peak through
+the same hooks (``runtime.hw.memory_counter``): on CPU the same step gives the same peak through
 either; on CUDA (a fake allocator here) a reading is the peak since the last one, then reset,
 and every open window gets every reading, so neither reader loses a peak to the other's reset."""
 
@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-import protrain.runtime.memory_counter as memory_counter
+import protrain.runtime.hw.memory_counter as memory_counter
 from protrain.runtime.batches import default_loss
-from protrain.runtime.device import DeviceInfo
-from protrain.runtime.memory_counter import PeakWindow, device_peak_since_last_sample, peak_reader
+from protrain.runtime.hw.device import DeviceInfo
+from protrain.runtime.hw.memory_counter import PeakWindow, device_peak_since_last_sample, peak_reader
 from protrain.runtime.planning.memory_probe import PeakMemoryProbe
 from protrain.runtime.planning.model_profiling import _one_step
 from tests.helpers import lm_batches, tiny_gpt

@@ -11,7 +11,7 @@ from torch import nn
 from protrain.runtime.blocks import find_blocks
 from protrain.runtime.chunks.layout import model_params
 from protrain.runtime.config.spec import Precision
-from protrain.runtime.device import DeviceInfo
+from protrain.runtime.hw.device import DeviceInfo
 from protrain.runtime.metrics.flops import ModelFlops, model_flops
 from protrain.runtime.metrics.peak_flops import PEAK_TFLOPS_ENV, compute_dtype_name, peak_flops, table_tflops
 from tests.helpers import TINY_GPT, TINY_LLAMA, tiny_gpt

@@ -1,4 +1,4 @@
-"""What NVML tells the runtime where torch cannot see (runtime/nvml.py), on a stand-in pynvml and a
+"""What NVML tells the runtime where torch cannot see (runtime/hw/nvml.py), on a stand-in pynvml and a
 stand-in CUDA device (this machine has neither): the processes holding the GPU's memory when the
 device budget is auto, the SM clock the MFU peak is held to, the PCIe link in the plan's notes;
 and the dependencies the design card lists are the package's own."""
@@ -17,9 +17,9 @@ import torch
 from protrain.profiler.plan_builder import transfer_notes
 from protrain.profiler.profile import HardwareProfile
 from protrain.runtime.config.spec import Precision
-from protrain.runtime.device import DeviceInfo
+from protrain.runtime.hw.device import DeviceInfo
 from protrain.runtime.metrics.peak_flops import peak_flops
-from protrain.runtime.nvml import describe_link, other_processes, pcie_link
+from protrain.runtime.hw.nvml import describe_link, other_processes, pcie_link
 from protrain.runtime.planning import budgets
 
 GIB = 1 << 30

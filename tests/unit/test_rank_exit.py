@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """\
 import sys, time
 import torch
-from protrain.runtime.device import _OrderedWorker
+from protrain.runtime.hw.device import _OrderedWorker
 from protrain.runtime.training.stop import TrainingStopped
 
 def busy() -> None:  # a long job: the worker is inside torch when the rank ends

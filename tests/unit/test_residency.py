@@ -15,7 +15,7 @@ from torch import nn
 
 from protrain import runtime
 from protrain.runtime.data import LMBatches
-from protrain.runtime.device import malloc_in_use_bytes
+from protrain.runtime.hw.device import malloc_in_use_bytes
 from tests.helpers import lm_batches, tiny_gpt
 
 N_PERSIST, N_BUFFER = 2, 2

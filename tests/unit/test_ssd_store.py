@@ -26,8 +26,8 @@ from protrain.runtime.activations.ssd_store import (
     IO_MODE_DIRECT,
     ActivationFileStore,
     SsdIoError,
-    measure_disk_rates,
 )
+from protrain.runtime.hw.ssd_io import measure_disk_rates
 
 pytestmark = pytest.mark.timeout(60)
 

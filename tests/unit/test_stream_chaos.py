@@ -1,4 +1,4 @@
-"""Stream chaos's parts (runtime/stream_chaos.py): lazy jobs wait for their event, random delays
+"""Stream chaos's parts (runtime/hw/stream_chaos.py): lazy jobs wait for their event, random delays
 replay per seed, released buffers are poisoned and checked, a skipped step fails the run, the
 swap copies mark their side-stream use. What it catches in training: test_stream_chaos_catches.py."""
 
@@ -16,14 +16,14 @@ import torch
 
 from protrain import runtime
 from protrain.profiler.plan import BlockMode
-from protrain.runtime import stream_chaos
+from protrain.runtime.hw import stream_chaos
 from protrain.runtime.activations import transfers as transfers_module
 from protrain.runtime.activations.host_pool import HostActivationPool
 from protrain.runtime.activations.records import ActivationStats
 from protrain.runtime.activations.transfers import ActivationTransfers
 from protrain.runtime.chunks.grad_buffers import GradientBufferPool
-from protrain.runtime.device import DeviceEvent, DeviceInfo, HostWorker, SideStream
-from protrain.runtime.stream_chaos import StreamChaosError
+from protrain.runtime.hw.device import DeviceEvent, DeviceInfo, HostWorker, SideStream
+from protrain.runtime.hw.stream_chaos import StreamChaosError
 from tests.helpers import lm_batches, tiny_gpt
 
 CPU = DeviceInfo(torch.device("cpu"), "gloo")

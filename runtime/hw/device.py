@@ -1,5 +1,5 @@
 """The device layer: which device a rank computes on, side streams, events and memory
-statistics (host memory regions: runtime/host_memory.py). Nothing else in the runtime talks to
+statistics (host memory regions: runtime/hw/host_memory.py). Nothing else in the runtime talks to
 ``torch.cuda`` directly.
 
 Real on CUDA; on CPU a faithful stand-in so that every path runs and is tested without a GPU:
@@ -8,7 +8,7 @@ Real on CUDA; on CPU a faithful stand-in so that every path runs and is tested w
   arithmetic; an event is set when the work queued before it has finished. CPU and CUDA run one
   structure, so the CPU suite tests the CUDA ordering too (with stream chaos, stream_chaos.py);
 - "pinned" host memory is a plain allocation (``pin_memory`` raises on the CPU build); host tiers
-  are carved from an anonymous-mmap arena (runtime/host_memory.py), so glibc's ``mallinfo2``
+  are carved from an anonymous-mmap arena (runtime/hw/host_memory.py), so glibc's ``mallinfo2``
   counts only what the device tier allocates, which lets tests measure the device tier
   independently of our bookkeeping.
 """
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from protrain.runtime import device_wall, stream_chaos
-from protrain.runtime.sanitizer_threads import active_sanitizer_mode, sanitized_here
+from protrain.runtime.hw import device_wall, stream_chaos
+from protrain.runtime.hw.sanitizer_threads import active_sanitizer_mode, sanitized_here
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,7 +386,7 @@ def malloc_heap_bytes() -> tuple[int, int]:
 
 def cuda_reserved_peak_bytes(info: DeviceInfo) -> int:
     """The caching allocator's reserved high-water since its peak statistics were last reset
-    (``runtime.memory_counter``'s readings reset them)."""
+    (``runtime.hw.memory_counter``'s readings reset them)."""
     return int(torch.cuda.max_memory_reserved(info.device))
 
 
@@ -412,7 +412,7 @@ def trim_host_heap() -> None:
 
 def device_allocated_bytes(info: DeviceInfo) -> int:
     """Bytes allocated on the device now: CUDA's allocator statistics; on CPU the engine's count
-    under the device wall (runtime/device_wall.py) in an engine call, else the C heap."""
+    under the device wall (runtime/hw/device_wall.py) in an engine call, else the C heap."""
     if info.is_cuda:
         return int(torch.cuda.memory_allocated(info.device))
     account = device_wall.counting_account()

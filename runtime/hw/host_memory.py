@@ -1,6 +1,6 @@
 """Host memory regions: exact-size host tensors carved from anonymous mmaps (the host tier's
 chunk state, swapped activations, staging), page-locked on CUDA, and what the process holds in
-them. Part of the device layer (runtime/device.py), kept apart for size.
+them. Part of the device layer (runtime/hw/device.py), kept apart for size.
 
 On CPU the regions are invisible to glibc's ``mallinfo2``, which then counts only what the device
 tier allocates: tests measure the device tier independently of our bookkeeping.

@@ -1,7 +1,7 @@
 """The device wall: with ``PROTRAIN_STRICT_DEVICE=1`` the device tier holds no more than the live
 engines' budgets, on CPU as on a GPU, and passing one raises at once (DESIGN section 6).
 
-Part of the device layer (runtime/device.py). Each engine opens an ``Account`` with its
+Part of the device layer (runtime/hw/device.py). Each engine opens an ``Account`` with its
 ``device_budget`` when it claims the device (runtime/training/live_engines.py) and closes it when
 it is released.
 
@@ -14,7 +14,7 @@ it is released.
   is freed (``weakref.finalize`` on it); views and in-place ops count nothing. The count is kept
   by a ``TorchDispatchMode`` on the calling thread and on the threads that issue device work for
   it (a side stream inherits its creator's call). Host memory is not the device: host regions
-  (runtime/host_memory.py, carved from mmaps by no aten op) never pass through the count, and
+  (runtime/hw/host_memory.py, carved from mmaps by no aten op) never pass through the count, and
   host buffers made with plain torch are allocated under ``host_allocations()``. An account that
   passes its budget raises ``DeviceBudgetExceeded`` naming the operation, the bytes and the budget.
 

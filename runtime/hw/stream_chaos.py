@@ -140,7 +140,7 @@ _INTEGERS = frozenset(
 
 
 class PendingEvent(Protocol):
-    """What ``check_released`` needs of an event (``runtime.device.DeviceEvent``; the device
+    """What ``check_released`` needs of an event (``runtime.hw.device.DeviceEvent``; the device
     layer imports this module, so the type is structural)."""
 
     def query(self) -> bool: ...

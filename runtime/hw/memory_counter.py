@@ -11,7 +11,7 @@ module's forward and after every trainable parameter's gradient is accumulated.
   reading, which then resets it (``reset_peak_memory_stats``): the reading at a hook is the
   highest allocation since the hook before, peaks inside operators included, so attributing a
   peak to the block that ran survives.
-- On CPU under the device wall (``runtime.device_wall``, in an engine call) a reading is the
+- On CPU under the device wall (``runtime.hw.device_wall``, in an engine call) a reading is the
   engine's count of its device storages at its highest since the previous reading, as on CUDA.
 - Otherwise on CPU the device tier is the C heap: a reading is ``mallinfo2``'s in-use bytes at
   the hook (peaks inside an operator are not seen: the figure can only be low by that much).
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from protrain.runtime import device_wall
-from protrain.runtime.device import DeviceInfo, device_allocated_bytes
+from protrain.runtime.hw import device_wall
+from protrain.runtime.hw.device import DeviceInfo, device_allocated_bytes
 
 _lock = threading.Lock()
 """Readings come from the main thread (forward hooks) and autograd's threads (gradient hooks)."""
