@@ -17,6 +17,7 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt torch
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	@if [ -d .git/hooks ]; then install -m 755 scripts/commit-msg .git/hooks/commit-msg; fi
 	touch $(STAMP)
 
 demo: $(STAMP)

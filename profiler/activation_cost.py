@@ -108,7 +108,7 @@ def _in_flight_bytes(modes: Sequence[str], saved: Sequence[int]) -> int:
     each offloaded block, for the blocks before it to have left, so at most two consecutive
     blocks' bytes are in flight (one's copies while the next one runs and saves)."""
     offloaded = [a if mode in OFFLOADED else 0 for a, mode in zip(saved, modes, strict=True)]
-    return max((before + now for before, now in zip([0, *offloaded], offloaded)), default=0)
+    return max((before + now for before, now in zip([0, *offloaded], offloaded, strict=False)), default=0)
 
 
 def _block_parameter_bytes(model: ModelProfile) -> list[int]:
@@ -145,9 +145,7 @@ def _forward_exposed(
 ) -> float:
     exposed = 0.0
     if not hardware.copies_overlap_compute:
-        exposed += sum(
-            a / hardware.d2h_bytes_per_s for a, mode in zip(saved, modes, strict=True) if mode == SWAP
-        )
+        exposed += sum(a / hardware.d2h_bytes_per_s for a, mode in zip(saved, modes, strict=True) if mode == SWAP)
     busy_until = dict.fromkeys(_channels(hardware), 0.0)
     staged_until = 0.0  # overlapping copies: when the copy engine has taken the bytes off the device
     landed_before = 0.0  # when the offloaded blocks so far have all left the device
@@ -246,9 +244,7 @@ class ActivationOption:
     cost: ActivationCost
 
 
-def count_grid(
-    num_blocks: int, fixed: int | None, *, allowed: bool = True, steps: int = GRID_STEPS
-) -> list[int]:
+def count_grid(num_blocks: int, fixed: int | None, *, allowed: bool = True, steps: int = GRID_STEPS) -> list[int]:
     """The counts tried for one knob: the hand-set value, 0 when the tier is unavailable, else
     0 .. num_blocks in at most ``steps`` strides (both ends included)."""
     if fixed is not None:
@@ -284,9 +280,7 @@ def activation_options(
                 modes = block_layout(num_blocks, n_offload=offload, n_swap=swap, n_checkpoint=checkpoint)
                 options.append(ActivationOption(modes=modes, cost=activation_cost(model, hardware, modes)))
     if not options:
-        raise ValueError(
-            f"ssd.n_offload + n_swap + n_checkpoint set by hand exceed the model's {num_blocks} blocks"
-        )
+        raise ValueError(f"ssd.n_offload + n_swap + n_checkpoint set by hand exceed the model's {num_blocks} blocks")
     return _undominated(options)
 
 
@@ -298,8 +292,6 @@ def _undominated(options: list[ActivationOption]) -> list[ActivationOption]:
     kept: list[ActivationOption] = []
     for option in sorted(options, key=lambda o: (sum(key(o)[:2]), key(o))):
         mine = key(option)
-        if not any(
-            all(theirs <= ours for theirs, ours in zip(key(other), mine, strict=True)) for other in kept
-        ):
+        if not any(all(theirs <= ours for theirs, ours in zip(key(other), mine, strict=True)) for other in kept):
             kept.append(option)
     return kept

@@ -15,9 +15,8 @@ Pure: no torch, nothing of ours but the profile types.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from fnmatch import fnmatchcase
-
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from typing import Any
 
 from protrain.profiler.profile import BlockProfile, ModelProfile

@@ -75,9 +75,7 @@ def pack(sizes: Sequence[tuple[int, bool]], chunk_numel: int, world_size: int) -
     capacity = round_up(chunk_numel, world_size)
     largest = max((numel for numel, _ in sizes), default=0)
     if largest > capacity:
-        raise ChunkTooSmallError(
-            f"a parameter of {largest:,} elements does not fit a chunk of {capacity:,} elements"
-        )
+        raise ChunkTooSmallError(f"a parameter of {largest:,} elements does not fit a chunk of {capacity:,} elements")
     open_chunk: dict[bool, int] = {}
     used: list[int] = []
     members: list[list[int]] = []

@@ -227,10 +227,7 @@ def chunk_costs(model: ModelProfile, hardware: HardwareProfile, chunk_size: int)
         direct_grads_possible=alias,
         activation_bytes=model.activation_bytes,
         transient_bytes=model.transient_bytes,
-        **{
-            k: tuple(int(v) for v in vs) if k.endswith(("bytes", "chunks")) else vs
-            for k, vs in prefixed.items()
-        },  # type: ignore[arg-type]
+        **{k: tuple(int(v) for v in vs) if k.endswith(("bytes", "chunks")) else vs for k, vs in prefixed.items()},  # type: ignore[arg-type]
     )
 
 
@@ -256,9 +253,7 @@ _PREFIXED = (
 )
 
 
-def _compute_per_chunk(
-    model: ModelProfile, packing: Packing
-) -> tuple[list[float], list[float], float, float]:
+def _compute_per_chunk(model: ModelProfile, packing: Packing) -> tuple[list[float], list[float], float, float]:
     """Forward and backward seconds per chunk; plus time no parameter can carry."""
     block_numel = [0] * len(model.blocks)
     other_numel = 0
@@ -317,9 +312,7 @@ def predict(
     forward = _span(costs.fwd, 0, p) + _span(costs.fwd_overlapped if prefetch else costs.fwd_serial, p, n)
     fetched = costs.bwd_fetched if prefetch else costs.bwd_fetched_serial
     backward = (
-        _span(costs.bwd_persistent, 0, p)
-        + _span(fetched, p, n - reused)
-        + _span(costs.bwd_reused, n - reused, n)
+        _span(costs.bwd_persistent, 0, p) + _span(fetched, p, n - reused) + _span(costs.bwd_reused, n - reused, n)
     )
     forward += costs.unattributed_forward_s
     backward += costs.unattributed_backward_s

@@ -112,10 +112,7 @@ def _too_few_buffers(
     module = _widest_module(packed.packing, module_params, n_persist)
     if module is not None and need >= 2:
         who = f"module {module_names[module]!r}" if module_names else "one module"
-        why = (
-            f"{who} uses {need} non-persistent chunks at once (its parameters must be on the "
-            "device together)"
-        )
+        why = f"{who} uses {need} non-persistent chunks at once (its parameters must be on the device together)"
     else:
         why = "an offloaded chunk is used from a device buffer"
     size = spec_size(packed.chunk_size)
@@ -130,8 +127,7 @@ def _with_more_persistent(packed: Sequence[_Packed], n_buffer: int) -> str:
     """The smallest ``n_persist`` that works with ``n_buffer`` at any of the sizes: the fewest
     buffers never grow with ``n_persist``, and keeping every chunk needs none."""
     persist, every = min(
-        (next(p for p in range(item.num_chunks + 1) if item.works(p, n_buffer)), item.num_chunks)
-        for item in packed
+        (next(p for p in range(item.num_chunks + 1) if item.works(p, n_buffer)), item.num_chunks) for item in packed
     )
     note = " (every chunk on the device)" if persist == every else ""
     return f"or, keeping n_buffer={n_buffer}, the smallest n_persist that works is {persist}{note}"
@@ -139,8 +135,10 @@ def _with_more_persistent(packed: Sequence[_Packed], n_buffer: int) -> str:
 
 def _widest_module(packing: Packing, module_params: Sequence[Sequence[int]], n_persist: int) -> int | None:
     """The index of the module whose parameters span the most offloaded chunks."""
-    spans = [len({packing.placement[i][0] for i in members if packing.placement[i][0] >= n_persist})
-             for members in module_params]
+    spans = [
+        len({packing.placement[i][0] for i in members if packing.placement[i][0] >= n_persist})
+        for members in module_params
+    ]
     return None if not spans else max(range(len(spans)), key=spans.__getitem__)
 
 

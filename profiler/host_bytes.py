@@ -78,9 +78,7 @@ def gradient_staging_buffers(element_size: int, *, keeps_gradients: bool) -> int
     return STAGING_BUFFERS + (1 if not keeps_gradients and element_size == FP32_BYTES else 0)
 
 
-def staging_bytes(
-    shard_numel: int, *, element_size: int, offloaded_trainable: bool, keeps_gradients: bool
-) -> int:
+def staging_bytes(shard_numel: int, *, element_size: int, offloaded_trainable: bool, keeps_gradients: bool) -> int:
     """The fixed staging regions beside the chunk state (none without an offloaded trainable
     chunk: frozen shards go up as they are stored)."""
     if not offloaded_trainable:
@@ -103,7 +101,12 @@ def offloaded_region_bytes(
     if not chunks:
         return 0
     payload = sum(
-        chunk_state_bytes(rank_numel(used, shard_numel, 0), trainable=trainable, element_size=element_size, keeps_gradients=keeps_gradients)
+        chunk_state_bytes(
+            rank_numel(used, shard_numel, 0),
+            trainable=trainable,
+            element_size=element_size,
+            keeps_gradients=keeps_gradients,
+        )
         for used, trainable in chunks
     )
     return region_bytes(payload) + staging_bytes(

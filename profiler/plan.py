@@ -176,4 +176,3 @@ def format_bytes(num_bytes: int) -> str:
 
 def _opt_bytes(num_bytes: int | None) -> str | None:
     return None if num_bytes is None else format_bytes(num_bytes)
-

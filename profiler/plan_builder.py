@@ -64,8 +64,7 @@ def resident_plan(
     n_persist = num_chunks if request.n_persist is None else request.n_persist
     if n_persist > num_chunks:
         raise ValueError(
-            f"memory.n_persist={n_persist} exceeds the model's {num_chunks} chunks of "
-            f"{format_bytes(chunk_size)}"
+            f"memory.n_persist={n_persist} exceeds the model's {num_chunks} chunks of {format_bytes(chunk_size)}"
         )
     n_buffer = request.n_buffer
     if n_buffer is None:
@@ -88,9 +87,7 @@ def resident_plan(
     )
 
 
-def default_block_layout(
-    num_blocks: int, *, n_offload: int, n_swap: int, n_checkpoint: int
-) -> tuple[BlockMode, ...]:
+def default_block_layout(num_blocks: int, *, n_offload: int, n_swap: int, n_checkpoint: int) -> tuple[BlockMode, ...]:
     """DESIGN section 4's order (``activation_cost.block_layout``) as ``BlockMode`` values."""
     return tuple(
         BlockMode(mode)
@@ -113,19 +110,14 @@ def block_modes_for(request: KnobRequest, num_blocks: int) -> tuple[BlockMode, .
     if request.block_modes is not None:
         modes = tuple(request.block_modes)
         if len(modes) != num_blocks:
-            raise ValueError(
-                f"memory.block_modes lists {len(modes)} modes but the model has {num_blocks} blocks"
-            )
+            raise ValueError(f"memory.block_modes lists {len(modes)} modes but the model has {num_blocks} blocks")
     else:
         counts = [request.n_offload or 0, request.n_swap or 0, request.n_checkpoint or 0]
         if sum(counts) > num_blocks:
             raise ValueError(
-                f"ssd.n_offload + n_swap + n_checkpoint = {sum(counts)} exceeds the model's "
-                f"{num_blocks} blocks"
+                f"ssd.n_offload + n_swap + n_checkpoint = {sum(counts)} exceeds the model's {num_blocks} blocks"
             )
-        modes = default_block_layout(
-            num_blocks, n_offload=counts[0], n_swap=counts[1], n_checkpoint=counts[2]
-        )
+        modes = default_block_layout(num_blocks, n_offload=counts[0], n_swap=counts[1], n_checkpoint=counts[2])
     return tuple(modes)
 
 

@@ -207,11 +207,7 @@ def search(
             device_full = False
             for position, b in enumerate(buffer_range):
                 candidate, fitted = evaluate(costs, p, b)
-                if (
-                    position == 0
-                    and not fitted
-                    and (smallest is None or _memory(candidate) < _memory(smallest))
-                ):
+                if position == 0 and not fitted and (smallest is None or _memory(candidate) < _memory(smallest)):
                     smallest = candidate
                 if not fitted:
                     # More buffers only need more device memory (host bytes do not change); when
@@ -243,8 +239,7 @@ def search(
         )
         raise NoPlanFitsError(
             conflict
-            or "no plan can be formed with the hand-set knobs "
-            + ", ".join(_hand_set(chunk_size, n_persist, n_buffer))
+            or "no plan can be formed with the hand-set knobs " + ", ".join(_hand_set(chunk_size, n_persist, n_buffer))
         )
     if not fitting:
         raise NoPlanFitsError(
@@ -280,9 +275,7 @@ def search(
     )
 
 
-def _costs_by_size(
-    model: ModelProfile, hardware: HardwareProfile, chunk_size: int | None
-) -> Iterable[ChunkCosts]:
+def _costs_by_size(model: ModelProfile, hardware: HardwareProfile, chunk_size: int | None) -> Iterable[ChunkCosts]:
     if chunk_size is not None:
         yield chunk_costs(model, hardware, chunk_size)
         return
@@ -333,7 +326,13 @@ def _hand_set(chunk_size: int | None, n_persist: int | None, n_buffer: int | Non
 
 
 def _nothing_fits(
-    smallest: Candidate, device_budget: int, host_budget: int, margin: float, *, hand_set: list[str], host_fixed: int = 0
+    smallest: Candidate,
+    device_budget: int,
+    host_budget: int,
+    margin: float,
+    *,
+    hand_set: list[str],
+    host_fixed: int = 0,
 ) -> str:
     p = smallest.prediction
     needed = int(p.peak_device_bytes * (1 + margin))
@@ -368,9 +367,7 @@ def _binding_with_layout(best: Candidate) -> str:
     if managed == 0 or best.block_modes is None:
         return ""
     counts = ", ".join(
-        f"{best.block_modes.count(mode)} {mode}"
-        for mode in ("ssd", "swap", "checkpoint")
-        if mode in best.block_modes
+        f"{best.block_modes.count(mode)} {mode}" for mode in ("ssd", "swap", "checkpoint") if mode in best.block_modes
     )
     return f"activations of {managed} of {len(best.block_modes)} blocks managed ({counts}); "
 
@@ -412,9 +409,7 @@ def _binding(
             f"device memory: keeping one more chunk on the device (n_persist={more}) would need "
             f"{_size(needed)} of the {_size(device_budget)} budget"
         )
-    return (
-        f"speed: more persistent chunks would not be faster (n_persist={more} predicts {grown.step_s:.3f} s)"
-    )
+    return f"speed: more persistent chunks would not be faster (n_persist={more} predicts {grown.step_s:.3f} s)"
 
 
 def _size(num_bytes: int | float) -> str:

@@ -54,8 +54,19 @@ STANDALONE = {"nnodes": "1", "master_addr": "127.0.0.1", "master_port": "0"}
 COMMANDS = ("--what-if", "--report", "--plot")
 """Options that pick a command without a script, when they come before the script path."""
 FLAGS = frozenset(
-    {"-h", "--help", "--version", "--standalone", "--dry-run", "--largest", "--ssd", "--clipping", "--no-clipping",
-     "--report", "--json"}
+    {
+        "-h",
+        "--help",
+        "--version",
+        "--standalone",
+        "--dry-run",
+        "--largest",
+        "--ssd",
+        "--clipping",
+        "--no-clipping",
+        "--report",
+        "--json",
+    }
 )
 """Options of protrain-run and its commands that take no value: every other option before the
 script path is followed by its value (unless written ``--option=value``)."""
@@ -89,9 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="one node on this machine, rendezvous on a free local port (torchrun's --standalone)",
     )
-    parser.add_argument(
-        "--dry-run", action="store_true", help="validate, plan in one local process, print, exit"
-    )
+    parser.add_argument("--dry-run", action="store_true", help="validate, plan in one local process, print, exit")
     parser.add_argument("--version", action="store_true", help="print protrain-run's version and exit")
     # Listed for --help; main() hands either one, before the script path, to its own command.
     commands = parser.add_argument_group("commands without a script (each has its own --help)")

@@ -247,9 +247,7 @@ def _report_failures(err: object) -> int:
     print(f"protrain-run: rank {first_rank} failed with {_how(first)}{_detail(first)}", file=sys.stderr)
     others = sorted(rank for rank in failures if rank != first_rank)
     if others:
-        print(
-            f"protrain-run: stopped rank(s) {', '.join(map(str, others))} after that failure", file=sys.stderr
-        )
+        print(f"protrain-run: stopped rank(s) {', '.join(map(str, others))} after that failure", file=sys.stderr)
     return code
 
 

@@ -92,9 +92,7 @@ def _memory_panel(ax: Axes, timeline: Timeline) -> Axes:
         )
     recompute = [(s.t * 1e3, s.device_bytes / scale) for s in timeline.samples if s.phase == "recompute"]
     if recompute:
-        ax.plot(
-            *zip(*recompute, strict=True), "x", color="#444444", ms=5, label="sample during a recomputation"
-        )
+        ax.plot(*zip(*recompute, strict=True), "x", color="#444444", ms=5, label="sample during a recomputation")
     _block_marks(ax, timeline)
     ax.set_ylabel(f"device tier ({unit})", color=LINE_COLOURS["device"])
     ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 1e-9) * 1.08)
@@ -145,9 +143,7 @@ def _block_marks(ax: Axes, timeline: Timeline) -> None:
         ax.axvline(mark.t * 1e3, color="#555555", ls=style, lw=0.6, alpha=0.6, zorder=1)
         if mark.index % every == 0:
             arrow = "F" if mark.kind == "block_forward" else "B"
-            ax.text(
-                mark.t * 1e3, 1.0, f"{arrow}{mark.index}", transform=top, fontsize=6, ha="center", va="bottom"
-            )
+            ax.text(mark.t * 1e3, 1.0, f"{arrow}{mark.index}", transform=top, fontsize=6, ha="center", va="bottom")
 
 
 def _chunk_panel(ax: Axes, timeline: Timeline) -> None:
@@ -183,9 +179,7 @@ def _step_panel(ax: Axes, bars: StepBars) -> None:
             )
         )
     if bars.predicted_s is not None:
-        columns.append(
-            ("predicted", {"predicted (the plan)": bars.predicted_s}, {"predicted (the plan)": "#969696"})
-        )
+        columns.append(("predicted", {"predicted (the plan)": bars.predicted_s}, {"predicted (the plan)": "#969696"}))
     tallest = max(sum(parts.values()) for _, parts, _ in columns) or 1.0
     scale, unit = (1e3, "ms") if tallest < 10 else (1.0, "s")
     for x, (_, parts, colours) in enumerate(columns):

@@ -35,9 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--plot", dest="run_dir", required=True, metavar="RUN_DIR", help="the run folder")
     parser.add_argument("--rank", type=int, default=0, help="whose timeline (default 0)")
-    parser.add_argument(
-        "--out", metavar="FILE.png", help="where the PNG goes (default RUN_DIR/memory-rankR.png)"
-    )
+    parser.add_argument("--out", metavar="FILE.png", help="where the PNG goes (default RUN_DIR/memory-rankR.png)")
     return parser
 
 

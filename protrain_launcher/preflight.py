@@ -25,10 +25,7 @@ def check_output_dir(path: Path, *, create: bool, source: str) -> None:
     root passes every permission check, yet cannot create directories under /proc or on a
     read-only filesystem."""
     where = f"{source}: output_dir: {path}"
-    fix = (
-        "give a directory this user can write (made when missing), e.g. "
-        f"--set output_dir={EXAMPLE_OUTPUT_DIR}"
-    )
+    fix = f"give a directory this user can write (made when missing), e.g. --set output_dir={EXAMPLE_OUTPUT_DIR}"
     file = _file_on_path(path)
     if file is not None:
         what = "is a file" if file == path else f"cannot be a directory: {file} is a file"

@@ -23,6 +23,7 @@ import time
 from types import FrameType
 
 from protrain.launcher.env_names import BAD_INPUT_PREFIX, ERROR_FILE_ENV, LAUNCHER_PID_ENV
+
 # standard library only: nothing heavy yet
 from protrain.launcher.request import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_RANK_FAILED
 from protrain.launcher.signal_hold import import_torch

@@ -39,9 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the disk under --ssd-path, the profile cache, the relevant environment variables.",
     )
     parser.add_argument("--report", action="store_true", required=True, help="this report")
-    parser.add_argument(
-        "--config", metavar="FILE", help="job spec: its profiler.cache_dir and memory.ssd.path"
-    )
+    parser.add_argument("--config", metavar="FILE", help="job spec: its profiler.cache_dir and memory.ssd.path")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY.PATH=VALUE")
     parser.add_argument("--ssd-path", metavar="DIR", help="measure O_DIRECT and write/read rates here")
     parser.add_argument(

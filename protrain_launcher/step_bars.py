@@ -37,9 +37,7 @@ def step_bars(timeline: Timeline, records: list[dict[str, Any]]) -> StepBars:
     (``instrumented_updates``; update 1 too when others exist: it warms up) of metrics.jsonl's
     split, or the recorded update's own spans when the metrics hold no split."""
     steps = [
-        r
-        for r in records
-        if "step" in r and not r.get("skipped") and r["step"] not in timeline.instrumented_updates
+        r for r in records if "step" in r and not r.get("skipped") and r["step"] not in timeline.instrumented_updates
     ]
     if len(steps) > 1:
         steps = [r for r in steps if r["step"] != 1]

@@ -48,9 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--micro-batch-size", type=int, help="default 1, or the job spec's")
     parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument(
-        "--precision", choices=("bf16", "fp16", "fp32"), help="default bf16, or the job spec's"
-    )
+    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), help="default bf16, or the job spec's")
     parser.add_argument(
         "--ssd",
         action="store_true",

@@ -67,9 +67,7 @@ def _at_path(model: nn.Module, path: str) -> nn.ModuleList:
     try:
         module = model.get_submodule(path)
     except AttributeError:
-        raise BlocksNotFoundError(
-            f"memory.blocks: {type(model).__name__} has no submodule {path!r}"
-        ) from None
+        raise BlocksNotFoundError(f"memory.blocks: {type(model).__name__} has no submodule {path!r}") from None
     if not isinstance(module, nn.ModuleList):
         raise BlocksNotFoundError(
             f"memory.blocks: {path!r} is a {type(module).__name__}, expected a ModuleList of blocks"

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from protrain.profiler.plan import BlockMode, Plan
-from protrain.runtime.hw import device_wall
 from protrain.runtime.batches import to_device
 from protrain.runtime.blocks import refuse_foreign_activation_handling
 from protrain.runtime.checkpoint.checkpointer import Checkpointer, CheckpointSettings
@@ -36,6 +35,8 @@ from protrain.runtime.config.spec_io import (
     validate_spec,
 )
 from protrain.runtime.console import MetricsFile, ProgressReporter, frozen_note, groups_table
+from protrain.runtime.dry_run import dry_run, launched_dry_run
+from protrain.runtime.hw import device_wall
 from protrain.runtime.hw.device import DeviceInfo, select_device
 from protrain.runtime.hw.distributed import (
     DistContext,
@@ -47,10 +48,14 @@ from protrain.runtime.hw.distributed import (
     init_distributed,
     release,
 )
-from protrain.runtime.dry_run import dry_run, launched_dry_run
 from protrain.runtime.metrics.trackers import require_tracker_packages
 from protrain.runtime.planning.apply_plan import PlanTarget, apply_plan
-from protrain.runtime.planning.budgets import auto_device_budget, host_parameter_bytes, process_rss_bytes, resolve_budgets
+from protrain.runtime.planning.budgets import (
+    auto_device_budget,
+    host_parameter_bytes,
+    process_rss_bytes,
+    resolve_budgets,
+)
 from protrain.runtime.planning.model_facts import check_supported, compute_element_size, execution_order, model_blocks
 from protrain.runtime.planning.planner import Profilers, build_planner
 from protrain.runtime.planning.replanner import Replanner
@@ -368,9 +373,7 @@ def _checkpoint_settings(spec: Spec) -> CheckpointSettings:
     return CheckpointSettings(
         dir=None if section.dir is None else Path(section.dir).expanduser(),
         interval_steps=section.interval_steps,
-        resume=section.resume
-        if section.resume in ("auto", "never")
-        else str(Path(section.resume).expanduser()),
+        resume=section.resume if section.resume in ("auto", "never") else str(Path(section.resume).expanduser()),
         async_save=section.async_save,
         keep_last=section.keep_last,
     )

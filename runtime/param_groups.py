@@ -84,9 +84,7 @@ class ParamHyper:
 
 
 def optimizer_groups(settings: OptimizerSettings) -> tuple[OptimizerGroup, ...]:
-    top = OptimizerGroup(
-        index=0, match=(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
-    )
+    top = OptimizerGroup(index=0, match=(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
     entries = [
         OptimizerGroup(
             index=index,

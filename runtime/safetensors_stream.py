@@ -47,7 +47,18 @@ _DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def size_bytes(size: int | str) -> int:
@@ -59,7 +70,9 @@ def size_bytes(size: int | str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
     unit = match.group(2).upper() if match else None
     if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
-        raise ValueError(f'max_shard_size must be a positive number of bytes or a size like "5GB" or "500MiB", got {size!r}')
+        raise ValueError(
+            f'max_shard_size must be a positive number of bytes or a size like "5GB" or "500MiB", got {size!r}'
+        )
     return int(float(match.group(1)) * _UNITS[unit])
 
 
@@ -102,7 +115,11 @@ def _header(entries: list[Entry], metadata: Mapping[str, str]) -> bytes:
     for entry in entries:
         if entry.dtype not in _DTYPES:
             raise ValueError(f"{entry.name}: dtype {entry.dtype} cannot be written to safetensors")
-        body[entry.name] = {"dtype": _DTYPES[entry.dtype], "shape": list(entry.shape), "data_offsets": [offset, offset + entry.nbytes]}
+        body[entry.name] = {
+            "dtype": _DTYPES[entry.dtype],
+            "shape": list(entry.shape),
+            "data_offsets": [offset, offset + entry.nbytes],
+        }
         offset += entry.nbytes
     text = json.dumps(body, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
@@ -132,7 +149,9 @@ class ShardedWriter:
         self.files = split_into_files(entries, size_bytes(max_shard_size))
         count = len(self.files)
         stem = name.removesuffix(".safetensors")
-        self.names = [name] if count == 1 else [f"{stem}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+        self.names = (
+            [name] if count == 1 else [f"{stem}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+        )
         self.index_name = None if count == 1 else f"{name}.index.json"
         self._metadata = {"format": "pt", **(metadata or {})}
         self._index_metadata = dict(index_metadata or {})
@@ -187,8 +206,13 @@ class ShardedWriter:
         self._temps = []
         if self.index_name is not None:
             index = {
-                "metadata": {"total_size": sum(entry.nbytes for run in self.files for entry in run), **self._index_metadata},
-                "weight_map": {entry.name: name for run, name in zip(self.files, self.names, strict=True) for entry in run},
+                "metadata": {
+                    "total_size": sum(entry.nbytes for run in self.files for entry in run),
+                    **self._index_metadata,
+                },
+                "weight_map": {
+                    entry.name: name for run, name in zip(self.files, self.names, strict=True) for entry in run
+                },
             }
             path = self.directory / self.index_name
             _write_text(path, json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -76,9 +76,7 @@ def normalize_position(position: SamplePosition, *, num_samples: int, step: int)
     return position
 
 
-def advance_position(
-    position: SamplePosition, *, num_micro_steps: int, num_samples: int, step: int
-) -> SamplePosition:
+def advance_position(position: SamplePosition, *, num_micro_steps: int, num_samples: int, step: int) -> SamplePosition:
     """The normalised position ``num_micro_steps`` micro-steps of ``step`` samples after ``position``.
 
     ``position`` must be normalised. Closed form, so skipping many epochs costs nothing.
@@ -213,9 +211,7 @@ class ShardedSampler(Sampler[int]):
         offset = _require_int("sampler state 'offset'", state["offset"], minimum=0)
         if offset > self.num_samples:
             raise ValueError(f"sampler state 'offset'={offset} is past num_samples={self.num_samples}")
-        position = normalize_position(
-            SamplePosition(epoch, offset), num_samples=self.num_samples, step=self.step
-        )
+        position = normalize_position(SamplePosition(epoch, offset), num_samples=self.num_samples, step=self.step)
         self._consumed = position
         self._cursor = position
 

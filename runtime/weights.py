@@ -14,14 +14,11 @@ import os
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Union
 
 import torch
 from torch import nn
 
-WeightsSource = Union[
-    Mapping[str, torch.Tensor], str, os.PathLike, Callable[[str, torch.Tensor], torch.Tensor]
-]
+WeightsSource = Mapping[str, torch.Tensor] | str | os.PathLike | Callable[[str, torch.Tensor], torch.Tensor]
 """A state dict; a directory holding ``*.safetensors`` shards (as ``save_pretrained`` writes);
 or ``fn(name, empty_tensor) -> tensor`` called once per parameter and buffer name."""
 
@@ -111,9 +108,7 @@ class WeightReader:
             tie_weights()
         self.source = str(weights) if isinstance(weights, (str, os.PathLike)) else "weights"
         self._aliases = _alias_groups(model)
-        self._expected = {
-            name: (tuple(t.shape), t.dtype) for name, t in model.state_dict(keep_vars=True).items()
-        }
+        self._expected = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict(keep_vars=True).items()}
         self._callable: Callable[[str, torch.Tensor], torch.Tensor] | None = None
         self._mapping: Mapping[str, torch.Tensor] | None = None
         self._files: dict[str, Path] = {}
@@ -128,14 +123,11 @@ class WeightReader:
             self._mapping = weights
             available = set(weights)
         buffers = {name for name, _ in model.named_buffers()}
-        missing = [
-            name for name in self._expected if name not in buffers and self._resolve(name, available) is None
-        ]
+        missing = [name for name in self._expected if name not in buffers and self._resolve(name, available) is None]
         unexpected = sorted(available - set(self._expected))
         if missing or unexpected:
             raise ValueError(
-                f"{self.source}: missing {missing[:8]}{'...' if len(missing) > 8 else ''}; "
-                f"unexpected {unexpected[:8]}"
+                f"{self.source}: missing {missing[:8]}{'...' if len(missing) > 8 else ''}; unexpected {unexpected[:8]}"
             )
         self._available = available
 
@@ -158,9 +150,7 @@ class WeightReader:
                 value = shard.get_tensor(key)
         shape = self._expected[name][0]
         if tuple(value.shape) != shape:
-            raise ValueError(
-                f"{self.source}: {name} has shape {tuple(value.shape)}, the model expects {shape}"
-            )
+            raise ValueError(f"{self.source}: {name} has shape {tuple(value.shape)}, the model expects {shape}")
         return value
 
     def _resolve(self, name: str, available: set[str]) -> str | None:
@@ -227,9 +217,7 @@ def install_placeholders_(model: nn.Module, device: torch.device, reader: Weight
         module = model.get_submodule(owner) if owner else model
         if buffer.is_meta:
             if not reader.has(name):
-                raise ValueError(
-                    f"{reader.source}: buffer {name} is on the meta device and not in the weights"
-                )
+                raise ValueError(f"{reader.source}: buffer {name} is on the meta device and not in the weights")
             module._buffers[leaf] = reader.get(name).to(device=device, dtype=buffer.dtype)
         else:
             module._buffers[leaf] = buffer.to(device)

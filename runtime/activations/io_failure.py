@@ -72,9 +72,7 @@ def drop_unread_files(
     each is marked lost for ``error`` and its host bytes freed; its file and read in flight are
     handed back for ``DroppedFiles.settle``."""
     doomed = [
-        record
-        for record in records
-        if record.mode is BlockMode.SSD and record.restored is None and record.lost is None
+        record for record in records if record.mode is BlockMode.SSD and record.restored is None and record.lost is None
     ]
     dropped = DroppedFiles(
         records=doomed,

@@ -119,9 +119,7 @@ class ActivationManager:
             offloads=bool(self._offloaded_blocks),
             expected_ssd_bytes=expected_ssd_bytes,
         )
-        self._checkpointing = BlockCheckpointing(
-            chunks=chunks, in_forward=lambda: self.phase is Phase.FORWARD
-        )
+        self._checkpointing = BlockCheckpointing(chunks=chunks, in_forward=lambda: self.phase is Phase.FORWARD)
         self._handles: list[Any] = []
         self._install()
 

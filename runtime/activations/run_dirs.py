@@ -43,9 +43,7 @@ def create_run_dir(root: Path, rank: int) -> Path:
             f"cannot use {root} for activation files: {err.strerror}; set memory.ssd.path to a directory",
         ) from err
     if not os.access(root, os.W_OK | os.X_OK):
-        raise SsdIoError(
-            f"{root} is not a writable directory; set memory.ssd.path to one this process can write"
-        )
+        raise SsdIoError(f"{root} is not a writable directory; set memory.ssd.path to one this process can write")
     remove_stale(root)
     stem = root.resolve() / f"{RUN_DIR_PREFIX}{socket.gethostname()}-{os.getpid()}-rank{rank}"
     with _LIVE_RUN_DIRS_LOCK:
@@ -56,9 +54,7 @@ def create_run_dir(root: Path, rank: int) -> Path:
         try:
             run_dir.mkdir()
         except OSError as err:
-            raise SsdIoError(
-                err.errno, f"cannot create the activation directory {run_dir}: {err.strerror}"
-            ) from err
+            raise SsdIoError(err.errno, f"cannot create the activation directory {run_dir}: {err.strerror}") from err
         _LIVE_RUN_DIRS.add(run_dir)
     return run_dir
 
@@ -71,9 +67,7 @@ def remove_run_dir(run_dir: Path) -> None:
     except FileNotFoundError:
         pass
     except OSError as err:
-        raise SsdIoError(
-            err.errno, f"cannot remove the activation directory {run_dir}: {err.strerror}"
-        ) from err
+        raise SsdIoError(err.errno, f"cannot remove the activation directory {run_dir}: {err.strerror}") from err
     finally:
         with _LIVE_RUN_DIRS_LOCK:
             _LIVE_RUN_DIRS.discard(run_dir)

@@ -112,9 +112,7 @@ class PendingRead:
         try:
             return self._future.result()
         except CancelledError as err:
-            raise SsdIoError(
-                f"read of activation file {self._file.path} failed: the store was closed"
-            ) from err
+            raise SsdIoError(f"read of activation file {self._file.path} failed: the store was closed") from err
         except SsdIoError:
             with self._file._lock:
                 if self._file._state is WriteState.FAILED:

@@ -34,8 +34,9 @@ from types import TracebackType
 import torch
 
 from protrain.runtime.activations import run_dirs
-from protrain.runtime.hw import ssd_io
 from protrain.runtime.activations.ssd_files import ActivationFile, PendingRead, WriteState
+from protrain.runtime.chunks.trace_labels import job_label
+from protrain.runtime.hw import ssd_io
 from protrain.runtime.hw.ssd_io import (
     BLOCK_BYTES,
     IO_MODE_BUFFERED,
@@ -46,7 +47,6 @@ from protrain.runtime.hw.ssd_io import (
     padded,
     remove_file,
 )
-from protrain.runtime.chunks.trace_labels import job_label
 
 __all__ = [
     "BLOCK_BYTES",
@@ -216,9 +216,7 @@ class ActivationFileStore:
             self._closed = True
             for file in self._live.values():
                 if file._state is WriteState.QUEUED:
-                    self._cancel(
-                        file, SsdIoError(f"write of activation file {file.path} failed: the store was closed")
-                    )
+                    self._cancel(file, SsdIoError(f"write of activation file {file.path} failed: the store was closed"))
             self._lock.notify_all()
         self._finalizer()
         with self._mutex:
@@ -302,9 +300,7 @@ class ActivationFileStore:
         with self._mutex:
             self._finish_write(file, crc32, error, elapsed_s)
 
-    def _finish_write(
-        self, file: ActivationFile, crc32: int, error: SsdIoError | None, elapsed_s: float
-    ) -> None:
+    def _finish_write(self, file: ActivationFile, crc32: int, error: SsdIoError | None, elapsed_s: float) -> None:
         """Record a finished write (lock held). A file released while it was being written is
         unlinked here, before ``written()`` turns true, so no caller ever sees it on disk after."""
         self._inflight_bytes -= file.nbytes
@@ -325,17 +321,13 @@ class ActivationFileStore:
                     remove_file(file.path)
             else:
                 self._stats.bytes_on_disk += file.disk_bytes
-                self._stats.peak_bytes_on_disk = max(
-                    self._stats.peak_bytes_on_disk, self._stats.bytes_on_disk
-                )
+                self._stats.peak_bytes_on_disk = max(self._stats.peak_bytes_on_disk, self._stats.bytes_on_disk)
         file._done.set()
         self._lock.notify_all()
 
     def _write_file(self, path: Path, payload: torch.Tensor) -> int:
         """Write ``payload`` through a staging buffer in aligned pieces; returns its crc32."""
-        return ssd_io.write_file(
-            path, payload, self._staging, direct_io=self.direct_io, checksum=self.checksum
-        )
+        return ssd_io.write_file(path, payload, self._staging, direct_io=self.direct_io, checksum=self.checksum)
 
     def _read_job(self, file: ActivationFile) -> torch.Tensor:
         file._done.wait()
@@ -379,9 +371,7 @@ def _check_arguments(rank: int, max_inflight_bytes: int, io_workers: int, stagin
     if io_workers < 1:
         raise ValueError(f"io_workers must be >= 1, got {io_workers}")
     if staging_chunk_bytes <= 0 or staging_chunk_bytes % BLOCK_BYTES:
-        raise ValueError(
-            f"staging_chunk_bytes must be a positive multiple of {BLOCK_BYTES}, got {staging_chunk_bytes}"
-        )
+        raise ValueError(f"staging_chunk_bytes must be a positive multiple of {BLOCK_BYTES}, got {staging_chunk_bytes}")
 
 
 def _shut_down(executor: ThreadPoolExecutor, run_dir: Path, owner_pid: int) -> None:

@@ -36,11 +36,11 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from protrain.profiler.plan import BlockMode
-from protrain.runtime.hw import stream_chaos
 from protrain.runtime.activations.host_pool import HostActivationPool
 from protrain.runtime.activations.records import ActivationStats, StoredStorage
 from protrain.runtime.activations.ssd_store import ActivationFileStore
 from protrain.runtime.chunks.trace_labels import job_label
+from protrain.runtime.hw import stream_chaos
 from protrain.runtime.hw.device import DeviceEvent, DeviceInfo, SideStream, used_on_this_stream
 
 

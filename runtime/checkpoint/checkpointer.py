@@ -31,7 +31,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from protrain.runtime.hw import device_wall
 from protrain.runtime.checkpoint import rng
 from protrain.runtime.checkpoint.params import ParameterSpace, expected_entries
 from protrain.runtime.checkpoint.staging import DeviceStaging, StagingLoadPlanner, StagingSavePlanner
@@ -51,6 +50,7 @@ from protrain.runtime.checkpoint.store import (
     write_manifest,
 )
 from protrain.runtime.chunks.manager import ChunkManager
+from protrain.runtime.hw import device_wall
 from protrain.runtime.hw.distributed import DistContext, broadcast_object
 
 BUFFER = "buffer."
@@ -229,9 +229,7 @@ class Checkpointer:
                 )
 
             # Each rank sums the files it wrote (just written: read back from the page cache).
-            mine = {
-                path.name: file_crc32(path) for path in sorted(temp.glob(f"__{self.dist_ctx.rank}_*.distcp"))
-            }
+            mine = {path.name: file_crc32(path) for path in sorted(temp.glob(f"__{self.dist_ctx.rank}_*.distcp"))}
             checksums = self._gathered(mine)
 
             def finish() -> None:
@@ -271,8 +269,7 @@ class Checkpointer:
         bad = sorted(set(self._gathered({name: 1 for name in corrupt_files(checkpoint, share)})))
         if bad:
             raise CheckpointError(
-                f"{checkpoint.path}: corrupt checkpoint: {', '.join(bad)} changed since it was saved "
-                "(CRC-32 mismatch)"
+                f"{checkpoint.path}: corrupt checkpoint: {', '.join(bad)} changed since it was saved (CRC-32 mismatch)"
             )
 
     def _finish_at_exit(self) -> None:

@@ -41,10 +41,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from protrain.runtime.checkpoint.staging import DeviceStaging, exact_alias
 from protrain.runtime.chunks.layout import ChunkLayout
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.chunks.store import Chunk, shard_segments
-from protrain.runtime.checkpoint.staging import DeviceStaging, exact_alias
 
 MODEL = "model."
 EXP_AVG = "optim.exp_avg."
@@ -66,9 +66,7 @@ def row_major_boxes(shape: Sequence[int], start: int, end: int) -> list[Box]:
     first, last = start // row, end // row
     inner = list(shape[1:])
     if first == last:
-        return [
-            ([first, *o], [1, *s]) for o, s in row_major_boxes(inner, start - first * row, end - first * row)
-        ]
+        return [([first, *o], [1, *s]) for o, s in row_major_boxes(inner, start - first * row, end - first * row)]
     boxes: list[Box] = []
     if start % row:
         boxes += [([first, *o], [1, *s]) for o, s in row_major_boxes(inner, start % row, row)]
@@ -144,9 +142,7 @@ class ParameterSpace:
     def for_load(self) -> ParameterSpaceState:
         """Tensors DCP loads into: the live host state, and placeholders for device state."""
         state = self._staged()
-        steps = {
-            STEP + self.layout.params[i].name: torch.zeros((), dtype=torch.float32) for i in self._trainable()
-        }
+        steps = {STEP + self.layout.params[i].name: torch.zeros((), dtype=torch.float32) for i in self._trainable()}
         state.state_dict.update(steps)
         state.after_load.append(lambda: self._set_step_counts(steps))
         return state
@@ -227,12 +223,8 @@ class ParameterSpace:
         local_shards: list[Shard] = []
         for piece in self._pieces[param]:
             position = 0
-            for offsets, sizes in row_major_boxes(
-                shape, piece.param_offset, piece.param_offset + piece.numel
-            ):
-                box = ShardMetadata(
-                    shard_offsets=offsets, shard_sizes=sizes, placement=f"rank:{piece.rank}/cpu"
-                )
+            for offsets, sizes in row_major_boxes(shape, piece.param_offset, piece.param_offset + piece.numel):
+                box = ShardMetadata(shard_offsets=offsets, shard_sizes=sizes, placement=f"rank:{piece.rank}/cpu")
                 metadata.append(box)
                 count = math.prod(sizes)
                 if piece.rank == self.rank:
@@ -268,9 +260,7 @@ class ParameterSpace:
                 counts[segment.param] = max(float(counts[segment.param]), float(chunk.optimizer.steps[index]))
         if self.world_size > 1:
             dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.group)
-        return {
-            STEP + self.layout.params[i].name: counts[i].to(torch.float32).clone() for i in self._trainable()
-        }
+        return {STEP + self.layout.params[i].name: counts[i].to(torch.float32).clone() for i in self._trainable()}
 
     def _set_step_counts(self, steps: dict[str, torch.Tensor]) -> None:
         for chunk in self.chunks.trainable_chunks():

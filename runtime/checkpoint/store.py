@@ -134,9 +134,7 @@ def corrupt_files(checkpoint: Checkpoint, names: list[str]) -> list[str]:
     """Which of ``names`` no longer have the CRC-32 the manifest recorded (a checkpoint saved
     without checksums passes)."""
     recorded = checkpoint.manifest.get("checksums", {})
-    return [
-        name for name in names if name in recorded and file_crc32(checkpoint.path / name) != recorded[name]
-    ]
+    return [name for name in names if name in recorded and file_crc32(checkpoint.path / name) != recorded[name]]
 
 
 def write_manifest(directory: Path, content: dict[str, Any]) -> None:
@@ -181,9 +179,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
         raise CheckpointError(f"{path}: is not a directory (a checkpoint is a directory)")
     manifest_path = path / MANIFEST
     if not manifest_path.exists():
-        raise CheckpointError(
-            f"{path}: incomplete checkpoint: {MANIFEST} is missing (the save did not finish)"
-        )
+        raise CheckpointError(f"{path}: incomplete checkpoint: {MANIFEST} is missing (the save did not finish)")
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -201,9 +197,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
             raise CheckpointError(f"{path}: corrupt checkpoint: {name} is missing")
         actual = file.stat().st_size
         if actual != size:
-            raise CheckpointError(
-                f"{path}: corrupt checkpoint: {name} is {actual} bytes, the manifest says {size}"
-            )
+            raise CheckpointError(f"{path}: corrupt checkpoint: {name} is {actual} bytes, the manifest says {size}")
     step = manifest.get("global_step")
     if not isinstance(step, int):
         raise CheckpointError(f"{manifest_path}: global_step missing or not an integer")

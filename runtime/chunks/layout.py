@@ -96,9 +96,7 @@ class ChunkLayout:
         if body.get("version") != LAYOUT_VERSION:
             raise ValueError(f"chunk layout version {body.get('version')!r} is not {LAYOUT_VERSION}")
         params = tuple(
-            ParamInfo(
-                name=p["name"], aliases=tuple(p["aliases"]), shape=tuple(p["shape"]), trainable=p["trainable"]
-            )
+            ParamInfo(name=p["name"], aliases=tuple(p["aliases"]), shape=tuple(p["shape"]), trainable=p["trainable"])
             for p in body["params"]
         )
         layout = layout_from_params(params, chunk_numel=body["chunk_numel"], world_size=body["world_size"])
@@ -198,6 +196,5 @@ def check_buffers(
     if n_buffer < need:
         where = f"module {owner!r} uses {need} non-persistent chunks at once" if owner else "one is needed"
         raise ValueError(
-            f"memory.n_buffer={n_buffer} is too few: {where}; set memory.n_buffer >= {need} "
-            f"or raise memory.n_persist"
+            f"memory.n_buffer={n_buffer} is too few: {where}; set memory.n_buffer >= {need} or raise memory.n_persist"
         )

@@ -37,7 +37,6 @@ import torch
 from torch import nn
 
 from protrain.runtime.chunks.layout import ChunkLayout, check_buffers
-from protrain.runtime.hw import device_wall, stream_chaos
 from protrain.runtime.chunks.optimizer import ChunkOptimizer
 from protrain.runtime.chunks.readout import ChunkReadout
 from protrain.runtime.chunks.reduce import GradientReducer
@@ -46,6 +45,7 @@ from protrain.runtime.chunks.side_stream import CollectiveQueue
 from protrain.runtime.chunks.store import Chunk, Segment, shard_segments
 from protrain.runtime.chunks.store_build import AdamWHyper, build_store
 from protrain.runtime.cpu_adam import GroupValues
+from protrain.runtime.hw import device_wall, stream_chaos
 from protrain.runtime.hw.device import DeviceInfo, SideStream, synchronize
 from protrain.runtime.hw.distributed import DistContext, all_reduce_sum_
 from protrain.runtime.hw.host_memory import MmapArena
@@ -95,9 +95,7 @@ class ChunkManager:
         self.collectives = CollectiveQueue(device)
         self._lazy_chaos = stream_chaos.mode() == "lazy"
         self._drains = 0
-        self.optimizer = ChunkOptimizer(
-            store=self.store, waits=self.collectives.waits
-        )
+        self.optimizer = ChunkOptimizer(store=self.store, waits=self.collectives.waits)
         self.reducer = GradientReducer(store=self.store, queue=self.collectives, sink=self.optimizer)
         self.residency = ChunkResidency(
             store=self.store,

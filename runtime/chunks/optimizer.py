@@ -98,9 +98,7 @@ class ChunkOptimizer:
         self._speculated: dict[int, Speculation] = {}
         """The early updates of this window, by chunk index."""
         self.num_speculations = 0
-        self.applies_on_arrival = any(
-            c.training is not None and not c.keeps_gradient for c in store.trainable_chunks()
-        )
+        self.applies_on_arrival = any(c.training is not None and not c.keeps_gradient for c in store.trainable_chunks())
         """Offloaded chunks keep no gradient shard: each reduced gradient is applied as it arrives."""
         self._held: dict[int, dict[int, torch.Tensor]] = {}
         """Applied on arrival, several ranks: per chunk, per segment position, the reduced gradient

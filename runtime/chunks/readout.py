@@ -22,9 +22,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from protrain.runtime.hw import device_wall
 from protrain.runtime.chunks.layout import ChunkInfo
 from protrain.runtime.chunks.store import ChunkStore
+from protrain.runtime.hw import device_wall
 from protrain.runtime.hw.distributed import all_gather_flat
 
 

@@ -119,9 +119,7 @@ class GradientReducer:
         self._fired.zero_()
         self._next_reduction = 0
         for chunk in self.chunks:
-            self._remaining[chunk.index] = sum(
-                1 for i in chunk.info.params if self.store.params[i].requires_grad
-            )
+            self._remaining[chunk.index] = sum(1 for i in chunk.info.params if self.store.params[i].requires_grad)
 
     def new_window(self) -> None:
         """A new accumulation window: no parameter has had a gradient in it."""

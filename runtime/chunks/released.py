@@ -25,9 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = [
-    "ChunkParameter", "ReleasedParameterError", "mark_released", "mark_resident", "names_only", "released_name"
-]
+__all__ = ["ChunkParameter", "ReleasedParameterError", "mark_released", "mark_resident", "names_only", "released_name"]
 
 GATHER_HINT = (
     "read it inside the forward of the module that owns it, or gather it for the read: "
@@ -57,12 +55,49 @@ def _names(*attributes: str) -> set[Callable[..., Any]]:
 
 _METADATA = frozenset(
     _names(
-        "shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "grad_fn", "ndim", "layout",
-        "is_cuda", "is_meta", "is_sparse", "is_quantized", "is_nested", "itemsize", "nbytes", "_version",
-        "size", "dim", "ndimension", "numel", "nelement", "element_size", "stride", "storage_offset",
-        "is_contiguous", "is_floating_point", "is_complex", "get_device", "requires_grad_", "register_hook",
-        "register_post_accumulate_grad_hook", "data_ptr", "untyped_storage", "is_pinned", "__len__",
-        "retains_grad", "_backward_hooks", "_post_accumulate_grad_hooks", "_grad", "_grad_fn", "_base", "name",
+        "shape",
+        "dtype",
+        "device",
+        "requires_grad",
+        "grad",
+        "is_leaf",
+        "grad_fn",
+        "ndim",
+        "layout",
+        "is_cuda",
+        "is_meta",
+        "is_sparse",
+        "is_quantized",
+        "is_nested",
+        "itemsize",
+        "nbytes",
+        "_version",
+        "size",
+        "dim",
+        "ndimension",
+        "numel",
+        "nelement",
+        "element_size",
+        "stride",
+        "storage_offset",
+        "is_contiguous",
+        "is_floating_point",
+        "is_complex",
+        "get_device",
+        "requires_grad_",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "data_ptr",
+        "untyped_storage",
+        "is_pinned",
+        "__len__",
+        "retains_grad",
+        "_backward_hooks",
+        "_post_accumulate_grad_hooks",
+        "_grad",
+        "_grad_fn",
+        "_base",
+        "name",
     )
     | {torch.Tensor.data.__set__}
 )

@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from protrain.runtime.hw import stream_chaos
 from protrain.runtime.chunks.residency_states import IllegalTransition, Residency
 from protrain.runtime.chunks.staging import Staged, StagingRing
 from protrain.runtime.chunks.trace_labels import job_label
+from protrain.runtime.hw import stream_chaos
 from protrain.runtime.hw.device import DeviceEvent, HostWorker, host_worker_threads, synchronize
 from protrain.runtime.hw.distributed import all_gather_flat
 

@@ -117,9 +117,7 @@ class Chunk:
     def grad_shard(self) -> torch.Tensor:
         grad_shard = self._training().grad_shard
         if grad_shard is None:
-            raise RuntimeError(
-                f"chunk {self.index} applies each gradient as it arrives: it keeps no gradient shard"
-            )
+            raise RuntimeError(f"chunk {self.index} applies each gradient as it arrives: it keeps no gradient shard")
         return grad_shard
 
     @property

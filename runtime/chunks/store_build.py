@@ -24,8 +24,8 @@ from protrain.runtime.chunks.store import (
     ShardTraining,
     shard_segments,
 )
-from protrain.runtime.hw import device_wall
 from protrain.runtime.cpu_adam import ShardAdamW
+from protrain.runtime.hw import device_wall
 from protrain.runtime.hw.device import DeviceInfo, trim_host_heap
 from protrain.runtime.hw.distributed import DistContext, broadcast_from_main_
 from protrain.runtime.hw.host_memory import MmapArena
@@ -168,7 +168,9 @@ class _ChunkBuilder:
         training = None
         if not info.trainable:
             # A frozen persistent chunk is stored once: its shard is a view of its full copy.
-            master = self._view_of(full, stored) if full is not None else self._place(mine.to(self.compute_dtype), False)
+            master = (
+                self._view_of(full, stored) if full is not None else self._place(mine.to(self.compute_dtype), False)
+            )
         else:
             if full is not None and self.dist_ctx.world_size == 1 and self.compute_dtype == torch.float32:
                 master = full[:stored]  # one rank, fp32 compute: the full copy is the fp32 shard
@@ -177,9 +179,7 @@ class _ChunkBuilder:
             training = self._training(master, segments, persistent)
         del flat, mine
         if full is not None:
-            return PersistentChunk(
-                info, segments, master, training, Residency.PERSISTENT, device_full=full
-            )
+            return PersistentChunk(info, segments, master, training, Residency.PERSISTENT, device_full=full)
         return OffloadedChunk(info, segments, master, training, Residency.HOST)
 
     def _view_of(self, full: torch.Tensor, stored: int) -> torch.Tensor:
@@ -211,10 +211,7 @@ class _ChunkBuilder:
         moments = (self._zeros(numel, persistent), self._zeros(numel, persistent))
         optimizer = ShardAdamW(
             master,
-            [
-                (s.shard_offset, s.numel, self.adamw.weight_decay[s.param], self.adamw.group[s.param])
-                for s in segments
-            ],
+            [(s.shard_offset, s.numel, self.adamw.weight_decay[s.param], self.adamw.group[s.param]) for s in segments],
             lr=self.adamw.lrs,
             betas=self.adamw.betas,
             eps=self.adamw.eps,

@@ -127,9 +127,7 @@ def settings_from_spec(spec: Spec) -> TrainingSettings:
             kind=spec.scheduler.type,
             warmup_steps=spec.scheduler.warmup_steps,
             total_steps=spec.scheduler.total_steps,
-            min_lr_ratio=DEFAULT_MIN_LR_RATIO
-            if spec.scheduler.min_lr_ratio is None
-            else spec.scheduler.min_lr_ratio,
+            min_lr_ratio=DEFAULT_MIN_LR_RATIO if spec.scheduler.min_lr_ratio is None else spec.scheduler.min_lr_ratio,
         ),
         loss_scale=None
         if scaling is None

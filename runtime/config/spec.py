@@ -11,7 +11,7 @@ Importing this module must not import torch: the launcher validates bad input in
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Literal, Union, get_args, get_origin
+from typing import Annotated, Literal, get_args, get_origin
 
 from pydantic import BaseModel, Field, model_validator
 from pydantic.fields import FieldInfo
@@ -75,7 +75,7 @@ class SchedulerType(str, Enum):
     CONSTANT = "constant"
 
 
-PrecisionField = Annotated[(Union[Precision, Literal["auto"]], *enum_leaf(Precision, trainer_auto=True))]
+PrecisionField = Annotated[(Precision | Literal["auto"], *enum_leaf(Precision, trainer_auto=True))]
 NonFiniteField = Annotated[(NonFiniteLossPolicy, *enum_leaf(NonFiniteLossPolicy))]
 LogLevelField = Annotated[(LogLevel, *enum_leaf(LogLevel))]
 OptimizerTypeField = Annotated[(OptimizerType, *enum_leaf(OptimizerType))]
@@ -202,9 +202,7 @@ class MemorySpec(SpecModel):
     def _consistent(self) -> MemorySpec:
         explicit_offload = self.ssd.n_offload not in (AUTO, 0)
         if explicit_offload and self.ssd.path is None:
-            raise cross_field_error(
-                "ssd.path", f"ssd.n_offload={self.ssd.n_offload} needs ssd.path (a directory)"
-            )
+            raise cross_field_error("ssd.path", f"ssd.n_offload={self.ssd.n_offload} needs ssd.path (a directory)")
         if self.block_modes is not None:
             if BlockMode.SSD in self.block_modes and self.ssd.path is None:
                 raise cross_field_error("ssd.path", "block_modes contains ssd; set ssd.path")
@@ -260,9 +258,7 @@ class LauncherSpec(SpecModel):
     @model_validator(mode="after")
     def _consistent(self) -> LauncherSpec:
         if self.node_rank >= self.nnodes:
-            raise cross_field_error(
-                "node_rank", f"node_rank ({self.node_rank}) must be below nnodes ({self.nnodes})"
-            )
+            raise cross_field_error("node_rank", f"node_rank ({self.node_rank}) must be below nnodes ({self.nnodes})")
         if self.master_port == 0 and self.nnodes > 1:
             raise cross_field_error("master_port", "master_port 0 (a free port) works only with nnodes 1")
         return self
@@ -363,8 +359,7 @@ class Spec(SpecModel):
         if self.loss_scaling is not None and self.precision not in (Precision.FP16, AUTO):
             raise cross_field_error(
                 "loss_scaling",
-                f"loss_scaling applies only to precision fp16 (precision is "
-                f"{self.precision.value}); remove it",
+                f"loss_scaling applies only to precision fp16 (precision is {self.precision.value}); remove it",
             )
         return self
 

@@ -35,7 +35,7 @@ def refuse_trainer_autos(spec: Spec) -> None:
     autos = trainer_autos(spec)
     if autos:
         raise SpecError(
-            f"{', '.join(autos)}: \"auto\" here is filled from TrainingArguments by ProTrainTrainer "
+            f'{", ".join(autos)}: "auto" here is filled from TrainingArguments by ProTrainTrainer '
             "(runtime.integrations.hf) only; set a value to train without it"
         )
 
@@ -56,16 +56,10 @@ class _StrictYamlLoader(yaml.SafeLoader):
 _BOOL_TAG, _INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 _TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
 _StrictYamlLoader.yaml_implicit_resolvers = {
-    first: [
-        (tag, regexp)
-        for tag, regexp in resolvers
-        if tag not in (_BOOL_TAG, _INT_TAG, _FLOAT_TAG, _TIMESTAMP_TAG)
-    ]
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_BOOL_TAG, _INT_TAG, _FLOAT_TAG, _TIMESTAMP_TAG)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-_StrictYamlLoader.add_implicit_resolver(
-    _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
-)
+_StrictYamlLoader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 _StrictYamlLoader.add_implicit_resolver(_INT_TAG, re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
 _StrictYamlLoader.add_implicit_resolver(
     _FLOAT_TAG,
@@ -118,9 +112,7 @@ def parse_text(text: str, *, json_syntax: bool) -> Any:
         try:
             return json.loads(text, object_pairs_hook=_reject_duplicate_json_keys)
         except json.JSONDecodeError as err:
-            raise SpecError(
-                f"JSON syntax error at line {err.lineno}, column {err.colno}: {err.msg}"
-            ) from None
+            raise SpecError(f"JSON syntax error at line {err.lineno}, column {err.colno}: {err.msg}") from None
         except RecursionError:
             raise SpecError("JSON nested too deeply") from None
     try:
@@ -341,9 +333,7 @@ def validate_spec(
     try:
         return Spec.model_validate(data)
     except ValidationError as err:
-        raise SpecError(
-            format_validation_error(err, source=source, override_sources=override_sources)
-        ) from None
+        raise SpecError(format_validation_error(err, source=source, override_sources=override_sources)) from None
 
 
 def load_spec(path: str | os.PathLike[str] | None, overrides: list[Override] | None = None) -> Spec:
@@ -392,9 +382,7 @@ class ResolvedSpec:
     def from_json(cls, text: str, *, path: str) -> ResolvedSpec:
         body = json.loads(text)
         if body.get("version") != RESOLVED_SPEC_VERSION:
-            raise SpecError(
-                f"{path}: resolved spec version {body.get('version')!r}, expected {RESOLVED_SPEC_VERSION}"
-            )
+            raise SpecError(f"{path}: resolved spec version {body.get('version')!r}, expected {RESOLVED_SPEC_VERSION}")
         # From the written keys, the defaults filled alike: the same spec, knowing what was set.
         spec = validate_spec(body.get("written", body["spec"]), source=path)
         return cls(

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from enum import Enum
-from typing import Annotated, Any, Callable, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, PlainSerializer, PlainValidator
 from pydantic_core import PydanticCustomError
@@ -199,22 +200,16 @@ Bool = Annotated[(bool, *_leaf(_bool_check, "true or false"))]
 Text = Annotated[(str, *_leaf(_str_check, "a non-empty string"))]
 
 Size = Annotated[(int, *_leaf(_positive_size, _SIZE_TEXT + " (> 0)"))]
-AutoSize = Annotated[(Union[int, Auto], *_leaf(_positive_size, _SIZE_TEXT + " (> 0)", auto=True))]
-AutoNonNegInt = Annotated[(Union[int, Auto], *_leaf(_int_check(0), "an integer >= 0", auto=True))]
-AutoPositiveInt = Annotated[(Union[int, Auto], *_leaf(_int_check(1), "an integer >= 1", auto=True))]
-TrainerNonNegInt = Annotated[
-    (Union[int, Auto], *_leaf(_int_check(0), "an integer >= 0", trainer_auto=True))
-]
-TrainerPositiveInt = Annotated[
-    (Union[int, Auto], *_leaf(_int_check(1), "an integer >= 1", trainer_auto=True))
-]
+AutoSize = Annotated[(int | Auto, *_leaf(_positive_size, _SIZE_TEXT + " (> 0)", auto=True))]
+AutoNonNegInt = Annotated[(int | Auto, *_leaf(_int_check(0), "an integer >= 0", auto=True))]
+AutoPositiveInt = Annotated[(int | Auto, *_leaf(_int_check(1), "an integer >= 1", auto=True))]
+TrainerNonNegInt = Annotated[(int | Auto, *_leaf(_int_check(0), "an integer >= 0", trainer_auto=True))]
+TrainerPositiveInt = Annotated[(int | Auto, *_leaf(_int_check(1), "an integer >= 1", trainer_auto=True))]
 TrainerPositiveFloat = Annotated[
-    (Union[float, Auto], *_leaf(_float_check(0.0, open_min=True), "a number > 0", trainer_auto=True))
+    (float | Auto, *_leaf(_float_check(0.0, open_min=True), "a number > 0", trainer_auto=True))
 ]
-TrainerNonNegFloat = Annotated[
-    (Union[float, Auto], *_leaf(_float_check(0.0), "a number >= 0", trainer_auto=True))
-]
-AutoText = Annotated[(Union[str, Auto], *_leaf(_str_check, "a module path such as model.layers", auto=True))]
+TrainerNonNegFloat = Annotated[(float | Auto, *_leaf(_float_check(0.0), "a number >= 0", trainer_auto=True))]
+AutoText = Annotated[(str | Auto, *_leaf(_str_check, "a module path such as model.layers", auto=True))]
 
 
 def enum_leaf(enum_type: type[Enum], *, trainer_auto: bool = False) -> tuple[Any, ...]:
@@ -261,7 +256,7 @@ def _block_modes_check(value: Any) -> tuple[BlockMode, ...]:
 Betas = Annotated[(tuple[float, float], *_leaf(_betas_check, "a list of two numbers in [0, 1)"))]
 TrainerBetas = Annotated[
     (
-        Union[tuple[float, float], Auto],
+        tuple[float, float] | Auto,
         *_leaf(_betas_check, "a list of two numbers in [0, 1)", trainer_auto=True),
     )
 ]
@@ -333,8 +328,7 @@ def _groups_check(value: Any) -> tuple[ParamGroup, ...]:
     if not isinstance(value, (list, tuple)):
         raise _reject(_GROUPS_TEXT)
     return tuple(
-        entry if isinstance(entry, ParamGroup) else _group_entry(index, entry)
-        for index, entry in enumerate(value)
+        entry if isinstance(entry, ParamGroup) else _group_entry(index, entry) for index, entry in enumerate(value)
     )
 
 
@@ -363,6 +357,4 @@ def cross_field_error(key: str, message: str) -> PydanticCustomError:
 class SpecModel(BaseModel):
     """Base of every spec section: frozen, unknown keys rejected, docstrings as descriptions."""
 
-    model_config = ConfigDict(
-        extra="forbid", frozen=True, use_attribute_docstrings=True, validate_default=True
-    )
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, validate_default=True)

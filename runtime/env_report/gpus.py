@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -54,8 +55,13 @@ def gpu_rows(sysfs: Path = SYSFS_PCI) -> list[Row]:
         if len(nvml_rows) == 1 and _no_driver(nvml_rows[0].text):
             # pynvml is a dependency, so every machine without an NVIDIA driver gets here: a note.
             reason = nvml_rows[0].text.removeprefix("probe failed: ")
-            nvml_rows = [Row("NVML", f"not used: no NVIDIA driver here ({reason}); the GPUs below are torch.cuda's",
-                             status=Status.NOTE)]
+            nvml_rows = [
+                Row(
+                    "NVML",
+                    f"not used: no NVIDIA driver here ({reason}); the GPUs below are torch.cuda's",
+                    status=Status.NOTE,
+                )
+            ]
             rows += nvml_rows
             nvml_rows = []
         else:
@@ -90,10 +96,10 @@ def nvml_gpu_rows(pynvml: Any, sysfs: Path = SYSFS_PCI) -> list[Row]:
         for index in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             facts = GpuFacts(label=f"GPU {index} (NVML)", name=_text(pynvml.nvmlDeviceGetName(handle)))
-            _read(facts, "memory", lambda: _nvml_memory(pynvml, handle, facts))
-            _read(facts, "compute capability", lambda: _nvml_capability(pynvml, handle, facts))
-            _read(facts, "PCI bus id", lambda: _nvml_bus(pynvml, handle, facts))
-            _read(facts, "PCIe link", lambda: _nvml_link(pynvml, handle, facts))
+            _read(facts, "memory", partial(_nvml_memory, pynvml, handle, facts))
+            _read(facts, "compute capability", partial(_nvml_capability, pynvml, handle, facts))
+            _read(facts, "PCI bus id", partial(_nvml_bus, pynvml, handle, facts))
+            _read(facts, "PCIe link", partial(_nvml_link, pynvml, handle, facts))
             _read_sysfs(facts, sysfs)
             rows.append(facts_row(facts))
         return rows
@@ -157,9 +163,7 @@ def facts_row(facts: GpuFacts) -> Row:
         parts.append(f"bus {facts.bus_id}")
     status = Status.OK
     if width_now and width_max and width_now < width_max:
-        parts.append(
-            f"the link runs at x{width_now} of the card's x{width_max}: copies to and from it slow down"
-        )
+        parts.append(f"the link runs at x{width_now} of the card's x{width_max}: copies to and from it slow down")
         status = Status.NOTE
     if facts.problems:
         parts.append("unread: " + "; ".join(facts.problems))
@@ -211,9 +215,7 @@ def _nvml_link(pynvml: Any, handle: Any, facts: GpuFacts) -> None:
 
 
 def _cuda_driver_row(pynvml: Any) -> Row:
-    query = (
-        getattr(pynvml, "nvmlSystemGetCudaDriverVersion_v2", None) or pynvml.nvmlSystemGetCudaDriverVersion
-    )
+    query = getattr(pynvml, "nvmlSystemGetCudaDriverVersion_v2", None) or pynvml.nvmlSystemGetCudaDriverVersion
     version = int(query())  # e.g. 12040
     text = f"{version // 1000}.{version % 1000 // 10}"
     return Row("CUDA driver API", f"{text} (the newest CUDA runtime this driver serves)", text)

@@ -118,11 +118,7 @@ def _summary(name: str, body: dict[str, Any]) -> str:
     from protrain.profiler.profile import PROFILE_VERSION
 
     version = body.get("version")
-    stale = (
-        ""
-        if version == PROFILE_VERSION
-        else f" (version {version}, this build reads {PROFILE_VERSION}: unused)"
-    )
+    stale = "" if version == PROFILE_VERSION else f" (version {version}, this build reads {PROFILE_VERSION}: unused)"
     if name.startswith("hardware-"):
         adam = body["cpu_adam_params_per_s"] / 1e6
         rates = f"h2d {format_rate(body['h2d_bytes_per_s'])}, CPU Adam {adam:.0f} M params/s"

@@ -27,10 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from protrain.runtime.hw import device_wall
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.chunks.readout import ChunkReadout
-from protrain.runtime.hw.distributed import DistContext, broadcast_object
 from protrain.runtime.export.targets import (
     TIED_METADATA_KEY,
     adapter_names,
@@ -47,6 +45,8 @@ from protrain.runtime.export.targets import (
     write_directory,
     write_hf_config,
 )
+from protrain.runtime.hw import device_wall
+from protrain.runtime.hw.distributed import DistContext, broadcast_object
 from protrain.runtime.safetensors_stream import DEFAULT_MAX_SHARD_SIZE, Entry, ShardedWriter, remove_stale
 
 KINDS = ("safetensors", "hf", "adapter")
@@ -89,13 +89,15 @@ def export_engine(
     failure = _on_main(dist_ctx, lambda: _prepare(target, kind, overwrite, into))
     chunks.drain()
     readout = ChunkReadout(chunks.store, keep=dist_ctx.is_main)
-    sink = _Sink(module, selection, chunks, kind, dtype, max_shard_size) if dist_ctx.is_main and failure is None else None
+    sink = (
+        _Sink(module, selection, chunks, kind, dtype, max_shard_size) if dist_ctx.is_main and failure is None else None
+    )
     try:
         if sink is not None:
             failure = sink.guard(lambda: sink.start(target, into)) or sink.guard(sink.buffers)
         for info, values in readout.chunks(selection.chunks):
             if sink is not None and failure is None and values is not None:
-                failure = sink.guard(lambda: sink.chunk(info.params, values))
+                failure = sink.guard(lambda info=info, values=values: sink.chunk(info.params, values))
         if sink is not None and failure is None:
             failure = sink.guard(lambda: sink.finish(target, into))
     finally:
@@ -191,7 +193,9 @@ class _Sink:
             stored = chunks.chunks[chunk].master.dtype
             for index in self.layout.chunks[chunk].params:
                 shape = tuple(self.layout.params[index].shape)
-                self.entries += [Entry(n, export_dtype(stored, dtype), shape) for n in selection.param_names.get(index, [])]
+                self.entries += [
+                    Entry(n, export_dtype(stored, dtype), shape) for n in selection.param_names.get(index, [])
+                ]
         self.max_shard_size = max_shard_size
         self.directory: Path | None = None
         self.staging: Path | None = None
@@ -219,7 +223,12 @@ class _Sink:
             self.directory, name, metadata = (target if into else self.staging), "model.safetensors", {}
         index = {k: v for k, v in metadata.items() if k == TIED_METADATA_KEY}
         self.writer = ShardedWriter(
-            self.directory, self.entries, name=name, max_shard_size=self.max_shard_size, metadata=metadata, index_metadata=index
+            self.directory,
+            self.entries,
+            name=name,
+            max_shard_size=self.max_shard_size,
+            metadata=metadata,
+            index_metadata=index,
         )
 
     def _add(self, name: str, value: torch.Tensor) -> None:

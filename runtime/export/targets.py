@@ -51,9 +51,7 @@ def check_target(target: Path, overwrite: bool) -> None:
     if target.exists() and not target.is_dir():
         raise ValueError(f"{target} exists and is not a directory; choose another export directory")
     if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise ValueError(
-            f"{target} is not empty; pass overwrite=True to replace it, or choose another directory"
-        )
+        raise ValueError(f"{target} is not empty; pass overwrite=True to replace it, or choose another directory")
     target.parent.mkdir(parents=True, exist_ok=True)
 
 

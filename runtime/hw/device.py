@@ -237,7 +237,7 @@ class _OrderedWorker:
             if self._chaos is not None:
                 if self._chaos.lazy:
                     with self._demand_changed:
-                        self._demand_changed.wait_for(lambda: self._demanded >= sequence)
+                        self._demand_changed.wait_for(lambda sequence=sequence: self._demanded >= sequence)
                 self._chaos.delay()
             cuda_event = None
             if self._failure is None:

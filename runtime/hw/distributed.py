@@ -207,9 +207,7 @@ def reduce_scatter_flat_(flat: torch.Tensor, group: dist.ProcessGroup | None = N
     return output
 
 
-def reduce_scatter_by_all_reduce_(
-    flat: torch.Tensor, group: dist.ProcessGroup | None = None
-) -> torch.Tensor:
+def reduce_scatter_by_all_reduce_(flat: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``reduce_scatter_flat_`` through one all-reduce of the whole of ``flat``: this rank's slice
     of the sum (a view of ``flat``, which is scratch).
 
@@ -227,11 +225,7 @@ def reduce_scatter_by_all_reduce_(
 
 def _check_flat(flat: torch.Tensor, part: torch.Tensor, numel: int) -> None:
     """What torch's flat collectives check (a mismatch would hang the ranks, not raise)."""
-    if (
-        flat.numel() != numel
-        or flat.dtype != part.dtype
-        or not (flat.is_contiguous() and part.is_contiguous())
-    ):
+    if flat.numel() != numel or flat.dtype != part.dtype or not (flat.is_contiguous() and part.is_contiguous()):
         raise ValueError(
             f"flat collective: {flat.numel()} {flat.dtype} elements for {numel} {part.dtype} "
             "(both contiguous, the flat one world size x the shard)"

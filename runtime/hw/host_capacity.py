@@ -76,7 +76,9 @@ def cgroup_source(root: Path) -> HostSource:
     if headroom is None:
         return HostSource("cgroup", None, f"unlimited ({where})")
     assert limit is not None
-    return HostSource("cgroup", headroom, f"{limit / 2**30:.2f} GiB limit, {headroom / 2**30:.2f} GiB of it free ({where})")
+    return HostSource(
+        "cgroup", headroom, f"{limit / 2**30:.2f} GiB limit, {headroom / 2**30:.2f} GiB of it free ({where})"
+    )
 
 
 def cgroup_limit(root: Path) -> tuple[int | None, str] | None:

@@ -56,9 +56,7 @@ class MmapArena:
         start = self.used_bytes
         end = start + nbytes
         if end > self.capacity_bytes:
-            raise MemoryError(
-                f"host arena full: {nbytes:,} more bytes requested, {self.capacity_bytes - start:,} free"
-            )
+            raise MemoryError(f"host arena full: {nbytes:,} more bytes requested, {self.capacity_bytes - start:,} free")
         self.used_bytes = _round_up(end, self.alignment)
         return self._base[start:end].view(dtype)
 

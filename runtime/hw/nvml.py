@@ -106,7 +106,7 @@ def pcie_link(device: torch.device) -> tuple[int, int] | None:
 
 
 def describe_link(link: tuple[int, int] | None) -> str:
-    """"PCIe gen 4 x16 (31.5 GB/s each way)", or "" when unknown."""
+    """ "PCIe gen 4 x16 (31.5 GB/s each way)", or "" when unknown."""
     if link is None:
         return ""
     generation, lanes = link

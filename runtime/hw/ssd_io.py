@@ -55,8 +55,7 @@ class StagingBuffers:
         whole = memoryview(self._map)
         self._views = [whole[i * nbytes : (i + 1) * nbytes] for i in range(count)]
         self._tensors = [
-            torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=i * nbytes)
-            for i in range(count)
+            torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=i * nbytes) for i in range(count)
         ]
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for index in range(count):
@@ -75,9 +74,7 @@ class StagingBuffers:
 # -- one file's bytes ------------------------------------------------------------------------------
 
 
-def write_file(
-    path: Path, payload: torch.Tensor, staging: StagingBuffers, *, direct_io: bool, checksum: bool
-) -> int:
+def write_file(path: Path, payload: torch.Tensor, staging: StagingBuffers, *, direct_io: bool, checksum: bool) -> int:
     """Write ``payload`` (flat uint8) to a new file through ``staging`` in aligned pieces; returns
     its crc32 (0 without ``checksum``)."""
     flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | (_O_DIRECT if direct_io else 0)

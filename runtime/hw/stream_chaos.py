@@ -6,10 +6,11 @@ that luck away:
 
 - ``1`` (random): every side-stream and host-worker job is delayed by a random 0-5 ms before it
   runs (one in four by 25 ms more: ``draw_delay``), from a ``random.Random`` of its own (never
-  torch's generator: chaos must not change the training's random streams), seeded by ``PROTRAIN_STREAM_CHAOS_SEED`` (default 0) and the
-  worker's name, so a failing seed replays; and a job that waits for another worker's event goes
-  on only after another such delay (``DeviceEvent.wait``), so a buffer that worker reuses
-  without its own wait is overwritten before the job reads it;
+  torch's generator: chaos must not change the training's random streams), seeded by
+  ``PROTRAIN_STREAM_CHAOS_SEED`` (default 0) and the worker's name, so a failing seed replays;
+  and a job that waits for another worker's event goes on only after another such delay
+  (``DeviceEvent.wait``), so a buffer that worker reuses without its own wait is overwritten
+  before the job reads it;
 - ``lazy``: a job runs only once its event (or a later one of the same worker) is waited on: the
   deterministic worst case, where nothing queued ever happens early. The main thread's drains
   ask the host worker before the side stream every other time (``ChunkManager._host_first``),
@@ -157,8 +158,7 @@ def check_released(event: PendingEvent | None, what: str) -> None:
     chaos, once the caller's own wait for ``event`` should have happened."""
     if event is not None and not event.query():
         raise StreamChaosError(
-            f"stream chaos: {what} was handed back while work on it was still pending "
-            "(a wait for its event is missing)"
+            f"stream chaos: {what} was handed back while work on it was still pending (a wait for its event is missing)"
         )
 
 

@@ -51,6 +51,8 @@ from transformers.trainer_utils import enable_full_determinism, set_seed
 
 from protrain import runtime
 from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.dry_run import launched_dry_run
+from protrain.runtime.integrations.fused_head import gather_head_after_backbone
 from protrain.runtime.integrations.hf_checks import refuse_clashing_args, refuse_own_optimizer
 from protrain.runtime.integrations.hf_spec import (
     Reconciled,
@@ -60,11 +62,9 @@ from protrain.runtime.integrations.hf_spec import (
     with_args,
     with_decay_groups,
 )
-from protrain.runtime.integrations.fused_head import gather_head_after_backbone
 from protrain.runtime.training.engine import Engine
 from protrain.runtime.training.optimizer_facade import EngineOptimizer
 from protrain.runtime.training.schedule import build_scheduler
-from protrain.runtime.dry_run import launched_dry_run
 from protrain.runtime.weights import WeightsSource
 
 ENGINE_CHECKPOINT = "protrain"
@@ -128,9 +128,7 @@ class ProTrainMixin:
         seed = self.args.seed
         self.args = with_args(self.args, reconciled.args_updates)
         if self.args.seed != seed:  # Trainer seeded with the old value a moment ago
-            enable_full_determinism(self.args.seed) if self.args.full_determinism else set_seed(
-                self.args.seed
-            )
+            enable_full_determinism(self.args.seed) if self.args.full_determinism else set_seed(self.args.seed)
         self._protrain = reconciled
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
         if launched_dry_run() is not None and self.model is not None:
@@ -191,9 +189,7 @@ class ProTrainMixin:
 
     # ---------------------------------------------------------------- a training step
 
-    def training_step(
-        self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None
-    ) -> torch.Tensor:
+    def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         engine = self._protrain_engine()
         engine.set_gradient_accumulation_boundary(bool(self.accelerator.sync_gradients))
         with _backward_through(self.accelerator, engine):

@@ -32,10 +32,7 @@ def refuse_clashing_args(args: Any) -> None:
             "fsdp: ProTrain shards the model state across ranks itself (ZeRO-3); remove fsdp=",
         ),
         (
-            bool(
-                getattr(args, "gradient_checkpointing", False)
-                or getattr(args, "activation_checkpointing", False)
-            ),
+            bool(getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False)),
             "gradient_checkpointing: ProTrain recomputes blocks by its plan; leave memory.n_checkpoint "
             "auto or set it in the spec, and set gradient_checkpointing=False (TRL's configs turn it on "
             "by default)",

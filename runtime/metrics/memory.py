@@ -99,9 +99,7 @@ class MemoryMeter:
         held, pinned = host_arena_bytes()
         values["memory/host_in_use(GiB)"] = held / GIB
         values["memory/host_pinned(GiB)"] = pinned / GIB
-        values["memory/host_max_rss(GiB)"] = (
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _RSS_UNIT / GIB
-        )
+        values["memory/host_max_rss(GiB)"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _RSS_UNIT / GIB
         if ssd is not None:
             written, read = self._ssd_delta(ssd)
             values["ssd/written(GiB)"] = written / GIB

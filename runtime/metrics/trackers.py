@@ -65,9 +65,7 @@ class TensorBoardTracker:
         self._event, self._summary = event_pb2.Event, summary_pb2.Summary
         log_dir.mkdir(parents=True, exist_ok=True)
         # The name TensorBoard's loaders look for (as its own writer names files).
-        name = (
-            f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILES)}"
-        )
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILES)}"
         self.path = log_dir / name
         self._file = self.path.open("wb")
         self._records = RecordWriter(self._file)

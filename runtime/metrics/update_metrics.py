@@ -111,9 +111,7 @@ class UpdateMetrics:
                 values["mfu(%)"] = 100.0 * tflops / self.peak.tflops
         values.update(self._times(record, plan))
         store = self._sources.activations.store
-        memory = self.memory.take(
-            static_device_bytes=static_device_bytes, ssd=None if store is None else store.stats
-        )
+        memory = self.memory.take(static_device_bytes=static_device_bytes, ssd=None if store is None else store.stats)
         values.update(memory)
         if plan.predicted_peak_device_bytes is not None:
             values["memory/predicted_max_active(GiB)"] = plan.predicted_peak_device_bytes / GIB

@@ -58,9 +58,7 @@ class SelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(width, dim=-1)
         shape = (batch, seq, self.n_head, width // self.n_head)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))  # [batch, head, seq, dim]
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.proj(out.transpose(1, 2).reshape(batch, seq, width))
 
 
@@ -127,9 +125,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(
-                logits.float().view(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100
-            )
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100)
         return CausalLMOutput(logits=logits, loss=loss)
 
     def num_parameters(self) -> int:

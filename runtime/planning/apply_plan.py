@@ -86,9 +86,7 @@ def _build_chunks(
 ) -> ChunkManager:
     settings = target.training
     element_size = compute_element_size(settings.precision)
-    layout = layout_from_params(
-        target.params, chunk_numel=plan.chunk_size // element_size, world_size=plan.world_size
-    )
+    layout = layout_from_params(target.params, chunk_numel=plan.chunk_size // element_size, world_size=plan.world_size)
     assert layout.num_chunks == plan.num_chunks, "the plan and the layout pack the same parameters"
     optimizer = settings.optimizer
     hyper = resolve_param_hyper(model, [(info.name, *info.aliases) for info in target.params], optimizer)
@@ -134,9 +132,7 @@ def update_mode(*, gradient_clipping: float, loss_scaled: bool, device: DeviceIn
     return not needs_norm, needs_norm and device.is_cuda
 
 
-def _build_activations(
-    model: nn.Module, plan: Plan, chunks: ChunkManager, target: PlanTarget
-) -> ActivationManager:
+def _build_activations(model: nn.Module, plan: Plan, chunks: ChunkManager, target: PlanTarget) -> ActivationManager:
     """The saved-tensor dispatcher carrying out the plan's block modes (and, with ssd blocks,
     this rank's activation file store under memory.ssd.path)."""
     _, blocks = model_blocks(model, target.planning)

@@ -8,8 +8,8 @@ from torch import nn
 
 from protrain.runtime.config.settings import PlanningSettings
 from protrain.runtime.hw.device import DeviceInfo
-from protrain.runtime.hw.nvml import other_processes
 from protrain.runtime.hw.host_capacity import free_host_bytes
+from protrain.runtime.hw.nvml import other_processes
 
 DEVICE_RESERVE_FRACTION = 0.05
 """Kept free on a CUDA device for the CUDA context, NCCL and allocator slack."""

@@ -22,9 +22,8 @@ from typing import Any, TypeVar
 import torch
 
 from protrain.profiler.profile import HardwareProfile, cache_key
-from protrain.runtime.hw import device_wall
-from protrain.runtime.hw.ssd_io import measure_disk_rates
 from protrain.runtime.cpu_adam import ShardAdamW
+from protrain.runtime.hw import device_wall
 from protrain.runtime.hw.device import (
     DeviceInfo,
     counts_every_byte,
@@ -41,6 +40,7 @@ from protrain.runtime.hw.distributed import (
     reduce_scatter_flat_,
 )
 from protrain.runtime.hw.nvml import describe_link, pcie_link
+from protrain.runtime.hw.ssd_io import measure_disk_rates
 from protrain.runtime.planning.host_rates import measure_host_rates
 from protrain.runtime.planning.profile_cache import ProfileOrigin, read_agreed, write_cached
 
@@ -136,9 +136,7 @@ def agree_hardware(profile: HardwareProfile, dist_ctx: DistContext) -> HardwareP
     measured = [name for name, value in body.items() if isinstance(value, float)]
     # Rates (".._per_s") agree on the minimum, times on the maximum: min of the negatives.
     signs = [1.0 if name.endswith("_per_s") else -1.0 for name in measured]
-    values = torch.tensor(
-        [sign * body[name] for sign, name in zip(signs, measured, strict=True)], dtype=torch.float64
-    )
+    values = torch.tensor([sign * body[name] for sign, name in zip(signs, measured, strict=True)], dtype=torch.float64)
     all_reduce_min_(values, dist_ctx)
     agreed = {name: sign * value for sign, name, value in zip(signs, measured, values.tolist(), strict=True)}
     return HardwareProfile.from_dict({**body, **agreed})
@@ -252,12 +250,8 @@ def with_disk_rates(
     rates = torch.tensor([write_bps, read_bps], dtype=torch.float64)
     if dist_ctx is not None:
         all_reduce_min_(rates, dist_ctx)
-    return dataclasses.replace(
-        hardware, ssd_write_bytes_per_s=float(rates[0]), ssd_read_bytes_per_s=float(rates[1])
-    )
+    return dataclasses.replace(hardware, ssd_write_bytes_per_s=float(rates[0]), ssd_read_bytes_per_s=float(rates[1]))
 
 
 def hardware_key(device: DeviceInfo, world_size: int) -> str:
-    return cache_key(
-        _device_kind(device), world_size, platform.node(), torch.__version__, torch.get_num_threads()
-    )
+    return cache_key(_device_kind(device), world_size, platform.node(), torch.__version__, torch.get_num_threads())

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from protrain.profiler.chunking import candidate_chunk_bytes, pack, persistent_chunk_bytes
-from protrain.profiler.host_bytes import offloaded_region_bytes
 from protrain.profiler.feasibility import chunk_knob_conflict, spec_size
+from protrain.profiler.host_bytes import offloaded_region_bytes
 from protrain.profiler.plan import Plan
 from protrain.profiler.plan_builder import KnobRequest, activations_searchable
 from protrain.runtime.batches import call_model

@@ -31,8 +31,8 @@ from torch import nn
 
 from protrain.profiler.instruments import OUTSIDE, BlockTimer, PeakSampler, SavedBytes
 from protrain.profiler.profile import BlockProfile, ModelProfile
-from protrain.runtime.hw import device_wall
 from protrain.runtime.chunks.layout import ParamInfo
+from protrain.runtime.hw import device_wall
 from protrain.runtime.hw.device import DeviceInfo, synchronize
 from protrain.runtime.hw.distributed import DistContext, all_reduce_min_
 from protrain.runtime.hw.memory_counter import peak_reader, sample_at_hooks
@@ -103,7 +103,14 @@ def profile_model(
             started = time.perf_counter()
             runs.append(
                 _one_step(
-                    model, run_forward, loss_fn, blocks, device, instruments=True, chunked=chunked, offload=offload_saved
+                    model,
+                    run_forward,
+                    loss_fn,
+                    blocks,
+                    device,
+                    instruments=True,
+                    chunked=chunked,
+                    offload=offload_saved,
                 )
             )
             wall_s = agree_max(time.perf_counter() - started)
@@ -339,7 +346,9 @@ class _SavedOnHost:
     recipe of the inner ``pack``) to host memory and back to the device when backward unpacks it; the
     copies' seconds add up in ``seconds`` (taken off the profiler's clock)."""
 
-    def __init__(self, pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor], model_state: set[int]) -> None:
+    def __init__(
+        self, pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor], model_state: set[int]
+    ) -> None:
         self._pack, self._unpack, self._model_state = pack, unpack, model_state
         self.seconds = 0.0
 

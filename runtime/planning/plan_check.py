@@ -36,9 +36,7 @@ class PlanCheck:
         # several micro-batches repeats the first part (counting the update once per micro-batch
         # overstates it a little).
         self.predicted_s = None if plan.predicted_step_s is None else plan.predicted_step_s * accumulation
-        self.predicted_compute_s = (
-            None if plan.predicted_compute_s is None else plan.predicted_compute_s * accumulation
-        )
+        self.predicted_compute_s = None if plan.predicted_compute_s is None else plan.predicted_compute_s * accumulation
         self.predicted_peak_bytes = plan.predicted_peak_device_bytes
         self.after = after
         self._seconds: list[float] = []

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from protrain.runtime.hw import device_wall
 from protrain.runtime.chunks.layout import ChunkInfo, ChunkLayout
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.chunks.store import Chunk, Segment, padded_shard
+from protrain.runtime.hw import device_wall
 from protrain.runtime.hw.device import DeviceInfo
 from protrain.runtime.hw.distributed import DistContext, all_gather_flat, all_reduce_sum_
 from protrain.runtime.hw.host_memory import MmapArena

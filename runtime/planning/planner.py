@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from protrain.profiler.chunking import min_buffers, pack, smallest_chunk_size
+from protrain.profiler.host_bytes import checkpoint_staging_bytes
 from protrain.profiler.plan import BlockMode, Plan
 from protrain.profiler.plan_builder import (
     KnobRequest,
@@ -40,8 +42,6 @@ from protrain.profiler.plan_builder import (
     searched_plan,
 )
 from protrain.profiler.profile import HardwareProfile, ModelProfile, cache_key
-from protrain.profiler.chunking import min_buffers, pack, smallest_chunk_size
-from protrain.profiler.host_bytes import checkpoint_staging_bytes
 from protrain.profiler.search import NoPlanFitsError
 from protrain.runtime.batches import batch_shape, call_model, default_loss
 from protrain.runtime.chunks.layout import ParamInfo, first_use_order

@@ -93,9 +93,7 @@ class Replanner:
         """Whether ``plan`` needs new managers: other knobs, or the parameters in a new order."""
         return self._reordered or not same_layout(plan, current)
 
-    def plan_on(
-        self, batch: Any, *, chunks: ChunkManager, activations: ActivationManager, asked: bool
-    ) -> Plan | None:
+    def plan_on(self, batch: Any, *, chunks: ChunkManager, activations: ActivationManager, asked: bool) -> Plan | None:
         """The plan searched from profiling on ``batch`` through ``chunks``, once; None when
         nothing was wanted, the profiling step did not fit the device, or (``asked`` False: the
         first training batch, which nobody asked to profile with) its output has no loss."""
@@ -169,9 +167,7 @@ class Replanner:
             return check
         if check["off"]:
             dropped = origin.found_off({key: check[key] for key in FINDING_KEYS if key in check})
-            check["dropped_profiles" if dropped else "noted_off"] = [
-                str(path) for path in (dropped or origin.cached)
-            ]
+            check["dropped_profiles" if dropped else "noted_off"] = [str(path) for path in (dropped or origin.cached)]
         else:
             origin.found_right()
         return check

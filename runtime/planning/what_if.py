@@ -158,9 +158,7 @@ def plan_model(
     ``knobs`` a job file's hand-set memory knobs; ``host_fixed_bytes`` what the host holds
     beside the plan (an async save's staging copy)."""
     if profile is None:
-        profile = profile_model(
-            shape, machine, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision
-        )
+        profile = profile_model(shape, machine, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision)
     plan, _ = searched_plan(
         request=knobs or KnobRequest(),
         model=profile,
@@ -245,9 +243,7 @@ def run_what_if(request: WhatIfRequest) -> int:
     )
     console.print(needs_summary(rows, profile, shape.parameters, keeps_gradients=request.keeps_gradients))
     if plan is None:
-        console.print(
-            f"[red]{shape.name} ({shape.parameters / 1e9:.2f}B) does not fit {name}:[/red] {failure}"
-        )
+        console.print(f"[red]{shape.name} ({shape.parameters / 1e9:.2f}B) does not fit {name}:[/red] {failure}")
         return 1
     console.print(plan_table(plan, title=f"What-if plan: {title}"))
     return 0
@@ -401,9 +397,7 @@ def _largest(console: Console, machine: Machine, name: str, request: WhatIfReque
     if largest is None:
         console.print("[red]no model of the family fits[/red]" + (f": {first_miss}" if first_miss else ""))
     else:
-        console.print(
-            f"largest that fits: {largest[0]} ({largest[1] / 1e9:.1f}B parameters), {request.update_words()}"
-        )
+        console.print(f"largest that fits: {largest[0]} ({largest[1] / 1e9:.1f}B parameters), {request.update_words()}")
     console.print(
         "with clipping "
         + ("off" if request.clipping else "on")

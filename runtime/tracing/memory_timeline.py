@@ -79,9 +79,7 @@ class MemoryTimeline:
         self._handles.append(module.register_forward_pre_hook(self._model_forward_starts))
         self._handles.append(module.register_forward_hook(self._model_forward_ends))
         for index, block in enumerate(activations.blocks):
-            self._handles.append(
-                block.register_forward_pre_hook(functools.partial(self._block_starts, index))
-            )
+            self._handles.append(block.register_forward_pre_hook(functools.partial(self._block_starts, index)))
             self._handles.append(block.register_forward_hook(functools.partial(self._block_ends, index)))
         self._sample("start")
 

@@ -55,9 +55,7 @@ def profile_every_thread(cuda: bool) -> profile:
 
     if not can_profile_every_thread():
         raise RuntimeError(f"this torch ({torch.__version__}) cannot profile every thread")
-    return profile(
-        activities=_activities(cuda), experimental_config=_ExperimentalConfig(profile_all_threads=True)
-    )
+    return profile(activities=_activities(cuda), experimental_config=_ExperimentalConfig(profile_all_threads=True))
 
 
 def _activities(cuda: bool) -> list[ProfilerActivity]:
@@ -71,9 +69,7 @@ class ThreadTrace:
 
     def __init__(self, *, cuda: bool, every_thread: bool | None = None) -> None:
         self.every_thread = can_profile_every_thread() if every_thread is None else every_thread
-        self._profiler = (
-            profile_every_thread(cuda) if self.every_thread else profile(activities=_activities(cuda))
-        )
+        self._profiler = profile_every_thread(cuda) if self.every_thread else profile(activities=_activities(cuda))
         self._recording: contextlib.ExitStack | None = None
         self._ranges: trace_labels.RecordedRanges | None = None
         self._clock_ns = 0

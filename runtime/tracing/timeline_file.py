@@ -102,9 +102,7 @@ class Timeline:
             "device_budget_bytes": self.device_budget_bytes,
             "host_budget_bytes": self.host_budget_bytes,
             "instrumented_updates": list(self.instrumented_updates),
-            "samples": [
-                [round(s.t, 7), s.device_bytes, s.host_bytes, s.ssd_bytes, s.phase] for s in self.samples
-            ],
+            "samples": [[round(s.t, 7), s.device_bytes, s.host_bytes, s.ssd_bytes, s.phase] for s in self.samples],
             "marks": [[round(m.t, 7), m.kind, m.index] for m in self.marks],
             "spans": [[s.phase, round(s.start, 7), round(s.end, 7)] for s in self.spans],
         }
@@ -126,9 +124,7 @@ class Timeline:
             device_budget_bytes=int(data["device_budget_bytes"]),
             host_budget_bytes=int(data["host_budget_bytes"]),
             instrumented_updates=tuple(int(u) for u in data["instrumented_updates"]),
-            samples=tuple(
-                Sample(float(t), int(d), int(h), int(s), str(p)) for t, d, h, s, p in data["samples"]
-            ),
+            samples=tuple(Sample(float(t), int(d), int(h), int(s), str(p)) for t, d, h, s, p in data["samples"]),
             marks=tuple(Mark(float(t), str(k), int(i)) for t, k, i in data["marks"]),
             spans=tuple(Span(str(p), float(a), float(b)) for p, a, b in data["spans"]),
         )

@@ -138,9 +138,7 @@ class TraceWindow:
                 timeline.close()
                 self._log(f"memory timeline not written ({type(err).__name__}: {err}); training goes on")
                 return
-            self._log(
-                f"memory timeline of update {update}: {self.timeline_file} (protrain-run --plot draws it)"
-            )
+            self._log(f"memory timeline of update {update}: {self.timeline_file} (protrain-run --plot draws it)")
         if update == self.first - 1:
             self._start_trace()  # before the window's first forward: the profiler's start-up stays outside
 

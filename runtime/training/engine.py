@@ -100,9 +100,7 @@ class Engine(EngineFacades):
         """Samples every rank trained on, summed over ranks and updates (skipped ones too)."""
         self.resumed_from: Path | None = None
         """The checkpoint this run continued from, if any."""
-        self.data_position = DataPosition(
-            dist_ctx, micro_batch_size=settings.micro_batch_size, seed=settings.seed
-        )
+        self.data_position = DataPosition(dist_ctx, micro_batch_size=settings.micro_batch_size, seed=settings.seed)
         """This rank's resumable sampler (see ``data_sampler``), saved with checkpoints."""
         self._stop_done = False
         self._window = Window()
@@ -395,4 +393,3 @@ class Engine(EngineFacades):
             self.close()
         else:
             self._close()  # the exception in flight is the news, not a pending stop
-

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from protrain.runtime.hw import device_wall
 from protrain.runtime.activations.manager import ActivationManager
 from protrain.runtime.checkpoint.checkpointer import Checkpointer
 from protrain.runtime.checkpoint.store import Checkpoint, CheckpointError
@@ -28,16 +27,17 @@ from protrain.runtime.chunks.gathered import gathered
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.config.settings import TrainingSettings
 from protrain.runtime.console import ProgressReporter
+from protrain.runtime.hw import device_wall
 from protrain.runtime.hw.device import DeviceInfo
 from protrain.runtime.hw.distributed import DistContext
 from protrain.runtime.loaders import DataPosition
 from protrain.runtime.param_groups import optimizer_groups
+from protrain.runtime.safetensors_stream import DEFAULT_MAX_SHARD_SIZE
 from protrain.runtime.sampler import ShardedSampler
 from protrain.runtime.training.loss_scale import DynamicLossScaler
-from protrain.runtime.training.parts import EngineParts
 from protrain.runtime.training.optimizer_facade import EngineOptimizer, build_engine_optimizer
+from protrain.runtime.training.parts import EngineParts
 from protrain.runtime.training.schedule import lr_factor
-from protrain.runtime.safetensors_stream import DEFAULT_MAX_SHARD_SIZE
 
 _E = TypeVar("_E", bound="EngineFacades")
 _F = TypeVar("_F", bound=Callable[..., Any])

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from protrain.runtime.hw import device_wall
 from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.hw import device_wall
 
 PLAN_MARGIN = 0.05
 """An auto engine holds its plan's predicted device peak times (1 + this): the search's margin."""

@@ -29,8 +29,6 @@ def lr_factor(update_index: int, schedule: ScheduleSettings) -> float:
     return schedule.min_lr_ratio + (1.0 - schedule.min_lr_ratio) * cosine
 
 
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, schedule: ScheduleSettings
-) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, schedule: ScheduleSettings) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR whose lr for each update is ``lr * lr_factor(update)``; step it after each update."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda index: lr_factor(index, schedule))

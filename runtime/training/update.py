@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from protrain.runtime.hw import stream_chaos
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.config.settings import TrainingSettings
 from protrain.runtime.config.spec import NonFiniteLossPolicy
+from protrain.runtime.hw import stream_chaos
 from protrain.runtime.hw.distributed import DistContext, all_reduce_sum_
 from protrain.runtime.training.loss_scale import DynamicLossScaler
 from protrain.runtime.training.window import Window
@@ -105,8 +105,7 @@ def update_shards(
     if skipped:
         # Every rank decided alike (the totals and the norm are global), so all raise.
         stream_chaos.refuse_skipped_step(
-            f"non-finite loss in {totals.nonfinite} of {losses_in_window} micro-batches of update "
-            f"{update_number}"
+            f"non-finite loss in {totals.nonfinite} of {losses_in_window} micro-batches of update {update_number}"
             if totals.nonfinite
             else f"fp16 gradients overflowed in update {update_number} (gradient norm {grad_norm})"
         )
