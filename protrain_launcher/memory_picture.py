@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from protrain.launcher.step_bars import StepBars
-from protrain.runtime.tracing.timeline_file import Timeline
+from protrain.runtime.commands.plot import Timeline
 
 SPAN_COLOURS = {"forward": "#dbe9f6", "backward": "#fbe3cf", "optimizer": "#dcefd8"}
 LINE_COLOURS = {"device": "#1f5fa8", "host": "#c45a00", "ssd": "#6a3d9a"}

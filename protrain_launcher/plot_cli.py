@@ -17,8 +17,8 @@ from pathlib import Path
 
 from protrain.launcher.request import EXIT_OK
 from protrain.launcher.step_bars import read_metrics, step_bars
+from protrain.runtime.commands.plot import read_timeline, timeline_path
 from protrain.runtime.config.spec_io import SpecError
-from protrain.runtime.tracing.timeline_file import read_timeline, timeline_path
 
 
 class _Parser(argparse.ArgumentParser):

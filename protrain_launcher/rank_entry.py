@@ -79,10 +79,10 @@ def run_script(script: str, args: list[str]) -> int:
             report_bad_input(ValueError(f"{err.name} is not installed: pip install 'protrain[{extra}]'"))
             return EXIT_BAD_INPUT
         except Exception as err:
-            # Asked of the engines' signal hub only where the script made one (the launcher's
-            # side imports nothing of the runtime beyond the spec).
-            stop = sys.modules.get("protrain.runtime.training.stop")
-            signum = None if stop is None else stop.stop_signal_received()
+            # The engines' signal hub (torch-free; it caught nothing where no engine was made).
+            from protrain.runtime.commands.stop import stop_signal_received
+
+            signum = stop_signal_received()
             if signum is None:
                 raise
             # Ctrl-C reached every rank: one that had no engine yet left at once, so this one,

@@ -4,7 +4,7 @@
     protrain-run --report [--config job.yaml] [--set KEY.PATH=VALUE] [--ssd-path DIR]
                           [--ssd-probe-size 64MiB] [--json]
 
-This module reads the arguments and renders; the probes are ``runtime/env_report/``. The spec,
+This module reads the arguments and renders; the probes are ``runtime/commands/env_report/``. The spec,
 when given, says where the profile cache is (``profiler.cache_dir``) and which disk the job
 would use (``memory.ssd.path``, measured only when ``--ssd-path`` names it: the probe writes).
 Exit 0 whatever the probes find; 2 for bad input (an unreadable spec, a bad option).
@@ -21,8 +21,15 @@ from rich.table import Table
 from rich.text import Text
 
 from protrain.launcher.request import EXIT_OK
+from protrain.runtime.commands.env_report import (
+    ReportOptions,
+    Section,
+    Status,
+    collect_report,
+    parse_probe_size,
+    report_json,
+)
 from protrain.runtime.config.spec_io import SpecError, load_spec, parse_override
-from protrain.runtime.env_report import ReportOptions, Section, Status, collect_report, parse_probe_size, report_json
 
 STATUS_STYLE = {Status.OK: "", Status.NOTE: "yellow", Status.FAILED: "red"}
 

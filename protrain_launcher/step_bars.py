@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from protrain.runtime.tracing.timeline_file import Timeline
+from protrain.runtime.commands.plot import Timeline
 
 SPLIT_KEYS = {
     "forward": "time_metrics/forward(s)",

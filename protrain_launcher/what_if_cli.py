@@ -6,8 +6,8 @@ no ranks, no torch).
     protrain-run --what-if configs/hardware/a100-80gb.yaml --largest
     protrain-run --what-if configs/hardware/h100-80gb.yaml --model-config llama-2-70b --config job.yaml
 
-This module reads the arguments; the planning and its tables are ``runtime/planning/what_if.py``
-and ``runtime/planning/memory_estimate.py``.
+This module reads the arguments; the planning and its tables are ``runtime/commands/what_if.py``
+and ``runtime/commands/memory_estimate.py``.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import argparse
 from typing import TypeVar
 
 from protrain.launcher.request import EXIT_OK
+from protrain.runtime.commands.what_if import MODEL_NAMES, run_what_if
+from protrain.runtime.commands.what_if_request import SPEC_DEFAULT, WhatIfRequest, job_settings
 from protrain.runtime.config.spec_io import SpecError
-from protrain.runtime.planning.what_if import MODEL_NAMES, run_what_if
-from protrain.runtime.planning.what_if_request import SPEC_DEFAULT, WhatIfRequest, job_settings
 
 T = TypeVar("T")
 

@@ -99,7 +99,7 @@ from protrain.runtime.models.gpt import GPTConfig
 from protrain.runtime.planning.hardware_probes import hardware_profile
 from protrain.runtime.planning.model_profiling import profile_model
 from protrain.runtime.planning.planner import Profilers
-from protrain.runtime.planning.what_if import machine_from_file
+from protrain.runtime.commands.what_if import machine_from_file
 from protrain.runtime.training.engine import Engine
 
 LR = 3e-4

@@ -24,7 +24,7 @@ from protrain.runtime.config.hardware_spec import load_hardware
 from protrain.runtime.config.spec import AUTO
 from protrain.runtime.config.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, load_spec, write_resolved
 from protrain.launcher.what_if_cli import parse_what_if
-from protrain.runtime.planning.what_if import HOST_RESERVE_BYTES, machine_for, plan_for
+from protrain.runtime.commands.what_if import HOST_RESERVE_BYTES, machine_for, plan_for
 from tests.config_commands import assert_trained_through_chunks, header_commands, tiny_command
 from tests.helpers import assert_state_equal
 

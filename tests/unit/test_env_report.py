@@ -22,10 +22,10 @@ import torch
 from protrain.profiler.analytic import KNOWN_CONFIGS, analytic_profile, shape_from_config
 from protrain.profiler.profile import PROFILE_VERSION, HardwareProfile
 from protrain.launcher.cli import main
-from protrain.runtime.env_report import host
-from protrain.runtime.env_report.gpus import gpu_rows, sysfs_bus_id
-from protrain.runtime.env_report.host import cgroup_limit, cgroup_row, cpu_ranges, cpu_rows, simd_row
-from protrain.runtime.env_report.rows import Status, format_age, run_probe
+from protrain.runtime.commands.env_report import host
+from protrain.runtime.commands.env_report.gpus import gpu_rows, sysfs_bus_id
+from protrain.runtime.commands.env_report.host import cgroup_limit, cgroup_row, cpu_ranges, cpu_rows, simd_row
+from protrain.runtime.commands.env_report.rows import Status, format_age, run_probe
 
 GIB = 1 << 30
 

@@ -84,24 +84,26 @@ def test_nothing_imports_the_folders_by_their_repository_names() -> None:
     assert not offenders, "\n".join(offenders)
 
 
-def test_launcher_only_uses_the_spec_from_runtime() -> None:
-    """The spec, the what-if planning command (which plans from files, without torch), the
-    environment report's probes (which import torch only when they run) and the memory
-    timeline's file format (``--plot`` reads it; no torch)."""
-    for path in (ROOT / "protrain_launcher").rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("protrain.runtime"):
-                assert node.module in (
-                    "protrain.runtime.config.spec",
-                    "protrain.runtime.config.spec_io",
-                    "protrain.runtime.planning.what_if",
-                    "protrain.runtime.planning.what_if_request",
-                    "protrain.runtime.env_report",
-                    "protrain.runtime.tracing.timeline_file",
-                ), (
-                    f"{path.name} imports {node.module}"
-                )
+def test_launcher_only_uses_the_spec_and_the_commands_from_runtime() -> None:
+    """The spec (``config.spec``, ``config.spec_io``) and ``commands/``: the what-if planning
+    command (which plans from files, without torch), the environment report (whose probes import
+    torch only when they run), the memory timeline's file (``--plot``) and the stop hub's answer.
+    No lookup of a runtime module in ``sys.modules`` either."""
+    allowed = ("protrain.runtime.config.spec", "protrain.runtime.config.spec_io")
+    offenders = [
+        f"{path.name} imports {module}"
+        for path in (ROOT / "protrain_launcher").rglob("*.py")
+        for module in imported_modules(path)
+        if module.startswith("protrain.runtime")
+        and not module.startswith("protrain.runtime.commands.")
+        and not any(module == name or module.startswith(name + ".") for name in allowed)
+    ]
+    offenders += [
+        f"{path.name} looks a runtime module up in sys.modules"
+        for path in (ROOT / "protrain_launcher").rglob("*.py")
+        if 'sys.modules.get("protrain' in path.read_text()
+    ]
+    assert not offenders, "\n".join(offenders)
 
 
 def launcher_import_graph() -> dict[str, set[str]]:
@@ -174,6 +176,7 @@ def test_spec_and_launcher_cli_do_not_import_torch() -> None:
     code = (
         "import sys, protrain, protrain.runtime.config.spec, protrain.runtime.config.spec_io\n"
         "import protrain.launcher.cli, protrain.launcher.what_if_cli, protrain.launcher.report_cli\n"
+        "import protrain.launcher.plot_cli, protrain.runtime.commands.stop\n"
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
@@ -205,6 +208,20 @@ def test_runtime_folders_import_one_way(folder: str) -> None:
         for path in (ROOT / "runtime" / folder).rglob("*.py")
         for module in imported_modules(path)
         if runtime_folder(module) in RUNTIME_FORBIDDEN[folder]
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_nothing_of_the_runtime_imports_the_launchers_commands() -> None:
+    """runtime/commands/ is the launcher's window onto the runtime, its top floor: the rest of the
+    runtime (and the profiler) never imports it."""
+    offenders = [
+        f"{path.relative_to(ROOT)} imports {module}"
+        for top in ("runtime", "profiler")
+        for path in (ROOT / top).rglob("*.py")
+        if "commands" not in path.relative_to(ROOT).parts
+        for module in imported_modules(path)
+        if module.startswith("protrain.runtime.commands")
     ]
     assert not offenders, "\n".join(offenders)
 

@@ -17,8 +17,8 @@ from protrain.launcher.cli import FLAGS, build_parser, main, script_free_command
 from protrain.launcher.report_cli import build_parser as build_report_parser
 from protrain.launcher.what_if_cli import build_parser as build_what_if_parser
 from protrain.runtime.config.hardware_spec import load_hardware
-from protrain.runtime.planning.memory_estimate import Budgets, estimate_rows, fits_text
-from protrain.runtime.planning.what_if import machine_from_file, profile_model
+from protrain.runtime.commands.memory_estimate import Budgets, estimate_rows, fits_text
+from protrain.runtime.commands.what_if import machine_from_file, profile_model
 
 ROOT = Path(__file__).resolve().parents[2]
 HARDWARE = ROOT / "configs" / "hardware"

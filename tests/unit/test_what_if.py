@@ -14,7 +14,7 @@ from protrain.profiler.analytic import KNOWN_CONFIGS, analytic_profile, shape_fr
 from protrain.launcher.cli import main
 from protrain.launcher.what_if_cli import parse_what_if
 from protrain.runtime.config.hardware_spec import load_hardware
-from protrain.runtime.planning.what_if import machine_for, plan_for
+from protrain.runtime.commands.what_if import machine_for, plan_for
 
 ROOT = Path(__file__).resolve().parents[2]
 HARDWARE = ROOT / "configs" / "hardware"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from protrain.runtime.env_report.rows import Row, Status, format_bytes, run_probe
+from protrain.runtime.commands.env_report.rows import Row, Status, format_bytes, run_probe
 from protrain.runtime.hw.host_capacity import cgroup_limit, free_host_bytes, slurm_source
 
 SIMD_FLAGS = {

@@ -37,16 +37,16 @@ from protrain.profiler.plan import Plan
 from protrain.profiler.plan_builder import KnobRequest, searched_plan
 from protrain.profiler.profile import HardwareProfile, ModelProfile
 from protrain.profiler.search import NoPlanFitsError
-from protrain.runtime.config.hardware_spec import HardwareFile, load_hardware
-from protrain.runtime.config.spec_io import SpecError
-from protrain.runtime.console import plan_table
-from protrain.runtime.planning.memory_estimate import (
+from protrain.runtime.commands.memory_estimate import (
     Budgets,
     estimate_rows,
     estimate_table,
     needs_summary,
 )
-from protrain.runtime.planning.what_if_request import SEARCHED_KNOBS, WhatIfRequest
+from protrain.runtime.commands.what_if_request import SEARCHED_KNOBS, WhatIfRequest
+from protrain.runtime.config.hardware_spec import HardwareFile, load_hardware
+from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.console import plan_table
 
 DEVICE_RESERVE_FRACTION = 0.05
 """As runtime/planning/budgets.py: kept free on a CUDA device for the context, NCCL and allocator slack."""

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from protrain.runtime.env_report.rows import Row, Status, run_probe
+from protrain.runtime.commands.env_report.rows import Row, Status, run_probe
 
 PACKAGES = (
     "transformers",

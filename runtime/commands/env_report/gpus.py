@@ -18,7 +18,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from protrain.runtime.env_report.rows import Row, Status, describe, format_bytes, run_probe
+from protrain.runtime.commands.env_report.rows import Row, Status, describe, format_bytes, run_probe
 
 SYSFS_PCI = Path("/sys/bus/pci/devices")
 GENERATION_BY_GT_S = {2.5: 1, 5.0: 2, 8.0: 3, 16.0: 4, 32.0: 5, 64.0: 6}

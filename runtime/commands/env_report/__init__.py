@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from protrain.runtime.commands.env_report.gpus import gpu_rows
+from protrain.runtime.commands.env_report.host import cpu_rows, memory_rows
+from protrain.runtime.commands.env_report.rows import Row, Section, Status, run_probe
+from protrain.runtime.commands.env_report.software import software_rows
+from protrain.runtime.commands.env_report.storage import cache_rows, ssd_rows
 from protrain.runtime.config.spec_io import SpecError
 from protrain.runtime.config.spec_types import parse_size
-from protrain.runtime.env_report.gpus import gpu_rows
-from protrain.runtime.env_report.host import cpu_rows, memory_rows
-from protrain.runtime.env_report.rows import Row, Section, Status, run_probe
-from protrain.runtime.env_report.software import software_rows
-from protrain.runtime.env_report.storage import cache_rows, ssd_rows
 
 __all__ = ["ReportOptions", "Row", "Section", "Status", "collect_report", "parse_probe_size", "report_json"]
 

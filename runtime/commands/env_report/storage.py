@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from protrain.runtime.env_report.rows import Row, Status, format_age, format_bytes, format_rate, run_probe
+from protrain.runtime.commands.env_report.rows import Row, Status, format_age, format_bytes, format_rate, run_probe
 
 PROBE_PIECE_BYTES = 8 << 20
 """Bytes per write and read of the disk probe (as the store's files are written: whole pieces)."""
