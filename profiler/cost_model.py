@@ -32,8 +32,7 @@ its update) while the adds still run beside backward::
                 and fp32 bytes, writes fp32 (none with direct gradients: one rank in fp32 on CPU)
 
 Where copies and collectives run on the compute cores (CPU: ``copies_overlap_compute`` False),
-every max above becomes a sum, CPU Adam included (measured by scripts/bench_cost_model.py: backward
-grows by about the CPU Adam time when chunks are offloaded on 2 cores).
+every max above becomes a sum, CPU Adam included (docs/decisions/0013-cpu-costs-add-up.md).
 
 ``fwd(c)``/``bwd(c)`` share each block's measured time among the chunks holding its parameters,
 in proportion to parameter elements (time outside the blocks goes to parameters outside them,

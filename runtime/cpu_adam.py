@@ -67,29 +67,18 @@ class ShardAdamW:
     bit-identical to ``torch.optim.AdamW(fused=True)``, and within rounding of the default
     (for-loop) implementation.
 
-    Why the optimizer rather than calling ``torch._fused_adamw_`` on lists of views (measured on
-    the 2-core Sapphire Rapids VM, torch 2.13; the machine is shared, figures move by 10-20 %):
-    on 100M parameters in 95 GPT-block tensors both take 0.089-0.090 s per fp32 step (median of
-    interleaved repeats), about 31 GB/s at 28 bytes per parameter, more than an in-place ``add_``
-    reaches (~25 GB/s): the kernel is memory bound and the wrapper costs nothing measurable. The
-    optimizer's Python bookkeeping is ~60 us per step plus ~10 us per segment, against ~3 us per
-    segment for the bare op: below 1 % for real shards (segments of 1e4 to 1e7 elements), visible
-    only for shards of hundreds of tiny segments. That does not justify depending on a private op.
+    Why the optimizer rather than ``torch._fused_adamw_`` on lists of views: the kernel is memory
+    bound, the optimizer's bookkeeping does not show for real shards, and a private op is not worth
+    depending on (docs/decisions/0002-shard-adamw-wraps-the-optimizer.md).
 
-    ``copy_out`` is refreshed by one ``copy_`` over the whole shard after the update (+44 ms per
-    100M bf16 in the benchmark, 0.134 s per step). Doing it "in the same pass" was measured:
-    updating the shard in cache-sized blocks (128 Ki to 2 Mi elements: one fused call, then that
-    block's ``copy_`` while it is in cache) was no faster (0.136-0.14 s against 0.130-0.133 s)
-    for two reasons: the per-block calls cost ~12 ms per 100M, and the copy is bound by its bf16
-    stores (write-allocate plus write-back), not by re-reading the fp32 master, so reading the
-    master from cache saved ~1 ms. torch's kernel cannot write a second output, so a real single
-    pass would need a kernel of our own, which this module avoids.
+    ``copy_out`` is refreshed by one ``copy_`` over the whole shard after the update. Doing it in
+    the same pass, a cache-sized block at a time, was no faster; a real single pass would need a
+    kernel of our own, which this module avoids (docs/decisions/0003-copy-out-after-the-update.md).
 
-    Threads: the kernel opens one parallel region per segment, even a tiny one. When the cores are
-    oversubscribed (another process, or a second OpenMP team such as backward running while a
-    worker thread updates a shard) such regions were seen to cost milliseconds each. With torch's
-    OpenMP backend, ``torch.set_num_threads(1)`` called in a worker thread left the main thread's
-    count unchanged (checked), so the engine can give the update thread fewer threads.
+    Threads: the kernel opens one parallel region per segment, even a tiny one, and such regions
+    are slow when the cores are oversubscribed. ``torch.set_num_threads`` called in a worker thread
+    leaves the main thread's count alone, so the engine gives the update thread fewer threads
+    (docs/decisions/0004-worker-thread-counts.md).
 
     Nothing here is CPU-specific (the fused kernel also exists on CUDA, with the step tensors on
     the master's device), but only the CPU path is tested.

@@ -23,10 +23,10 @@ deprecated in favour of DTensor, so its FutureWarning is silenced here, on purpo
 Host tensors (the offloaded chunks' state) are handed to DCP as ``exact_alias``es, so a
 synchronous save copies nothing of them. A plain view would not do: DCP's file writer clones a
 tensor whose storage is larger than its bytes, and (torch 2.13) keeps every clone of a rank's file
-until the file is written, which held a second copy of the whole optimizer state (+3.2 GiB on a
-285M model). The compute device's tensors (the persistent chunks' state; on CPU, what is not in
-the host arena) pass through one reused host buffer a piece at a time (``staging``); before, a
-save copied them to the host whole. An asynchronous save copies everything to the host first
+until the file is written, a second copy of the whole optimizer state
+(docs/decisions/0010-checkpoint-host-state-without-a-copy.md). The compute device's tensors (the
+persistent chunks' state; on CPU, what is not in the host arena) pass through one reused host
+buffer a piece at a time (``staging``). An asynchronous save copies everything to the host first
 (the plan counts that staging).
 """
 

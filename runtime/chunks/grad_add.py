@@ -1,8 +1,8 @@
 """Adding a 16-bit gradient into an fp32 shard in host memory: widened first, a slice at a time.
 
-torch's mixed-dtype ``add_`` (fp32 += bf16) has no vectorised CPU path: on 64M elements it took
-131 ms against 32 ms for widening into fp32 and adding fp32 to fp32, with no gain from a second
-thread. The host worker adds every reduced gradient of every micro-batch that keeps gradients,
+torch's mixed-dtype ``add_`` (fp32 += bf16) has no vectorised CPU path: it is several times
+slower than widening into fp32 and adding fp32 to fp32 (docs/decisions/0005-widened-gradient-adds.md).
+The host worker adds every reduced gradient of every micro-batch that keeps gradients,
 so it widens into a small reused fp32 scratch (``WIDEN_SLICE_NUMEL`` elements, counted in the
 plan's host bytes) and adds slice by slice; the sums are the same, bit for bit (the mixed add
 widens each element to fp32 too).

@@ -23,9 +23,8 @@ fp16's overflow check), which is known only after the last gradient:
   gather of a chunk waits for that chunk's update. Bit-exact AdamW, no undo state.
 - yes, on CPU: deferred to the step (the host worker would take the cores compute uses).
 
-Early updates with an undo snapshot (restored and redone when the clip triggers) measured
-slowest on the CPU bench (``bench_offload --clip``: 1.28-1.32x all-persistent, two-phase
-1.09-1.17x, deferred 1.07-1.13x) and cost 12 host bytes per offloaded parameter; they are gone.
+No mode updates early and undoes from a snapshot when the clip triggers: that was slower than
+both and held more host memory (docs/decisions/0001-offloaded-update-modes.md).
 
 This side receives reduced gradients through ``ReducedGradientSink`` (reduce.py) and nothing
 else from the device side. What it keeps per chunk for one window (early updates made, norms,

@@ -29,12 +29,10 @@ run on worker threads, which torch's profiler records only when asked to profile
 ``runtime.tracing.profiling`` records the labels' ranges itself (``recording``) and merges them
 into the trace.
 
-Cost with no profiler running: one ``record_function`` enter and exit and the name, 5.8
-microseconds per job on the worker thread, not the main one (measured on the 2-core CPU machine,
-torch 2.13, best of 5 x 200,000; 5.2 for ``record_function`` alone); a micro-batch has about four
-jobs per offloaded chunk, one per swapped or ssd saved storage each way (8 per block of the
-4-layer demo GPT), and one per recomputed block (on the thread running backward: the only label
-on the compute path, once per block, not per operator).
+Cost with no profiler running: one ``record_function`` enter and exit and the name, a few
+microseconds per job, on the worker threads. The only label on the compute path is a recomputed
+block's, once per block, not per operator; so the labels stay on
+(docs/decisions/0006-trace-labels-always-on.md).
 """
 
 from __future__ import annotations

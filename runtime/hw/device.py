@@ -168,8 +168,8 @@ class _OrderedWorker:
         """``threads``: the intra-op threads of the worker's own jobs, set on its thread before
         the first. torch sets a new thread's count, at its first parallel op, from the process
         value the last ``set_num_threads`` left, whichever thread called it: without its own, the
-        side stream's copies ran on the host worker's one thread (a gather in bench_offload took
-        1.0 ms instead of 0.7). ``wall_call``: the device wall's engine call the jobs count
+        side stream's copies would run on the host worker's one thread, and gathers slow down
+        (docs/decisions/0004-worker-thread-counts.md). ``wall_call``: the device wall's engine call the jobs count
         to (device work), None for host work."""
         self.name = name
         self.kind = kind

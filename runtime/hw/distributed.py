@@ -169,9 +169,9 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: dist.Proce
     ``group`` (an engine's own group over every rank; None: the default group)."""
     if _is_gloo(group):
         # gloo's flat all-gather stages through temporaries allocated on its own threads, which
-        # glibc keeps as per-thread free memory: 8 MiB chunks left 100-160 MiB of it per rank,
-        # and one broadcast per rank straight into its slice took half the time (2 ranks on 2
-        # cores: 4.4 vs 8.4 ms for 8 MiB). The bytes each rank sends and receives are the same.
+        # glibc keeps as per-thread free memory; one broadcast per rank straight into its slice
+        # needs none and is faster (docs/decisions/0007-gloo-collectives-by-broadcast-and-reduce.md).
+        # The bytes each rank sends and receives are the same.
         size = shard.numel()
         _check_flat(output, shard, size * dist.get_world_size(group))
         mine = output[dist.get_rank(group) * size :][:size]
@@ -196,8 +196,7 @@ def reduce_scatter_flat_(flat: torch.Tensor, group: dist.ProcessGroup | None = N
         if flat.is_cuda:
             return reduce_scatter_by_all_reduce_(flat, group)
         # As for the all-gather: gloo's flat reduce-scatter stages through temporaries on its
-        # own threads (about 64 MiB kept per rank for 8 MiB), while one in-place reduce per
-        # destination rank needs none and took half the time (8.5 vs 16 ms).
+        # own threads, while one in-place reduce per destination rank needs none and is faster.
         for dst in range(world):
             dist.reduce(flat[dst * size :][:size], dst=dst, group=group)
         return flat[rank * size :][:size]

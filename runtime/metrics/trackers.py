@@ -52,10 +52,11 @@ class TensorBoardTracker:
     """TensorBoard's event file format, written on the calling thread.
 
     ``torch.utils.tensorboard``'s writer hands each event to a thread of its own, which
-    checksums it in pure Python (tensorboard's CRC32C stand-in without TensorFlow: about 0.1 ms
-    per KiB) while holding the GIL: a cost that would land on training unseen by the logger's
-    own timing. Here the same records (tensorboard's ``RecordWriter``, one ``Event`` per update
-    holding every scalar) are written where they are asked for, so they are paid and timed there.
+    checksums it in pure Python (tensorboard's CRC32C stand-in without TensorFlow) while holding
+    the GIL: a cost that would land on training unseen by the logger's own timing. Here the same
+    records (tensorboard's ``RecordWriter``, one ``Event`` per update holding every scalar) are
+    written where they are asked for, so they are paid and timed there
+    (docs/decisions/0009-tensorboard-events-on-the-calling-thread.md).
     """
 
     def __init__(self, log_dir: Path) -> None:

@@ -120,14 +120,11 @@ def _build_chunks(
 
 
 def update_mode(*, gradient_clipping: float, loss_scaled: bool, device: DeviceInfo) -> tuple[bool, bool]:
-    """(speculative, two-phase) CPU Adam for offloaded chunks. A clipped or fp16 window's update
-    needs the global norm first. Updating early and undoing from a snapshot when the clip
-    triggers measured slowest (bench_offload --clip, CPU: 1.28-1.32x all-persistent, against
-    1.09-1.17x two-phase and 1.07-1.13x deferred) and cost 12 host bytes per offloaded
-    parameter. Two-phase overlaps the host worker's updates with the next forward where host
-    work runs beside compute (CUDA); on CPU, where it takes the cores compute uses, deferring
-    every update to the step is fastest. Without a norm to wait for, early updates overlap
-    backward."""
+    """(speculative, two-phase) CPU Adam for offloaded chunks. Without a norm to wait for, early
+    updates overlap backward. A clipped or fp16 window's update needs the global norm first:
+    two-phase where host work runs beside compute (CUDA), its updates overlapping the next
+    forward; on CPU, where the host worker takes compute's cores, every update waits for the step
+    (docs/decisions/0001-offloaded-update-modes.md)."""
     needs_norm = gradient_clipping > 0 or loss_scaled
     return not needs_norm, needs_norm and device.is_cuda
 

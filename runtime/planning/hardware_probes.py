@@ -101,8 +101,8 @@ def measure_hardware(
         gather = scatter = float("inf")
         latency = 0.0
     elif dist_ctx is None:
-        # A dry run has no process group: loopback collectives move each byte through a socket
-        # at about a quarter of the copy rate here (measured: gloo 64 MiB all-gather ~140 ms).
+        # A dry run has no process group: loopback collectives move each byte through a socket,
+        # at about a quarter of the copy rate (docs/decisions/0008-dry-run-collective-rates.md).
         gather = scatter = h2d / 4
         latency = 1e-4
     else:

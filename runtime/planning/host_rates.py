@@ -2,8 +2,8 @@
 measured at its thread count, alone and beside a CPU Adam on the other cores.
 
 The host worker does this work in host memory, whatever the device: on a GPU machine its rates
-are the host's (tens of GB/s), not the device's copy rate (HBM, TB/s), and costing host work at
-the device's rate made those terms 50 to 100 times too small. The ranks of a node share its
+are the host's (tens of GB/s), not the device's copy rate (HBM, TB/s), at which those terms
+came out far too small (docs/decisions/0012-host-work-at-host-rates.md). The ranks of a node share its
 memory and each runs its CPU Adam while the others add and downcast, so the share that is left
 beside an Adam is measured too (``HardwareProfile.host_shared_factor``).
 """

@@ -6,9 +6,9 @@ check compares through the plan differ by what the plan gets wrong, not by how t
 measured. On CUDA that is the allocator's high-water mark, and on CPU under the device wall
 (``runtime.hw.device_wall``) the engine's own count's: every byte on the device, and a high-water
 mark needs no reading between the window's opening and its closing (nor do readings others take
-meanwhile lose it: each goes to every open window). So the probe places no hooks there: a reading
-costs about 60 us on CUDA (``max_memory_allocated`` and a reset), and at every module and every
-gradient it was about a thousand per GPT-2-XL micro-batch, in the very updates that are timed.
+meanwhile lose it: each goes to every open window). So the probe places no hooks there: readings
+at every module and every gradient would cost time in the very updates that are timed
+(docs/decisions/0011-memory-probe-without-hooks-on-cuda.md).
 Otherwise on CPU the "device" is the C heap, which also holds whatever else the
 process allocates, so the peak is the engine's static device state (persistent chunks, their
 fp32 state, the chunk buffers: counted from its tensors) plus the largest rise of the heap's

@@ -125,8 +125,8 @@ class Replanner:
         """Pack by the order of use from here on. Module order can put a parameter that backward
         reaches late in a chunk with ones it reaches early (Llama registers each layer's norms
         after its MLP): the chunk then stays incomplete while the next ones fill, and since
-        reductions go in a fixed order, their gradient buffers wait too (4 of 32 MiB at once on
-        a 16-layer Llama, where the plan counts 1)."""
+        reductions go in a fixed order, their gradient buffers wait too: more alive at once than
+        the plan counts (docs/decisions/0014-pack-by-first-use.md)."""
         self._order_known = True
         order = self.planner.first_use_order(batch)
         chunks.end_forward()
