@@ -23,13 +23,15 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/protrain-run --nproc-per-node 2 scripts/train_lm.py --config configs/demo-cpu.yaml
 
+# Unit tests on 2 workers that steal work from each other: a few long tests (the first-contact
+# rehearsal, mypy) no longer leave one worker idle at the end (about 30 s less on 2 cores).
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 -m "unit" tests
+	$(BIN)/python -m pytest -n 2 --dist worksteal -m "unit" tests
 	$(BIN)/python -m pytest -m "not unit" tests
 	$(MAKE) --no-print-directory test-chaos
 
 test-unit: $(STAMP)
-	$(BIN)/python -m pytest -n 2 -m unit tests
+	$(BIN)/python -m pytest -n 2 --dist worksteal -m unit tests
 
 test-dist: $(STAMP)
 	$(BIN)/python -m pytest -m dist tests
