@@ -338,8 +338,15 @@ def _budget_checks(ctx: Context, size: Sizes, reference: Reference, tally: PoolR
     )
     example = training.lm_data(size).batch(0, 0, 0)
     with runtime.initialize(_model(size), config=spec, example_batch=example) as engine:
-        resident_peak = engine.plan.predicted_peak_device_bytes
-        resident = engine.plan.all_resident
+        plan = engine.plan
+    if not plan.all_resident:
+        # The search is timed: on a busy machine it may find offloading no slower even with room
+        # to spare. The resident plan's peak is what the budget is set from: ask for it by hand.
+        memory = {"device_budget": generous, "chunk_size": plan.chunk_size, "n_persist": plan.num_chunks}
+        spec = training.engine_spec(out, micro_batch=size.micro_batch, memory=memory, profiles=ctx.scratch / "profiles")
+        with runtime.initialize(_model(size), config=spec, example_batch=example) as engine:
+            plan = engine.plan
+    resident_peak, resident = plan.predicted_peak_device_bytes, plan.all_resident
     if resident_peak is None or not resident:
         detail = (
             f"no resident prediction to set a budget from (predicted {resident_peak}, resident {resident})"
