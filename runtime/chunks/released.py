@@ -165,8 +165,11 @@ class ReleasedData(torch.Tensor):
     def __torch_function__(
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        if func not in _METADATA:
-            view = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, ReleasedData))
+        if func not in _METADATA and not _names_only:
+            values = [
+                v for a in (*args, *(kwargs or {}).values()) for v in (a if isinstance(a, list | tuple) else (a,))
+            ]
+            view = next(v for v in values if isinstance(v, ReleasedData))  # one is, or torch would not ask
             raise _refusal(*view._protrain_released, func)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))

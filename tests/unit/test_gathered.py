@@ -67,6 +67,8 @@ def test_a_released_parameter_refuses_reads_naming_itself_and_the_fix(tmp_path: 
             penalized(out.loss, weight)
         with pytest.raises(ReleasedParameterError, match=refused):  # through .data
             weight.data.sum()
+        with pytest.raises(ReleasedParameterError, match=refused):  # through .data, in a list
+            torch.cat([weight.data, weight.data])
         with pytest.raises(ReleasedParameterError, match=refused):  # as a logging callback would
             float(weight.norm())
         # Its metadata is there, and the values inside a gathered block.
