@@ -52,8 +52,8 @@ import torch
 from bench_common import SEED, Batch, add_model_arguments, build_gpt, gpt_config, make_batches
 
 from protrain import runtime
-from protrain.runtime.hw.ssd_io import measure_disk_rates
 from protrain.runtime.hw.device import malloc_in_use_bytes
+from protrain.runtime.hw.ssd_io import measure_disk_rates
 from protrain.runtime.training.engine import Engine
 
 MODES = ("keep", "swap", "checkpoint", "ssd")

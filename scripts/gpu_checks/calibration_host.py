@@ -28,6 +28,7 @@ import torch
 from gpu_checks.common import Context
 from protrain.runtime.planning.host_rates import best_time, on_thread
 
+
 @dataclass(frozen=True, slots=True)
 class HostSizes:
     numel: int

@@ -216,8 +216,8 @@ def _train(
 ) -> Run:
     """One engine under ``memory``, trained on the reference's batches with the pool check on;
     ``example``: plan on an example batch (the search fills the knobs left auto)."""
-    from protrain import runtime
     from gpu_checks import training
+    from protrain import runtime
 
     out = ctx.scratch / f"run-{len(ctx.report.checks)}"
     if "ssd" in memory.get("block_modes", ()):
@@ -325,8 +325,8 @@ def _judge_bf16(ctx: Context, name: str, run: Run, reference: Reference, size: S
 def _budget_checks(ctx: Context, size: Sizes, reference: Reference, tally: PoolReads) -> None:
     """A budget set by hand that the resident plan cannot meet: the search must offload, predict
     a peak within it, and (CUDA) the training steps must stay within it."""
-    from protrain import runtime
     from gpu_checks import training
+    from protrain import runtime
 
     generous = 16 * 2**30 if ctx.is_cuda else 2**30
     out = ctx.scratch / "budget-probe"

@@ -84,8 +84,8 @@ def run(ctx: Context) -> None:
 
 def export(ctx: Context, config: Any, root: Path, overrides: dict[str, Any], plan: checkpoint.Resume) -> None:
     """A fresh engine resumes the fp32 case's save and exports; the file equals its state."""
-    from protrain import runtime
     from gpu_checks.training import to_cpu, unequal
+    from protrain import runtime
     from protrain.runtime.export import load_safetensors_export
     from protrain.runtime.models.gpt import GPT
     from tests.checkpointing import checkpoint_job

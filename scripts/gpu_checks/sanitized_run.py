@@ -37,8 +37,8 @@ def sanitizer_enabled() -> bool:
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
-    from protrain import runtime
     from gpu_checks.training import Sizes, lm_data, to_cpu, train
+    from protrain import runtime
     from protrain.runtime.models.gpt import GPT, GPTConfig
 
     size = Sizes(model=GPTConfig(**job["model"]), micro_batch=job["micro_batch"], steps=job["steps"])

@@ -270,8 +270,8 @@ def _runtime_collectives(device: torch.device, rank: int) -> list[str]:
 def _train_case(job: dict[str, Any], case: dict[str, Any], rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from protrain import runtime
     from gpu_checks import training
+    from protrain import runtime
     from protrain.runtime.models.gpt import GPTConfig
 
     size = training.Sizes(model=GPTConfig(**job["model"]), micro_batch=job["micro_batch"], steps=job["steps"])

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from protrain import runtime
-from protrain.runtime.hw import ssd_io
 from protrain.runtime.activations.ssd_store import SsdIoError
+from protrain.runtime.hw import ssd_io
 from protrain.runtime.models.gpt import GPTConfig
 from tests.helpers import assert_state_equal, lm_batches, tiny_gpt
 

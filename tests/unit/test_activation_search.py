@@ -153,8 +153,8 @@ def test_six_knob_search_on_an_80_block_model() -> None:
     """Llama-2-70B's shape on the H100 file's machine, with an NVMe disk: chunk size x n_persist x
     n_buffer x n_swap x n_checkpoint x ssd.n_offload."""
     from protrain.profiler.analytic import KNOWN_CONFIGS, analytic_profile, shape_from_config
-    from protrain.runtime.config.hardware_spec import load_hardware
     from protrain.runtime.commands.what_if import machine_from_file
+    from protrain.runtime.config.hardware_spec import load_hardware
 
     machine = machine_from_file(load_hardware(Path(__file__).parents[2] / "configs/hardware/h100-80gb.yaml"))
     shape = shape_from_config(KNOWN_CONFIGS["llama-2-70b"])

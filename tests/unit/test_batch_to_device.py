@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from protrain import runtime
 import protrain.runtime.training.engine
+from protrain import runtime
 from protrain.runtime.batches import to_device
 from tests.helpers import lm_batches, tiny_gpt
 

@@ -17,14 +17,14 @@ from types import ModuleType
 import pytest
 import torch
 
-from protrain.profiler.analytic import KNOWN_CONFIGS, shape_from_config
 from protrain.launcher.cli import main as protrain_run
 from protrain.launcher.cli import parse_command_line, resolve_spec
+from protrain.launcher.what_if_cli import parse_what_if
+from protrain.profiler.analytic import KNOWN_CONFIGS, shape_from_config
+from protrain.runtime.commands.what_if import HOST_RESERVE_BYTES, machine_for, plan_for
 from protrain.runtime.config.hardware_spec import load_hardware
 from protrain.runtime.config.spec import AUTO
 from protrain.runtime.config.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, load_spec, write_resolved
-from protrain.launcher.what_if_cli import parse_what_if
-from protrain.runtime.commands.what_if import HOST_RESERVE_BYTES, machine_for, plan_for
 from tests.config_commands import assert_trained_through_chunks, header_commands, tiny_command
 from tests.helpers import assert_state_equal
 

@@ -19,8 +19,8 @@ import yaml
 from protrain import runtime
 from protrain.runtime.config.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, load_spec, write_resolved
 from protrain.runtime.models.gpt import GPT, GPTConfig
-from tests.hf_trainer_runs import CausalWindows, tiny_model
 from tests.helpers import lm_batches
+from tests.hf_trainer_runs import CausalWindows, tiny_model
 
 SMALL = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=2, d_model=64)
 SPEC = """\

@@ -12,11 +12,11 @@ from typing import Any
 import psutil
 import pytest
 
-from protrain import runtime
 import protrain.runtime.entry  # noqa: F401 - imported before the readings: initialize's imports are not the test's
+from protrain import runtime
 from protrain.profiler.host_bytes import checkpoint_staging_bytes
-from protrain.runtime.config.spec_io import SpecError
 from protrain.runtime.commands.env_report.host import free_row
+from protrain.runtime.config.spec_io import SpecError
 from protrain.runtime.hw.host_capacity import HostSource, cgroup_headroom, free_host_bytes, host_sources, slurm_source
 from protrain.runtime.planning import budgets
 from tests.helpers import lm_batches, tiny_gpt

@@ -21,8 +21,8 @@ import pytest
 import torch
 from torch import nn
 
-from protrain import runtime
 import protrain.runtime.entry
+from protrain import runtime
 from protrain.runtime.chunks import store, store_build
 from protrain.runtime.hw.device import malloc_in_use_bytes
 from tests.helpers import TINY_GPT, assert_state_equal, lm_batches, tiny_gpt, train_reference, train_updates

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from protrain import runtime
 import protrain.runtime.entry  # noqa: F401 - imported before the readings: initialize's imports are not the test's
+from protrain import runtime
 from protrain.runtime.models.gpt import GPT, GPTConfig
 from protrain.runtime.planning import budgets
 from tests.helpers import lm_batches, train_updates

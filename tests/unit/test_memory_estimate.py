@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from protrain.profiler.activation_cost import CHECKPOINT, KEEP, SSD, SWAP, activation_cost
-from protrain.profiler.analytic import KNOWN_CONFIGS, shape_from_config
-from protrain.profiler.cost_model import chunk_costs, predict
 from protrain.launcher.cli import FLAGS, build_parser, main, script_free_command
 from protrain.launcher.report_cli import build_parser as build_report_parser
 from protrain.launcher.what_if_cli import build_parser as build_what_if_parser
-from protrain.runtime.config.hardware_spec import load_hardware
+from protrain.profiler.activation_cost import CHECKPOINT, KEEP, SSD, SWAP, activation_cost
+from protrain.profiler.analytic import KNOWN_CONFIGS, shape_from_config
+from protrain.profiler.cost_model import chunk_costs, predict
 from protrain.runtime.commands.memory_estimate import Budgets, estimate_rows, fits_text
 from protrain.runtime.commands.what_if import machine_from_file, profile_model
+from protrain.runtime.config.hardware_spec import load_hardware
 
 ROOT = Path(__file__).resolve().parents[2]
 HARDWARE = ROOT / "configs" / "hardware"

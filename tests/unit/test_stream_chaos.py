@@ -16,12 +16,12 @@ import torch
 
 from protrain import runtime
 from protrain.profiler.plan import BlockMode
-from protrain.runtime.hw import stream_chaos
 from protrain.runtime.activations import transfers as transfers_module
 from protrain.runtime.activations.host_pool import HostActivationPool
 from protrain.runtime.activations.records import ActivationStats
 from protrain.runtime.activations.transfers import ActivationTransfers
 from protrain.runtime.chunks.grad_buffers import GradientBufferPool
+from protrain.runtime.hw import stream_chaos
 from protrain.runtime.hw.device import DeviceEvent, DeviceInfo, HostWorker, SideStream
 from protrain.runtime.hw.stream_chaos import StreamChaosError
 from tests.helpers import lm_batches, tiny_gpt

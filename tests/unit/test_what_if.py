@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from protrain.profiler.analytic import KNOWN_CONFIGS, analytic_profile, shape_from_config
 from protrain.launcher.cli import main
 from protrain.launcher.what_if_cli import parse_what_if
-from protrain.runtime.config.hardware_spec import load_hardware
+from protrain.profiler.analytic import KNOWN_CONFIGS, analytic_profile, shape_from_config
 from protrain.runtime.commands.what_if import machine_for, plan_for
+from protrain.runtime.config.hardware_spec import load_hardware
 
 ROOT = Path(__file__).resolve().parents[2]
 HARDWARE = ROOT / "configs" / "hardware"
