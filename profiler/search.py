@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from protrain.profiler.activation_cost import ActivationCost, ActivationOption, activation_cost
 from protrain.profiler.chunking import ChunkTooSmallError, candidate_chunk_bytes
@@ -201,9 +202,7 @@ def search(
                 buffer_range = [n_buffer] if n_buffer >= costs.need[p] else []
             else:
                 most = n - p if extra_buffers is None else min(n - p, costs.need[p] + extra_buffers)
-                buffer_range = buffer_candidates(
-                    costs.need[p], most, fits_with=lambda b, p=p, costs=costs: fits_at(costs, p, b)
-                )
+                buffer_range = buffer_candidates(costs.need[p], most, fits_with=partial(fits_at, costs, p))
             device_full = False
             for position, b in enumerate(buffer_range):
                 candidate, fitted = evaluate(costs, p, b)
@@ -225,23 +224,24 @@ def search(
             if device_full:
                 break  # the smallest plan at this n_persist does not fit: nor will larger ones
     elapsed = time.perf_counter() - started
-    if not fitting and smallest is None:
-        # Not one plan has the hand-set knobs, whatever the budgets: say what would.
-        conflict = chunk_knob_conflict(
-            model.param_sizes,
-            model.module_params,
-            element_size=model.element_size,
-            world_size=hardware.world_size,
-            chunk_sizes=[costs.chunk_size for costs in all_costs],
-            chunk_size_hand_set=chunk_size is not None,
-            n_persist=n_persist,
-            n_buffer=n_buffer,
-        )
-        raise NoPlanFitsError(
-            conflict
-            or "no plan can be formed with the hand-set knobs " + ", ".join(_hand_set(chunk_size, n_persist, n_buffer))
-        )
     if not fitting:
+        if smallest is None:
+            # Not one plan has the hand-set knobs, whatever the budgets: say what would.
+            conflict = chunk_knob_conflict(
+                model.param_sizes,
+                model.module_params,
+                element_size=model.element_size,
+                world_size=hardware.world_size,
+                chunk_sizes=[costs.chunk_size for costs in all_costs],
+                chunk_size_hand_set=chunk_size is not None,
+                n_persist=n_persist,
+                n_buffer=n_buffer,
+            )
+            raise NoPlanFitsError(
+                conflict
+                or "no plan can be formed with the hand-set knobs "
+                + ", ".join(_hand_set(chunk_size, n_persist, n_buffer))
+            )
         raise NoPlanFitsError(
             _nothing_fits(
                 smallest,

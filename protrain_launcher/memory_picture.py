@@ -16,6 +16,7 @@ from typing import Any
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
 
 from protrain.launcher.step_bars import StepBars
 from protrain.runtime.commands.plot import Timeline
@@ -55,7 +56,7 @@ def draw(timeline: Timeline, bars: StepBars, out: Path) -> None:
     _step_panel(steps, bars)
     shading = [Patch(color=colour, label=phase) for phase, colour in SPAN_COLOURS.items()]
     handles: list[Any] = [*shading]
-    names = [patch.get_label() for patch in shading]
+    names: list[str] = list(SPAN_COLOURS)  # the shading's labels, in its order
     for ax in (memory, right, chunks):
         more, more_names = ax.get_legend_handles_labels()
         handles += more
@@ -161,7 +162,9 @@ def _chunk_panel(ax: Axes, timeline: Timeline) -> None:
         ax.text(0.5, 0.5, "no chunk moved: every chunk is persistent", transform=ax.transAxes, ha="center")
     ax.set_ylabel("chunk")
     ax.set_xlabel(f"ms since update {timeline.update}'s first forward")
-    ax.yaxis.get_major_locator().set_params(integer=True)
+    locator = ax.yaxis.get_major_locator()
+    if isinstance(locator, MaxNLocator):  # the default, AutoLocator
+        locator.set_params(integer=True)
     ax.grid(axis="y", alpha=0.3)
 
 

@@ -75,7 +75,8 @@ def _batch_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor
     candidates = [kwargs.get("input_ids"), *args, *kwargs.values()]
     tensors = [value for value in candidates if isinstance(value, torch.Tensor) and value.dim() >= 1]
     integer = [value for value in tensors if not value.is_floating_point()]
-    return (integer or tensors or [None])[0]
+    found = integer or tensors
+    return found[0] if found else None
 
 
 def count_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

@@ -45,7 +45,7 @@ class StepRecord:
     """Sequences the window trained on, all ranks."""
 
     def to_json(self) -> dict[str, Any]:
-        record = {
+        record: dict[str, Any] = {
             "step": self.step,
             "loss": self.loss,
             "lr": self.lr,

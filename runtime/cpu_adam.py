@@ -224,7 +224,7 @@ class ShardAdamW:
         self,
         grad_flat: torch.Tensor,
         active: Sequence[bool],
-        lr: float | None,
+        lr: GroupValues | None,
         copy_out: torch.Tensor | None,
     ) -> None:
         master = self.master

@@ -173,7 +173,7 @@ class ShardedWriter:
         if value.dtype != entry.dtype:
             value = value.to(entry.dtype)
         value = value.contiguous().reshape(-1)
-        self._handle.write(memoryview(value.view(torch.uint8).numpy()))
+        self._handle.write(value.view(torch.uint8).numpy().data)  # the array's buffer, as a memoryview
         self._next += 1
 
     def _open(self, file: int) -> None:

@@ -18,6 +18,7 @@ would be), so the suite measures what a save adds on a GPU.
 from __future__ import annotations
 
 import ctypes
+import io
 from collections.abc import Sequence
 
 import torch
@@ -80,7 +81,7 @@ class StagingSavePlanner(DefaultSavePlanner):
         super().__init__()
         self.staging = staging
 
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | object:
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         data = super().resolve_data(write_item)
         source = None if self.staging is None else self.staging.source(write_item.index)
         if source is not None:

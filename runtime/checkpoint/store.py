@@ -70,7 +70,7 @@ def write_file_durably(path: Path, text: str) -> None:
 def recover(root: Path) -> list[Path]:
     """After a crash between publish's two renames ``step-N`` is missing while a complete copy
     sits in a temporary name: give it the name back (the new save first, else the old one)."""
-    restored = []
+    restored: list[Path] = []
     if not root.is_dir():
         return restored
     for prefix in (_TEMP_PREFIX, f"{_TEMP_PREFIX}old-"):
@@ -92,7 +92,7 @@ def recover(root: Path) -> list[Path]:
 def remove_stale_temps(root: Path) -> list[Path]:
     """Delete saves a crash or kill interrupted (only one job writes into a root), after
     ``recover`` has put back a complete checkpoint that had lost its name."""
-    removed = []
+    removed: list[Path] = []
     if not root.is_dir():
         return removed
     recover(root)
@@ -206,7 +206,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
 
 def complete_checkpoints(root: Path) -> list[Checkpoint]:
     """The complete checkpoints in ``root``, oldest first (broken ones are skipped)."""
-    found = []
+    found: list[Checkpoint] = []
     if not root.is_dir():
         return found
     for entry in root.iterdir():

@@ -293,7 +293,11 @@ class ChunkManager:
         if not self.optimizer.may_speculate():
             return
         flag = torch.tensor([1.0 if local_nonfinite() else 0.0], dtype=torch.float64)
-        agreed = self.collectives.submit(lambda: all_reduce_sum_(flag, self.dist_ctx))
+
+        def agree() -> None:
+            all_reduce_sum_(flag, self.dist_ctx)
+
+        agreed = self.collectives.submit(agree)
         self.optimizer.arm(lr=lr, agreed=agreed, any_nonfinite=flag)
 
     def params_with_grad(self) -> torch.Tensor:

@@ -18,9 +18,10 @@ so they cannot be dict keys that are ever compared), dropped when the parameter 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -43,6 +44,18 @@ _RELEASED: dict[int, tuple[weakref.ref[torch.Tensor], str, str]] = {}
 """id(parameter) -> (the parameter, its name, what to do instead)."""
 _names_only = 0
 """Inside ``names_only``: reads pass (the caller keeps names and shapes, never values)."""
+
+
+class _TensorAttribute(Protocol):
+    """A tensor attribute as its class holds it: a descriptor."""
+
+    def __get__(self, tensor: torch.Tensor, owner: type | None = None, /) -> torch.Tensor: ...
+
+    def __set__(self, tensor: torch.Tensor, value: torch.Tensor, /) -> None: ...
+
+
+_DATA: _TensorAttribute = inspect.getattr_static(torch.Tensor, "data")
+"""``Tensor.data``'s descriptor (torch's stubs type ``Tensor.data`` on the class as a tensor)."""
 
 
 def _names(*attributes: str) -> set[Callable[..., Any]]:
@@ -99,10 +112,10 @@ _METADATA = frozenset(
         "_base",
         "name",
     )
-    | {torch.Tensor.data.__set__}
+    | {_DATA.__set__}
 )
 """What may be asked of a released parameter: its metadata, its gradient, where it points."""
-_DATA_GET = torch.Tensor.data.__get__
+_DATA_GET = _DATA.__get__
 
 
 def _released_entry(value: Any) -> tuple[str, str] | None:
@@ -194,7 +207,7 @@ def mark_released(param: nn.Parameter, name: str, *, closed: bool = False) -> No
     if type(param) is nn.Parameter:
         param.__class__ = ChunkParameter
     key = id(param)
-    _RELEASED[key] = (weakref.ref(param, lambda _ref, key=key: _RELEASED.pop(key, None)), name,
+    _RELEASED[key] = (weakref.ref(param, lambda _ref: _RELEASED.pop(key, None)), name,
                       CLOSED_HINT if closed else GATHER_HINT)  # fmt: skip
 
 

@@ -386,7 +386,7 @@ class ChunkResidency:
             return None
         owner = self._slot_owner[slot]
         assert owner is not None, "a saved tensor views an empty chunk buffer"
-        return SavedAlias(owner, tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()))
+        return SavedAlias(owner, int(tensor.storage_offset()), tuple(tensor.size()), tuple(tensor.stride()))
 
     def unpack_alias(self, packed: SavedAlias) -> torch.Tensor:
         full = self._wait_for([packed.chunk])

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protrain.profiler.plan_builder import KnobRequest
-from protrain.runtime.config.settings import keeps_gradients, planning_settings_from_spec
+from protrain.runtime.config.settings import chosen_knobs, keeps_gradients, knob, knob_request
 from protrain.runtime.config.spec import AUTO, Precision
 from protrain.runtime.config.spec_io import load_spec
 
@@ -20,11 +20,11 @@ SPEC_DEFAULT = "the spec's default"
 class JobSettings:
     """What a job spec says that the what-if planner uses."""
 
-    micro_batch_size: int
-    accumulation_steps: int
+    micro_batch_size: int | None
+    accumulation_steps: int | None
     clipping: bool
     precision: str | None
-    """None for ``auto`` (the Trainer's choice at run time)."""
+    """None for ``auto`` (the Trainer's choice at run time), as are the two above."""
     knobs: KnobRequest
     chosen: tuple[str, ...]
     device_budget: int | None
@@ -41,18 +41,20 @@ def job_settings(path: str) -> JobSettings:
     """A job spec's settings; the spec is validated whole, as the launcher validates it (a bad
     file raises SpecError naming the key)."""
     spec = load_spec(path)
-    settings = planning_settings_from_spec(spec)
+    memory = spec.memory
+    # Not planning_settings_from_spec: it refuses the training fields' "auto", which a spec for
+    # ProTrainTrainer may hold.
     return JobSettings(
-        micro_batch_size=spec.micro_batch_size,
-        accumulation_steps=spec.gradient_accumulation_steps,
-        clipping=bool(spec.gradient_clipping),
+        micro_batch_size=None if spec.micro_batch_size == AUTO else spec.micro_batch_size,
+        accumulation_steps=None if spec.gradient_accumulation_steps == AUTO else spec.gradient_accumulation_steps,
+        clipping=bool(spec.gradient_clipping),  # "auto" too: TrainingArguments.max_grad_norm is 1.0 unless set
         precision=None if spec.precision == AUTO else Precision(spec.precision).value,
-        knobs=settings.request,
-        chosen=settings.chosen,
-        device_budget=settings.device_budget_bytes,
-        host_budget=settings.host_budget_bytes,
-        ssd=settings.ssd_path is not None,
-        async_save=settings.async_save,
+        knobs=knob_request(memory),
+        chosen=chosen_knobs(spec),
+        device_budget=knob(memory.device_budget),
+        host_budget=knob(memory.host_budget),
+        ssd=memory.ssd.path is not None,
+        async_save=spec.checkpoint.async_save,
     )
 
 

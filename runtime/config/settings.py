@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from protrain.profiler.plan_builder import KnobRequest
 from protrain.runtime.config.spec import (
@@ -22,7 +23,10 @@ from protrain.runtime.config.spec import (
     Spec,
     auto_fields,
 )
-from protrain.runtime.config.spec_types import ParamGroup
+from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.config.spec_types import Auto, ParamGroup
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,20 +110,31 @@ def keeps_gradients(*, gradient_clipping: float, loss_scaled: bool, accumulation
     return gradient_clipping > 0 or loss_scaled or accumulation_steps > 1
 
 
+def trainer_set(value: T | Auto, key: str) -> T:
+    """The value of training field ``key``. "auto" there is the Trainer integration's to fill
+    (``spec_types.TrainerFilled``); ``initialize`` refuses a spec still holding one first
+    (``refuse_trainer_autos``), so reaching one here is a caller's bug, told as that refusal."""
+    if value == AUTO:
+        raise SpecError(f'{key}: "auto" here is filled from TrainingArguments by ProTrainTrainer only; set a value')
+    return value
+
+
 def settings_from_spec(spec: Spec) -> TrainingSettings:
+    """The training settings; SpecError where a training field is still "auto"."""
     scaling = spec.effective_loss_scaling
+    optimizer = spec.optimizer
     return TrainingSettings(
-        seed=spec.seed,
-        micro_batch_size=spec.micro_batch_size,
-        gradient_accumulation_steps=spec.gradient_accumulation_steps,
-        precision=spec.precision,
-        gradient_clipping=spec.gradient_clipping or 0.0,
+        seed=trainer_set(spec.seed, "seed"),
+        micro_batch_size=trainer_set(spec.micro_batch_size, "micro_batch_size"),
+        gradient_accumulation_steps=trainer_set(spec.gradient_accumulation_steps, "gradient_accumulation_steps"),
+        precision=trainer_set(spec.precision, "precision"),
+        gradient_clipping=_clipping(spec),
         on_nonfinite_loss=spec.on_nonfinite_loss,
         optimizer=OptimizerSettings(
-            lr=spec.optimizer.lr,
-            betas=spec.optimizer.betas,
-            eps=spec.optimizer.eps,
-            weight_decay=spec.optimizer.weight_decay,
+            lr=trainer_set(optimizer.lr, "optimizer.lr"),
+            betas=trainer_set(optimizer.betas, "optimizer.betas"),
+            eps=trainer_set(optimizer.eps, "optimizer.eps"),
+            weight_decay=trainer_set(optimizer.weight_decay, "optimizer.weight_decay"),
             no_decay=spec.optimizer.no_decay,
             groups=spec.optimizer.groups,
         ),
@@ -183,42 +198,56 @@ class PlanningSettings:
     the plan's host figure counts."""
 
 
+def _clipping(spec: Spec) -> float:
+    """``gradient_clipping``: 0.0 when off (0 or null)."""
+    return trainer_set(spec.gradient_clipping, "gradient_clipping") or 0.0
+
+
 def planning_settings_from_spec(spec: Spec) -> PlanningSettings:
+    """The planning settings; SpecError where a training field it reads is still "auto"."""
     memory = spec.memory
+    precision = trainer_set(spec.precision, "precision")
+    clipping = _clipping(spec)
     return PlanningSettings(
-        precision=spec.precision,
-        micro_batch_size=spec.micro_batch_size,
+        precision=precision,
+        micro_batch_size=trainer_set(spec.micro_batch_size, "micro_batch_size"),
         request=knob_request(memory),
-        chosen=tuple(path for path in auto_fields(spec) if path.startswith("memory.")),
+        chosen=chosen_knobs(spec),
         blocks_path=None if memory.blocks == AUTO else str(memory.blocks),
         ssd_path=None if memory.ssd.path is None else Path(memory.ssd.path).expanduser(),
-        device_budget_bytes=_knob(memory.device_budget),
-        host_budget_bytes=_knob(memory.host_budget),
+        device_budget_bytes=knob(memory.device_budget),
+        host_budget_bytes=knob(memory.host_budget),
         cache_dir=Path(spec.profiler.cache_dir).expanduser(),
         warmup_steps=spec.profiler.warmup_steps,
         profile_steps=spec.profiler.profile_steps,
-        updates_after_norm=bool(spec.gradient_clipping) or spec.precision is Precision.FP16,
+        updates_after_norm=bool(clipping) or precision is Precision.FP16,
         keeps_gradients=keeps_gradients(
-            gradient_clipping=spec.gradient_clipping or 0.0,
+            gradient_clipping=clipping,
             loss_scaled=spec.effective_loss_scaling is not None,
-            accumulation_steps=spec.gradient_accumulation_steps,
+            accumulation_steps=trainer_set(spec.gradient_accumulation_steps, "gradient_accumulation_steps"),
         ),
         async_save=spec.checkpoint.async_save,
     )
 
 
+def chosen_knobs(spec: Spec) -> tuple[str, ...]:
+    """The ``memory.*`` keys left "auto" (the planner chooses them)."""
+    return tuple(path for path in auto_fields(spec) if path.startswith("memory."))
+
+
 def knob_request(memory: MemorySpec) -> KnobRequest:
     """The spec's memory knobs: a number where set by hand, None where "auto"."""
     return KnobRequest(
-        chunk_size=_knob(memory.chunk_size),
-        n_persist=_knob(memory.n_persist),
-        n_buffer=_knob(memory.n_buffer),
-        n_swap=_knob(memory.n_swap),
-        n_checkpoint=_knob(memory.n_checkpoint),
-        n_offload=_knob(memory.ssd.n_offload),
+        chunk_size=knob(memory.chunk_size),
+        n_persist=knob(memory.n_persist),
+        n_buffer=knob(memory.n_buffer),
+        n_swap=knob(memory.n_swap),
+        n_checkpoint=knob(memory.n_checkpoint),
+        n_offload=knob(memory.ssd.n_offload),
         block_modes=memory.block_modes,
     )
 
 
-def _knob(value: int | str) -> int | None:
-    return None if value == AUTO else int(value)
+def knob(value: int | Auto) -> int | None:
+    """A memory knob or budget: the number set by hand, None where "auto"."""
+    return None if value == AUTO else value

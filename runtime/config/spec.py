@@ -356,10 +356,11 @@ class Spec(SpecModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> Spec:
-        if self.loss_scaling is not None and self.precision not in (Precision.FP16, AUTO):
+        precision = self.precision
+        if self.loss_scaling is not None and precision != AUTO and precision is not Precision.FP16:
             raise cross_field_error(
                 "loss_scaling",
-                f"loss_scaling applies only to precision fp16 (precision is {self.precision.value}); remove it",
+                f"loss_scaling applies only to precision fp16 (precision is {precision.value}); remove it",
             )
         return self
 

@@ -315,9 +315,9 @@ def format_validation_error(
         elif kind == "missing":
             message = "required key is missing"
         else:
-            allowed = allowed_text(root, path) if path else None
+            what = allowed_text(root, path) if path else None
             got = _describe(error["input"])
-            message = f"got {got}; allowed: {allowed or error['msg']}"
+            message = f"got {got}; allowed: {what or error['msg']}"
         key = ".".join(path) or "(top level)"
         line = f"{_source_of(path, sources, source)}: {key}: {message}"
         if line not in seen:

@@ -18,14 +18,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from enum import Enum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, PlainSerializer, PlainValidator
 from pydantic_core import PydanticCustomError
 
 from protrain.profiler.plan import BlockMode
 
-AUTO = "auto"
+AUTO: Final = "auto"
+"""Typed ``Literal["auto"]`` (Final), so a field typed ``X | Auto`` may default to it and ``== AUTO`` narrows."""
 Auto = Literal["auto"]
 
 

@@ -22,6 +22,7 @@ import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -97,7 +98,7 @@ def export_engine(
             failure = sink.guard(lambda: sink.start(target, into)) or sink.guard(sink.buffers)
         for info, values in readout.chunks(selection.chunks):
             if sink is not None and failure is None and values is not None:
-                failure = sink.guard(lambda info=info, values=values: sink.chunk(info.params, values))
+                failure = sink.guard(partial(sink.chunk, info.params, values))
         if sink is not None and failure is None:
             failure = sink.guard(lambda: sink.finish(target, into))
     finally:
@@ -215,15 +216,16 @@ class _Sink:
         if self.kind == "adapter":
             return
         if self.kind == "safetensors":
-            self.directory, name = target.parent, target.name
+            directory, name = target.parent, target.name
             aliases = self.selection.aliases
             metadata = {TIED_METADATA_KEY: json.dumps(aliases, sort_keys=True)} if aliases else {}
         else:
             self.staging = None if into else staging_directory(target)
-            self.directory, name, metadata = (target if into else self.staging), "model.safetensors", {}
+            directory, name, metadata = (self.staging or target), "model.safetensors", {}
+        self.directory = directory
         index = {k: v for k, v in metadata.items() if k == TIED_METADATA_KEY}
         self.writer = ShardedWriter(
-            self.directory,
+            directory,
             self.entries,
             name=name,
             max_shard_size=self.max_shard_size,

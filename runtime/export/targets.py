@@ -11,12 +11,16 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from protrain.runtime.chunks.released import names_only
 from protrain.runtime.hw.durable import fsync_path
+
+if TYPE_CHECKING:  # transformers is an optional dependency (the hf extra)
+    from transformers import PreTrainedModel
 
 TIED_METADATA_KEY = "protrain.tied"
 """Metadata key of an exported file: JSON ``{alias: canonical}`` for every tied name dropped."""
@@ -106,18 +110,19 @@ def _move_into_place(tmp: Path, target: Path) -> None:
 # ----------------------------------------------------------------------------- Hugging Face
 
 
-def require_pretrained(model: nn.Module) -> None:
+def require_pretrained(model: nn.Module) -> PreTrainedModel:
+    """``model``, typed as the transformers model it must be (TypeError otherwise)."""
     try:
         from transformers import PreTrainedModel
     except ImportError:  # then no model can be one
-        pretrained: tuple[type, ...] = ()
+        pass
     else:
-        pretrained = (PreTrainedModel,)
-    if not isinstance(model, pretrained):
-        raise TypeError(
-            f"export_hf needs a transformers PreTrainedModel, got {type(model).__name__}; "
-            "use export_safetensors for other models"
-        )
+        if isinstance(model, PreTrainedModel):
+            return model
+    raise TypeError(
+        f"export_hf needs a transformers PreTrainedModel, got {type(model).__name__}; "
+        "use export_safetensors for other models"
+    )
 
 
 def hf_kept_names(model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> set[str]:
@@ -135,28 +140,30 @@ def hf_kept_names(model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> se
                 seen.add(id(param))
                 kept.add(name)
         return kept | (set(meta) - {n for n, _ in model.named_parameters(remove_duplicate=False)})
-    return set(remove_tied_weights_from_state_dict(meta, model))
+    return set(remove_tied_weights_from_state_dict(meta, require_pretrained(model)))
 
 
 def write_hf_config(model: nn.Module, directory: Path, dtype: torch.dtype | None) -> None:
     """``config.json`` (with the model's class and the weights' ``dtype``), the generation
     config, and the code of a model loaded with ``trust_remote_code``: what ``save_pretrained``
     writes beside the weights, the live model's config left as it was."""
-    config = copy.deepcopy(model.config)  # type: ignore[union-attr]
+    pretrained = require_pretrained(model)
+    config = copy.deepcopy(pretrained.config)
     config.architectures = [type(model).__name__]
     if getattr(model, "_auto_class", None) is not None:
         from transformers.dynamic_module_utils import custom_object_save
 
-        custom_object_save(model, str(directory), config=config)
+        # transformers annotates config as a dict; its docstring and code take a PreTrainedConfig too
+        custom_object_save(model, str(directory), config=config)  # type: ignore[arg-type]
     config.save_pretrained(str(directory))
     if dtype is not None:
         path = directory / "config.json"
         values = json.loads(path.read_text(encoding="utf-8"))
         values["dtype"] = str(dtype).removeprefix("torch.")
         path.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    can_generate = getattr(model, "can_generate", None)
-    if callable(can_generate) and can_generate() and getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(str(directory))  # type: ignore[union-attr]
+    generation_config = getattr(pretrained, "generation_config", None)
+    if pretrained.can_generate() and generation_config is not None:
+        generation_config.save_pretrained(str(directory))
 
 
 def single_float_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype | None:

@@ -21,6 +21,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -211,6 +212,10 @@ class _OrderedWorker:
                 self._demanded = sequence
                 self._demand_changed.notify()
 
+    def _demand_reached(self, sequence: int) -> bool:
+        """Whether job ``sequence`` was demanded (call holding ``_demand_changed``)."""
+        return self._demanded >= sequence
+
     def _run(self) -> None:
         # torch initialises a thread's count lazily, at its first parallel op, from the process
         # value: take that first (get_num_threads does), then set the worker's own, which stays.
@@ -237,7 +242,7 @@ class _OrderedWorker:
             if self._chaos is not None:
                 if self._chaos.lazy:
                     with self._demand_changed:
-                        self._demand_changed.wait_for(lambda sequence=sequence: self._demanded >= sequence)
+                        self._demand_changed.wait_for(partial(self._demand_reached, sequence))
                 self._chaos.delay()
             cuda_event = None
             if self._failure is None:

@@ -44,7 +44,9 @@ def _handle(device: torch.device) -> Iterator[tuple[Any, Any] | None]:
         return
     try:
         props = torch.cuda.get_device_properties(device)
-        bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        # torch's stub of _CudaDeviceProperties lacks the pci_* fields that its binding has
+        pci = (props.pci_domain_id, props.pci_bus_id, props.pci_device_id)  # type: ignore[attr-defined]
+        bus = "{:08x}:{:02x}:{:02x}.0".format(*pci)
         try:
             handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus)
         except Exception:  # noqa: BLE001 - a device NVML does not list

@@ -84,7 +84,8 @@ def _measure(threads: int, numel: int) -> HostRates:
     with _AdamBeside(max(1, (os.cpu_count() or 1) - threads)):
         beside = [nbytes / best_time(work) for work, nbytes in probes]
     shared = min(1.0, *(b / a for a, b in zip(alone, beside, strict=True)))
-    return HostRates(*alone, shared_factor=shared)
+    copy, downcast, add = alone
+    return HostRates(copy, downcast, add, shared_factor=shared)
 
 
 class _AdamBeside:

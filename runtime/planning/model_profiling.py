@@ -118,8 +118,8 @@ def profile_model(
                 break
             previous_s = wall_s
     with torch.no_grad():
-        for buffer, saved in buffers:
-            buffer.copy_(saved)
+        for buffer, before in buffers:
+            buffer.copy_(before)
     if chunked is None:
         for param in model.parameters():
             param.grad = None
