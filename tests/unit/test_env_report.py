@@ -1,5 +1,5 @@
 """``protrain-run --report``: the environment report, in-process through the launcher's ``main``
-(tables and JSON), its probes on hand-made /proc, /sys and NVML, the disk probe under
+(tables and JSON), its probes on a fake NVML and a fake torch.cuda, the disk probe under
 ``--ssd-path``, the profile cache, and one real ``protrain-run --report`` process."""
 
 from __future__ import annotations
@@ -7,80 +7,64 @@ from __future__ import annotations
 import json
 import os
 import platform
-import resource
+import shutil
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import psutil
 import pytest
 import torch
 
-from protrain.profiler.analytic import KNOWN_CONFIGS, analytic_profile, shape_from_config
-from protrain.profiler.profile import PROFILE_VERSION, HardwareProfile
 from protrain.launcher.cli import main
 from protrain.runtime.commands.env_report import host
-from protrain.runtime.commands.env_report.gpus import gpu_rows, sysfs_bus_id
-from protrain.runtime.commands.env_report.host import cgroup_limit, cgroup_row, cpu_ranges, cpu_rows, simd_row
-from protrain.runtime.commands.env_report.rows import Status, format_age, run_probe
+from protrain.runtime.commands.env_report.rows import Status, format_bytes, run_probe
+from protrain.runtime.commands.env_report.software import driver_row, git_revision, software_rows, torch_gpu_rows
 
 GIB = 1 << 30
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def report(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, dict[str, dict[str, Any]]]:
     """``protrain-run --report --json ...`` in-process: section title -> row name -> row."""
     assert main(["--report", "--json", *argv]) == 0
     body = json.loads(capsys.readouterr().out)
+    assert body["protrain_report"] == 2
     return {
-        section["title"].split(" (")[0]: {row["name"]: row for row in section["rows"]}
-        for section in body["sections"]
+        section["title"].split(" (")[0]: {row["name"]: row for row in section["rows"]} for section in body["sections"]
     }
 
 
 def test_the_report_tells_what_this_machine_is(capsys: pytest.CaptureFixture[str]) -> None:
     sections = report(capsys)
-    assert set(sections) == {
-        "Software",
-        "GPUs",
-        "CPU",
-        "Host memory",
-        "SSD",
-        "Profile cache",
-        "Environment variables",
+    assert list(sections) == ["Software", "GPUs", "CPU", "Host memory", "SSD", "Profile cache", "Environment variables"]
+    software_, gpus, memory = sections["Software"], sections["GPUs"], sections["Host memory"]
+    assert software_["python"]["value"] == platform.python_version()
+    assert software_["platform"]["text"] == platform.platform()
+    assert software_["torch"]["value"] == torch.__version__
+    assert software_["pydantic"]["value"] == __import__("pydantic").VERSION
+    assert software_["protrain"]["value"]["version"] == "0.1.0"
+    if (ROOT / ".git").exists():  # run from the checkout: the commit is named
+        assert software_["protrain"]["value"]["git"]
+    gloo = torch.distributed.is_available() and torch.distributed.is_gloo_available()
+    assert ("gloo" in software_["torch.distributed"]["value"]) == gloo
+    if torch.version.cuda is None and torch.version.hip is None:  # this machine: the CPU build, exit 0 all the same
+        assert software_["torch build"]["text"] == "CPU-only build (no CUDA)"
+        assert gpus["devices"] == {"name": "devices", "text": "none: this torch is a CPU-only build", "value": 0}
+    assert sections["CPU"]["cores"]["value"] == {
+        "logical": os.cpu_count(),
+        "physical": psutil.cpu_count(logical=False),
+        "usable": len(os.sched_getaffinity(0)),
     }
-    software, cpu, memory = sections["Software"], sections["CPU"], sections["Host memory"]
-    assert software["python"]["value"] == platform.python_version()
-    assert software["torch"]["value"] == torch.__version__
-    assert software["pydantic"]["value"] == __import__("pydantic").VERSION
-    assert software["protrain"]["value"]["version"] == "0.1.0"
-    if torch.version.cuda is None:  # this machine: the CPU build, no GPU, exit 0 all the same
-        assert "CPU-only build" in software["torch CUDA"]["text"]
-        assert sections["GPUs"]["CUDA devices"]["value"] == 0
-    assert cpu["CPU affinity"]["value"] == sorted(os.sched_getaffinity(0))
-    assert cpu["cores"]["value"]["logical"] == os.cpu_count()
     assert memory["RAM"]["value"]["total"] == psutil.virtual_memory().total
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    assert memory["memory lock limit"]["value"]["soft"] == (None if soft == resource.RLIM_INFINITY else soft)
-    assert "cgroup memory limit" in memory and "/dev/shm" in memory
+    assert 0 < memory["free for the job"]["value"] <= psutil.virtual_memory().total
+    assert memory["/dev/shm"]["value"] == shutil.disk_usage("/dev/shm").total
     assert "not measured: give --ssd-path DIR" in sections["SSD"]["SSD path"]["text"]
-    assert not [
-        row for section in sections.values() for row in section.values() if row.get("status") == "failed"
-    ]
-
-
-def test_simd_agrees_with_what_torch_dispatches_to(capsys: pytest.CaptureFixture[str]) -> None:
-    """/proc/cpuinfo's flags, read by the report, against ATen's own detection of the CPU."""
-    simd = report(capsys)["CPU"]["SIMD"]["value"]
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability.startswith("AVX512"):
-        assert simd["AVX-512"] and simd["AVX2"]
-    elif capability == "AVX2":
-        assert simd["AVX2"]
-    else:
-        pytest.skip(f"ATen reports {capability}: nothing to compare")
+    assert not [row for section in sections.values() for row in section.values() if row.get("status") == "failed"]
 
 
 def test_the_tables_print_and_exit_0(capsys: pytest.CaptureFixture[str]) -> None:
@@ -99,10 +83,8 @@ def test_a_failing_probe_is_a_row_saying_why(
 
     monkeypatch.setattr(host.psutil, "virtual_memory", broken)
     rows = report(capsys)["Host memory"]
-    assert rows["memory"] == {
-        "name": "memory",
-        "text": "probe failed: RuntimeError: no /proc/meminfo",
-        "status": "failed",
+    assert rows == {
+        "memory": {"name": "memory", "text": "probe failed: RuntimeError: no /proc/meminfo", "status": "failed"}
     }
     assert main(["--report"]) == 0
     assert "1 probe(s) failed" in capsys.readouterr().out
@@ -113,18 +95,17 @@ def test_the_disk_under_ssd_path_is_measured(tmp_path: Path, capsys: pytest.Capt
     started = time.perf_counter()
     rows = report(capsys, "--ssd-path", str(tmp_path), "--ssd-probe-size", "1MiB")["SSD"]
     assert time.perf_counter() - started < 10
-    assert rows["SSD path"]["text"] == str(tmp_path.resolve())
+    usage = shutil.disk_usage(tmp_path)
+    assert rows["SSD path"]["text"].startswith(f"{tmp_path.resolve()}; ")
+    assert rows["SSD path"]["text"].endswith(f" free of {format_bytes(usage.total)}")
+    assert rows["SSD path"]["value"]["total"] == usage.total
     assert isinstance(rows["O_DIRECT"]["value"], bool)
     assert rows["write rate"]["value"] > 0 and rows["read rate"]["value"] > 0
     assert "(1.0 MiB, fsync'd)" in rows["write rate"]["text"]
-    mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
-    assert rows["filesystem"]["value"]["type"] in {fields[2] for fields in mounts}
     assert list(tmp_path.iterdir()) == []  # the probe file is gone
 
 
-def test_a_missing_ssd_path_is_reported_not_created(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_missing_ssd_path_is_reported_not_created(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nvme"
     rows = report(capsys, "--ssd-path", str(missing), "--set", "memory.ssd.path=/mnt/nvme")["SSD"]
     assert rows["SSD path"] == {"name": "SSD path", "text": f"{missing} does not exist", "status": "failed"}
@@ -142,196 +123,117 @@ def test_bad_report_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "unrecognized arguments: --frobnicate" in capsys.readouterr().err
 
 
-def test_profile_cache_entries_with_their_age(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_profile_cache_its_profiles_and_free_space(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cache = tmp_path / "cache"
     cache.mkdir()
-    now = time.time()
-    hardware = HardwareProfile(
-        device_kind="cuda:NVIDIA H100 80GB HBM3",
-        world_size=2,
-        h2d_bytes_per_s=25e9,
-        d2h_bytes_per_s=25e9,
-        cpu_adam_params_per_s=1.5e9,
-        device_adam_params_per_s=1e11,
-        all_gather_bytes_per_s=1e11,
-        reduce_scatter_bytes_per_s=1e11,
-        collective_latency_s=1e-5,
-    )
-    (cache / "hardware-aa.json").write_text(json.dumps(hardware.to_dict()))
-    os.utime(cache / "hardware-aa.json", (now - 7300, now - 7300))
-    shape = shape_from_config(KNOWN_CONFIGS["gpt2"])
-    model = analytic_profile(shape, micro_batch_size=2, seq_len=128, precision="bf16", sustained_flops=1e14)
-    (cache / "model-bb.json").write_text(json.dumps(model.to_dict()))
-    os.utime(cache / "model-bb.json", (now - 90, now - 90))
-    (cache / "model-cc.json").write_text(json.dumps({**model.to_dict(), "version": PROFILE_VERSION - 1}))
-    (cache / "model-dd.json").write_text("{")
-    (cache / "model-ee.1-2.tmp").write_text("")
-    rows = report(capsys, "--set", f"profiler.cache_dir={cache}")["Profile cache"]
-    assert rows["profile cache"]["text"] == f"{cache}: 4 entries, 1 unfinished *.tmp writes (safe to remove)"
-    hardware_text = rows["hardware-aa.json"]["text"]
-    assert hardware_text.startswith("2 h 1 min old, ") and hardware_text.endswith(
-        "hardware: cuda:NVIDIA H100 80GB HBM3, world size 2, h2d 25.00 GB/s, CPU Adam 1500 M params/s"
-    )
-    assert rows["model-bb.json"]["text"].startswith("1 min old, ")
-    assert (
-        f"model: {shape.parameters / 1e6:,.1f} M parameters, 12 blocks, batch 2 x 128, bf16"
-        in (rows["model-bb.json"]["text"])
-    )
-    assert (
-        f"(version {PROFILE_VERSION - 1}, this build reads {PROFILE_VERSION}: unused)"
-        in (rows["model-cc.json"]["text"])
-    )
-    assert (
-        rows["model-dd.json"]["status"] == "note"
-        and "unreadable (JSONDecodeError)" in rows["model-dd.json"]["text"]
-    )
-    # Newest first; the folder's row lists every entry for the JSON reader.
-    assert list(rows)[-2:] == ["model-bb.json", "hardware-aa.json"]
-    assert [entry["file"] for entry in rows["profile cache"]["value"]][-1] == "hardware-aa.json"
-
-
-def test_an_absent_cache_is_not_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    newest = datetime(2024, 5, 1, 12, 30).timestamp()
+    for name, written in (("hardware-aa.json", newest - 7300), ("model-bb.json", newest)):
+        (cache / name).write_text("{}")
+        os.utime(cache / name, (written, written))
+    (cache / "model-cc.1-2.tmp").write_text("")  # an unfinished write is no profile
+    row = report(capsys, "--set", f"profiler.cache_dir={cache}")["Profile cache"]["profile cache"]
+    total = format_bytes(shutil.disk_usage(cache).total)
+    assert row["text"].startswith(f"{cache}: 2 profiles, newest 2024-05-01 12:30; ")
+    assert row["text"].endswith(f" free of {total}") and row["value"]["path"] == str(cache)
     rows = report(capsys, "--set", f"profiler.cache_dir={tmp_path / 'none'}")["Profile cache"]
     assert rows["profile cache"]["text"] == f"{tmp_path / 'none'}: empty (not created yet)"
+    rows = report(capsys, "--set", f"profiler.cache_dir={cache / 'model-bb.json'}")["Profile cache"]
+    assert rows["profile cache"]["status"] == "failed" and rows["profile cache"]["text"].endswith("is not a directory")
 
 
-def write(root: Path, relative: str, text: str) -> None:
-    path = root / relative
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+def test_sizes_read_as_binary_units() -> None:
+    assert [format_bytes(n) for n in (512, 1536, 80 * GIB, 3 << 40)] == ["512 B", "1.5 KiB", "80.0 GiB", "3.0 TiB"]
 
 
-def test_cgroup_v1_limit_is_the_tightest_of_the_ancestors(tmp_path: Path) -> None:
-    write(tmp_path, "proc/self/cgroup", "5:cpu:/\n4:memory:/job/step\n0::/\n")
-    write(tmp_path, "sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n")
-    write(tmp_path, "sys/fs/cgroup/memory/job/memory.limit_in_bytes", f"{8 * GIB}\n")
-    write(tmp_path, "sys/fs/cgroup/memory/job/step/memory.limit_in_bytes", "9223372036854771712\n")
-    limit, where = cgroup_limit(tmp_path)  # type: ignore[misc]
-    assert limit == 8 * GIB and where.endswith("memory/job/memory.limit_in_bytes")
-    row = cgroup_row(tmp_path, available=16 * GIB)
-    assert row.status is Status.NOTE and "set memory.host_budget under the limit" in row.text
-    assert cgroup_row(tmp_path, available=4 * GIB).status is Status.OK
+def test_git_revision_names_the_commit_and_local_changes(tmp_path: Path) -> None:
+    assert git_revision(tmp_path) is None  # no checkout
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.txt").write_text("1")
+    subprocess.run([*git, "add", "a.txt"], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short=10", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert git_revision(tmp_path) == head
+    (tmp_path / "a.txt").write_text("2")
+    assert git_revision(tmp_path) == f"{head}-dirty"
 
 
-def test_cgroup_v2_unlimited_and_limited(tmp_path: Path) -> None:
-    write(tmp_path, "proc/self/cgroup", "0::/user.slice/job\n")
-    write(tmp_path, "sys/fs/cgroup/user.slice/memory.max", "max\n")
-    write(tmp_path, "sys/fs/cgroup/user.slice/job/memory.max", "max\n")
-    assert cgroup_row(tmp_path, available=GIB).text.startswith("unlimited")
-    write(tmp_path, "sys/fs/cgroup/user.slice/memory.max", f"{2 * GIB}\n")
-    assert cgroup_limit(tmp_path) == (2 * GIB, str(tmp_path / "sys/fs/cgroup/user.slice/memory.max"))
-
-
-def test_no_memory_cgroup_says_so(tmp_path: Path) -> None:
-    write(tmp_path, "proc/self/cgroup", "1:cpu:/\n")
-    assert cgroup_row(tmp_path, available=GIB).text.startswith("none found")
-
-
-def test_simd_from_x86_flags_and_arm_features(tmp_path: Path) -> None:
-    x86 = simd_row({"sse2", "avx", "avx2", "avx512f", "amx_tile"})
-    assert x86.text == "AVX2 yes, AVX-512 yes, AVX-512 BF16 no, AMX no"  # AMX needs amx_bf16 too
-    assert simd_row({"fp", "asimd", "sve"}).text == "NEON/ASIMD yes, SVE yes"
-    assert simd_row(set()).status is Status.NOTE
-    write(tmp_path, "proc/cpuinfo", "processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: sse2 avx avx2\n")
-    rows = {row.name: row for row in cpu_rows(tmp_path)}
-    assert rows["CPU model"].text == "Test CPU 9000" and rows["SIMD"].text.startswith("AVX2 yes, AVX-512 no")
-
-
-def test_small_helpers() -> None:
-    assert cpu_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
-    assert sysfs_bus_id("00000000:1B:00.0") == "0000:1b:00.0"
-    assert [format_age(s) for s in (42, 420, 3 * 3600 + 300, 3 * 86400 + 7200)] == [
-        "42 s",
-        "7 min",
-        "3 h 5 min",
-        "3 d 2 h",
-    ]
+def test_torch_build_names_rocm_and_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.version, "hip", "6.2.4")
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 21, 5))
+    rows = {row.name: row for row in software_rows()}
+    assert rows["torch build"].text == "ROCm (HIP 6.2.4)" and rows["torch build"].value == "6.2.4"
+    assert rows["torch.distributed"].text.startswith("nccl") and rows["torch.distributed"].text.endswith(
+        " (NCCL 2.21.5)"
+    )
 
 
 class NotSupported(Exception):
     """Stands in for pynvml's NVMLError_NotSupported."""
 
 
-def fake_pynvml(*, init_error: Exception | None = None, link_error: bool = False) -> ModuleType:
-    """Two GPUs as NVML would describe them (bytes names, as older pynvml returns them)."""
+def fake_pynvml(init_error: Exception | None = None) -> ModuleType:
+    """NVML as a driver 550 serving CUDA 12.4 describes itself (bytes, as older pynvml returns)."""
     module = ModuleType("pynvml")
 
     def init() -> None:
         if init_error is not None:
             raise init_error
 
-    def link(value: int):  # noqa: ANN202 - a query returning ``value`` or raising
-        def query(handle: int) -> int:
-            if link_error and handle == 1:
-                raise NotSupported("Not Supported")
-            return value
-
-        return query
-
     module.nvmlInit = init  # type: ignore[attr-defined]
     module.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
     module.nvmlSystemGetDriverVersion = lambda: b"550.54.15"  # type: ignore[attr-defined]
-    module.nvmlSystemGetCudaDriverVersion_v2 = lambda: 12040  # type: ignore[attr-defined]
-    module.nvmlDeviceGetCount = lambda: 2  # type: ignore[attr-defined]
-    module.nvmlDeviceGetHandleByIndex = lambda index: index  # type: ignore[attr-defined]
-    module.nvmlDeviceGetName = lambda handle: b"NVIDIA H100 80GB HBM3"  # type: ignore[attr-defined]
-    module.nvmlDeviceGetMemoryInfo = lambda handle: type(  # type: ignore[attr-defined]
-        "Memory", (), {"total": 80 * GIB, "used": GIB // 2}
-    )()
-    module.nvmlDeviceGetCudaComputeCapability = lambda handle: (9, 0)  # type: ignore[attr-defined]
-    module.nvmlDeviceGetPciInfo = lambda handle: type(  # type: ignore[attr-defined]
-        "Pci", (), {"busId": f"00000000:{0x18 + handle:02X}:00.0".encode()}
-    )()
-    module.nvmlDeviceGetCurrPcieLinkGeneration = link(5)  # type: ignore[attr-defined]
-    module.nvmlDeviceGetCurrPcieLinkWidth = link(16)  # type: ignore[attr-defined]
-    module.nvmlDeviceGetMaxPcieLinkGeneration = link(5)  # type: ignore[attr-defined]
-    module.nvmlDeviceGetMaxPcieLinkWidth = link(16)  # type: ignore[attr-defined]
+    module.nvmlSystemGetCudaDriverVersion = lambda: 12040  # type: ignore[attr-defined]
     return module
 
 
-def fake_sysfs(root: Path) -> Path:
-    for bus, node, width in (("0000:18:00.0", 0, 16), ("0000:19:00.0", 1, 8)):
-        write(root, f"{bus}/numa_node", f"{node}\n")
-        write(root, f"{bus}/current_link_speed", "16.0 GT/s PCIe\n")
-        write(root, f"{bus}/current_link_width", f"{width}\n")
-        write(root, f"{bus}/max_link_speed", "32.0 GT/s PCIe\n")
-        write(root, f"{bus}/max_link_width", "16\n")
-    return root
+def test_the_driver_through_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml())
+    row = driver_row()
+    assert (row.text, row.value, row.status) == ("550.54.15 (CUDA 12.4)", "550.54.15", Status.OK)
 
 
-def test_gpus_through_nvml_with_sysfs_for_what_it_lacks(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(link_error=True))
-    rows = {row.name: row for row in gpu_rows(fake_sysfs(tmp_path))}
-    assert rows["NVIDIA driver"].text == "550.54.15"
-    assert rows["CUDA driver API"].value == "12.4"
-    first, second = rows["GPU 0 (NVML)"], rows["GPU 1 (NVML)"]
-    assert first.text == (
-        "NVIDIA H100 80GB HBM3, 80.0 GiB (512.0 MiB in use), compute capability 9.0, "
-        "PCIe gen 5 x16 (card max gen 5 x16), NUMA node 0, bus 0000:18:00.0"
-    )
-    assert first.status is Status.OK and first.value["numa_node"] == 0
-    # NVML refused the second GPU's link: sysfs gives it, and it runs at half its width.
-    assert "PCIe gen 4 x8 (card max gen 5 x16), NUMA node 1" in second.text
-    assert "the link runs at x8 of the card's x16" in second.text
-    assert "unread: PCIe link: NotSupported: Not Supported" in second.text and second.status is Status.NOTE
-    assert "torch.cuda" not in rows and "CUDA devices" not in rows
-
-
-def test_nvml_failing_at_init_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(init_error=NotSupported("Unknown Error")))
-    rows = {row.name: row for row in gpu_rows(tmp_path)}
-    assert rows["NVML"].status is Status.FAILED and rows["NVML"].text.endswith("NotSupported: Unknown Error")
-    assert "CUDA devices" in rows  # torch.cuda's view follows
-
-
-def test_no_nvidia_driver_is_a_note_not_a_failure(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_no_nvidia_driver_is_a_note_not_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     """pynvml is a dependency, so a machine without an NVIDIA driver is the usual CPU machine."""
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(init_error=NotSupported("Driver Not Loaded")))
-    rows = {row.name: row for row in gpu_rows(tmp_path)}
-    assert rows["NVML"].status is Status.NOTE and "no NVIDIA driver here" in rows["NVML"].text
-    assert "CUDA devices" in rows
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(NotSupported("Driver Not Loaded")))
+    row = driver_row()
+    assert row.status is Status.NOTE and row.text == "none found (NotSupported: Driver Not Loaded)"
+
+
+def test_each_gpu_torch_sees(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two GPUs through a fake torch.cuda: NVML knows what the first holds, not the second."""
+    props = SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 * GIB, major=9, minor=0)
+
+    def used(index: int) -> int:
+        if index == 1:
+            raise RuntimeError("NVML not available")
+        return GIB // 2
+
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(torch.cuda, "device_memory_used", used)
+    rows = {row.name: row for row in torch_gpu_rows()}
+    assert rows["devices"].value == 2
+    assert rows["cuda:0"].text == "NVIDIA H100 80GB HBM3, 80.0 GiB (512.0 MiB in use), compute capability 9.0"
+    assert rows["cuda:0"].value == {
+        "name": "NVIDIA H100 80GB HBM3",
+        "memory_total": 80 * GIB,
+        "memory_used": GIB // 2,
+        "capability": "9.0",
+    }
+    assert rows["cuda:1"].text == "NVIDIA H100 80GB HBM3, 80.0 GiB, compute capability 9.0"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert torch_gpu_rows()[0].status is Status.NOTE and "none visible" in torch_gpu_rows()[0].text
+
+
+def test_small_shm_is_flagged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Docker's default 64 MiB /dev/shm: NCCL and DataLoader workers fail with "Bus error"."""
+    monkeypatch.setattr(host.shutil, "disk_usage", lambda path: SimpleNamespace(total=64 << 20, free=60 << 20))
+    (row,) = host.shm_rows()
+    assert row.status is Status.NOTE and row.text.startswith("64.0 MiB total; small for NCCL")
 
 
 def test_a_real_protrain_run_report(tmp_path: Path) -> None:
@@ -348,9 +250,9 @@ def test_a_real_protrain_run_report(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    for row in ("python", "torch", "CUDA_VISIBLE_DEVICES", "CPU model", "SIMD", "RAM", "cgroup memory limit"):
+    for row in ("python", "torch build", "NVIDIA driver", "devices", "cores", "RAM", "free for the job", "/dev/shm"):
         assert row in out, row
-    for row in ("memory lock limit", "O_DIRECT", "write rate", "read rate", "profile cache"):
+    for row in ("O_DIRECT", "write rate", "read rate", "profile cache"):
         assert row in out, row
     assert "Traceback" not in out + done.stderr
     assert "visible-value" in out and "HF_TOKEN" in out and "hunter2" not in out
