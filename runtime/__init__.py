@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from protrain.runtime.entry import current_spec, initialize
+    from protrain.runtime.config.job import current_spec
+    from protrain.runtime.entry import initialize
     from protrain.runtime.training.engine import Engine
 
 __all__ = ["Engine", "current_spec", "initialize"]
@@ -19,7 +20,8 @@ def __getattr__(name: str) -> Any:
     if name in ("initialize", "current_spec"):
         import importlib
 
-        return getattr(importlib.import_module("protrain.runtime.entry"), name)
+        home = "protrain.runtime.entry" if name == "initialize" else "protrain.runtime.config.job"
+        return getattr(importlib.import_module(home), name)
     if name == "Engine":
         from protrain.runtime.training.engine import Engine
 

@@ -3,13 +3,12 @@ ends (exit 0): no process group, no training step, no files.
 
 The launcher runs the script once, in one local process, with its resolved spec (marked a dry
 run) in ``PROTRAIN_SPEC``. A script may pass its own spec to ``runtime.initialize`` (a path, a
-dict, a ``Spec``) or to ``ProTrainTrainer``; the dry run holds either way (``launched_dry_run``):
+dict, a ``Spec``) or to ``ProTrainTrainer``; the dry run holds either way (``config.job.launched_dry_run``):
 before, a spec passed by the script trained for real under ``--dry-run``."""
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -18,24 +17,15 @@ from rich.console import Console
 from torch import nn
 
 from protrain.runtime.batches import to_device
-from protrain.runtime.chunks.layout import model_params
 from protrain.runtime.config.settings import PlanningSettings
-from protrain.runtime.config.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, SpecError, read_resolved
+from protrain.runtime.config.spec_io import ResolvedSpec, SpecError
 from protrain.runtime.console import plan_table
 from protrain.runtime.hw.device import select_device
 from protrain.runtime.planning.budgets import host_parameter_bytes, process_rss_bytes, resolve_budgets
-from protrain.runtime.planning.model_facts import check_supported, execution_order
-from protrain.runtime.planning.planner import Profilers, build_planner
+from protrain.runtime.planning.first_plan import first_plan
+from protrain.runtime.planning.model_facts import check_supported
+from protrain.runtime.planning.profilers import Profilers
 from protrain.runtime.weights import held_on
-
-
-def launched_dry_run() -> ResolvedSpec | None:
-    """The resolved spec ``protrain-run --dry-run`` handed this process, when it is that dry run."""
-    path = os.environ.get(RESOLVED_SPEC_ENV)
-    if not path:
-        return None
-    launched = read_resolved(path)
-    return launched if launched.dry_run else None
 
 
 def dry_run(
@@ -54,21 +44,20 @@ def dry_run(
     console = Console(highlight=False)
     device = select_device(0)
     example_batch = to_device(example_batch, device.device)
-    params = model_params(model, execution_order(model, example_batch, device))
-    planner = build_planner(
+    planned = first_plan(
         model,
         planning,
-        params=params,
-        world_size=resolved.world_size,
-        budgets=resolve_budgets(planning, device, ranks_on_host=resolved.world_size),
+        example_batch=example_batch,
+        whole=whole and held_on(model, device.device),
         loss_fn=loss_fn,
         device=device,
         dist_ctx=None,
+        world_size=resolved.world_size,
+        budgets=resolve_budgets(planning, device, ranks_on_host=resolved.world_size),
         profilers=profilers,
-        host_baseline_bytes=process_rss_bytes(),
-        host_model_bytes=host_parameter_bytes(model),
+        host_bytes=(process_rss_bytes(), host_parameter_bytes(model)),
     )
-    plan = planner.initial_plan(example_batch if whole and held_on(model, device.device) else None)
+    plan, planner, params = planned.plan, planned.planner, planned.params
     console.print(
         f"[bold]Spec[/bold] from {resolved.source}"
         + (f" with {', '.join(resolved.overrides)}" if resolved.overrides else "")

@@ -27,7 +27,11 @@ class DataPosition:
         self.sampler: ShardedSampler | None = None
         self._resumed: dict[str, Any] | None = None
 
-    def make_sampler(self, num_samples: int, *, shuffle: bool) -> ShardedSampler:
+    def data_sampler(self, num_samples: int, *, shuffle: bool = True) -> ShardedSampler:
+        """A sampler over a dataset of ``num_samples`` for this rank (batch size
+        ``micro_batch_size``) whose position is saved with every checkpoint and restored on
+        resume, so a resumed run sees exactly the batches the uninterrupted run would have. Give
+        the DataLoader a ``generator`` of its own, or use ``data_loader``."""
         if self.sampler is not None:
             raise RuntimeError("engine.data_sampler() was already called: one sampler per engine")
         sampler = ShardedSampler(
@@ -43,11 +47,16 @@ class DataPosition:
         self.sampler = sampler
         return sampler
 
-    def make_loader(self, dataset: Dataset[Any], **loader_args: Any) -> DataLoader[Any]:
+    def data_loader(self, dataset: Dataset[Any], **loader_args: Any) -> DataLoader[Any]:
+        """A ``DataLoader`` over ``dataset`` with this rank's resumable ``data_sampler`` and
+        ``micro_batch_size``; other arguments (``num_workers``, ``collate_fn``...) pass through.
+        It draws its worker seeds from a generator of its own: a plain DataLoader draws them from
+        the global random stream each time it starts an epoch, so a resumed run, which starts
+        one at a different step, would see different dropout masks than the uninterrupted run."""
         for taken in ("batch_size", "sampler", "shuffle", "batch_sampler"):
             if taken in loader_args:
                 raise TypeError(f"data_loader sets {taken} itself (micro_batch_size and data_sampler)")
-        sampler = self.make_sampler(len(dataset), shuffle=True)  # type: ignore[arg-type]
+        sampler = self.data_sampler(len(dataset), shuffle=True)  # type: ignore[arg-type]
         generator = loader_args.pop("generator", None) or torch.Generator().manual_seed(self.seed)
         return DataLoader(
             dataset, batch_size=self.micro_batch_size, sampler=sampler, generator=generator, **loader_args

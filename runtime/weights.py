@@ -306,3 +306,26 @@ def _alias_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
     for name, param in model.named_parameters(remove_duplicate=False):
         by_tensor.setdefault(id(param), []).append(name)
     return {name: tuple(n for n in names if n != name) for names in by_tensor.values() for name in names}
+
+
+def weight_reader(model: nn.Module, weights: WeightsSource | None) -> WeightReader | None:
+    """The reader of a model built on the meta device: it is never materialised whole, its
+    parameters get stand-ins and each is read from the weights straight into its chunk. Weights
+    for a materialised model are loaded into it now."""
+    streamed = weights is not None and any(p.is_meta for p in model.parameters())
+    reader = WeightReader(weights, model) if streamed and weights is not None else None
+    if weights is not None and reader is None:
+        load_weights_(model, weights)
+    if reader is None:
+        refuse_meta(model)
+    return reader
+
+
+def refuse_meta(model: nn.Module) -> None:
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"{len(meta)} parameters (e.g. {meta[0]}) are on the meta device and no weights were "
+            "given; pass initialize(..., weights=...) with a state dict, a safetensors directory "
+            "or a callable"
+        )

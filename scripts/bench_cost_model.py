@@ -91,6 +91,7 @@ from protrain.profiler.analytic import KNOWN_CONFIGS, analytic_profile, shape_fr
 from protrain.profiler.cost_model import Prediction, chunk_costs, predict
 from protrain.profiler.profile import HardwareProfile, ModelProfile
 from protrain.profiler.search import search
+from protrain.runtime.commands.what_if import machine_from_file
 from protrain.runtime.config.hardware_spec import load_hardware
 from protrain.runtime.config.settings import keeps_gradients
 from protrain.runtime.config.spec_io import SpecError
@@ -98,8 +99,7 @@ from protrain.runtime.hw.device import malloc_in_use_bytes
 from protrain.runtime.models.gpt import GPTConfig
 from protrain.runtime.planning.hardware_probes import hardware_profile
 from protrain.runtime.planning.model_profiling import profile_model
-from protrain.runtime.planning.planner import Profilers
-from protrain.runtime.commands.what_if import machine_from_file
+from protrain.runtime.planning.profilers import Profilers
 from protrain.runtime.training.engine import Engine
 
 LR = 3e-4

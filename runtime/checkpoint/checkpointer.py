@@ -22,9 +22,8 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -50,6 +49,7 @@ from protrain.runtime.checkpoint.store import (
     write_manifest,
 )
 from protrain.runtime.chunks.manager import ChunkManager
+from protrain.runtime.config.job import CheckpointSettings
 from protrain.runtime.hw import device_wall
 from protrain.runtime.hw.distributed import DistContext, broadcast_object
 
@@ -57,42 +57,38 @@ BUFFER = "buffer."
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CheckpointSettings:
-    dir: Path | None
-    interval_steps: int
-    resume: str
-    """"auto", "never", or a path."""
-    async_save: bool
-    keep_last: int
+class ChunkHolder(Protocol):
+    """Where the checkpointer finds the chunk manager in force (the engine's training state)."""
+
+    chunks: ChunkManager
 
 
 class Checkpointer:
     def __init__(
         self,
         *,
-        chunks: ChunkManager,
+        holder: ChunkHolder,
         module: nn.Module,
         dist_ctx: DistContext,
         settings: CheckpointSettings,
         seed: int,
     ) -> None:
-        self.chunks = chunks
+        self._holder = holder
         self.module = module
         self.dist_ctx = dist_ctx
         self.settings = settings
         self.seed = seed
         self._group: dist.ProcessGroup | None = None
         self._space: ParameterSpace | None = None
+        self._space_of: ChunkManager | None = None
         self._pending: threading.Thread | None = None
         self._pending_error: BaseException | None = None
         self._pending_path: Path | None = None
 
-    def use(self, chunks: ChunkManager) -> None:
-        """Save and load this chunk manager's state from now on (after a plan switch)."""
-        self.wait()
-        self.chunks = chunks
-        self._space = None
+    @property
+    def chunks(self) -> ChunkManager:
+        """The chunk manager in force (read at each use: a plan switch replaces it)."""
+        return self._holder.chunks
 
     # ------------------------------------------------------------------ plumbing
 
@@ -107,8 +103,9 @@ class Checkpointer:
         return self._group
 
     def _parameter_space(self) -> ParameterSpace:
-        if self._space is None:
+        if self._space is None or self._space_of is not self.chunks:
             self._space = ParameterSpace(self.chunks, self._checkpoint_group())
+            self._space_of = self.chunks
         return self._space
 
     @contextlib.contextmanager
@@ -137,7 +134,9 @@ class Checkpointer:
                 outcome = (False, str(err))
             except Exception as err:
                 outcome = (False, f"{what} failed on rank 0: {type(err).__name__}: {err}")
-        ok, value = broadcast_object(outcome, self.dist_ctx, self._checkpoint_group())  # type: ignore[misc]
+        shared = broadcast_object(outcome, self.dist_ctx, self._checkpoint_group())
+        assert isinstance(shared, tuple)  # rank 0's outcome
+        ok, value = shared
         if not ok:
             raise CheckpointError(value)
         return value  # type: ignore[no-any-return]

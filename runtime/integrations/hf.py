@@ -50,8 +50,8 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import enable_full_determinism, set_seed
 
 from protrain import runtime
+from protrain.runtime.config.job import launched_dry_run
 from protrain.runtime.config.spec_io import SpecError
-from protrain.runtime.dry_run import launched_dry_run
 from protrain.runtime.integrations.fused_head import gather_head_after_backbone
 from protrain.runtime.integrations.hf_checks import refuse_clashing_args, refuse_own_optimizer
 from protrain.runtime.integrations.hf_spec import (

@@ -51,7 +51,7 @@ def user_spec(source: SpecSource) -> Spec:
     if source is not None:
         return load_spec(source)
     if os.environ.get(RESOLVED_SPEC_ENV):
-        from protrain.runtime.entry import current_spec
+        from protrain.runtime.config.job import current_spec
 
         return current_spec(None)
     return Spec()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -30,14 +30,14 @@ class TimeMark:
 
     __slots__ = ("_event", "_host_s")
 
-    def __init__(self, cuda: bool) -> None:
+    def __init__(self, cuda: bool, host_clock: Callable[[], float] = time.perf_counter) -> None:
         self._event: torch.cuda.Event | None = None
         self._host_s = 0.0
         if cuda:
             self._event = torch.cuda.Event(enable_timing=True)
             self._event.record()
         else:
-            self._host_s = time.perf_counter()
+            self._host_s = host_clock()
 
     def seconds_to(self, later: TimeMark) -> float:
         """Seconds from this mark to ``later`` (on CUDA both must have completed)."""
@@ -57,12 +57,17 @@ class PhaseTimes:
 class PhaseClock:
     """The marks of one accumulation window (see the module docstring)."""
 
-    def __init__(self, device: DeviceInfo) -> None:
+    def __init__(self, device: DeviceInfo, host_clock: Callable[[], float] = time.perf_counter) -> None:
+        """``host_clock``: what marks read where compute runs on the host (tests give a fake one)."""
         self._cuda = device.is_cuda
+        self._host_clock = host_clock
         self._forwards: list[tuple[TimeMark, TimeMark]] = []
         self._backwards: list[tuple[TimeMark, TimeMark]] = []
         self._backward_start: TimeMark | None = None
         self._update_end: TimeMark | None = None
+
+    def _mark(self) -> TimeMark:
+        return TimeMark(self._cuda, self._host_clock)
 
     def start_window(self) -> None:
         self._forwards.clear()
@@ -71,21 +76,21 @@ class PhaseClock:
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
-        start = TimeMark(self._cuda)
+        start = self._mark()
         yield
-        self._forwards.append((start, TimeMark(self._cuda)))
+        self._forwards.append((start, self._mark()))
 
     def begin_backward(self) -> None:
-        self._backward_start = TimeMark(self._cuda)
+        self._backward_start = self._mark()
 
     def end_backward(self) -> None:
         if self._backward_start is not None:
-            self._backwards.append((self._backward_start, TimeMark(self._cuda)))
+            self._backwards.append((self._backward_start, self._mark()))
             self._backward_start = None
 
     def end_update(self) -> None:
         """The update's device work is queued (the engine synchronises next)."""
-        self._update_end = TimeMark(self._cuda)
+        self._update_end = self._mark()
 
     def take(self) -> PhaseTimes:
         """The window's times; call after the update's synchronisation. The marks are dropped."""

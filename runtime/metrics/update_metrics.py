@@ -63,8 +63,11 @@ class UpdateMetrics:
         settings: TrainingSettings,
         sources: MetricSources,
         log: Callable[[str], None],
+        compute_clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.phases = PhaseClock(device)
+        """``compute_clock``: the host clock the phases are timed on where there are no device
+        events (CPU; tests give a fake one)."""
+        self.phases = PhaseClock(device, compute_clock)
         self.memory = MemoryMeter(device)
         self._sources = sources
         self.flops = model_flops(module, sources.chunks.layout.params, sources.activations.blocks)

@@ -38,6 +38,14 @@ AUTOCAST_DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16
 """The autocast dtype of forward under each mixed precision (fp32 runs without autocast)."""
 
 
+def autocast(precision: Precision, device: DeviceInfo) -> contextlib.AbstractContextManager[Any]:
+    """The training forward's autocast under ``precision`` (none for fp32)."""
+    dtype = AUTOCAST_DTYPES.get(precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.autocast_type, dtype=dtype)
+
+
 def compute_element_size(precision: Precision) -> int:
     """Bytes per element of the chunked compute copy of the parameters."""
     return 4 if precision is Precision.FP32 else 2

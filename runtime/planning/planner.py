@@ -50,7 +50,7 @@ from protrain.runtime.config.spec_io import SpecError
 from protrain.runtime.hw.device import DeviceInfo, counts_every_byte, release_free_memory
 from protrain.runtime.hw.distributed import DistContext, all_reduce_max, all_reduce_sum_
 from protrain.runtime.model_cache import cache_configs, caches_off
-from protrain.runtime.planning.hardware_probes import hardware_key, hardware_profile, with_disk_rates
+from protrain.runtime.planning.hardware_probes import hardware_key, with_disk_rates
 from protrain.runtime.planning.model_facts import (
     AUTOCAST_DTYPES,
     compute_element_size,
@@ -60,17 +60,9 @@ from protrain.runtime.planning.model_facts import (
     module_params,
     refuse_impossible_knobs,
 )
-from protrain.runtime.planning.model_profiling import ChunkedRun, agree_model, profile_model
+from protrain.runtime.planning.model_profiling import ChunkedRun, agree_model
 from protrain.runtime.planning.profile_cache import ProfileOrigin, read_agreed, write_cached
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Profilers:
-    """The measuring functions the Planner calls (``runtime.planning.model_profiling.profile_model`` and
-    ``runtime.planning.hardware_probes.hardware_profile``, same signatures)."""
-
-    model: Callable[..., ModelProfile] = profile_model
-    hardware: Callable[..., HardwareProfile] = hardware_profile
+from protrain.runtime.planning.profilers import Profilers
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ limit of re-plans, and what a plan is applied to (``apply_plan``). Two occasions
   so the latest profiles are searched again with the budget shrunk by that ratio, at most
   ``MAX_REPLANS`` times, before the difference runs out of memory.
 
-The Engine switches to the plan returned (``Engine.switch_plan``, which calls ``apply``).
+The engine's PlanController (controller.py) switches to the plan returned, through ``apply``.
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ from protrain.runtime.config.spec_io import SpecError
 from protrain.runtime.hw.distributed import DistContext, all_reduce_max, broadcast_object
 from protrain.runtime.planning.apply_plan import PlanTarget, apply_plan
 from protrain.runtime.planning.model_profiling import ChunkedRun
-from protrain.runtime.planning.plan_check import FINDING_KEYS
-from protrain.runtime.planning.plan_check import judge as judge_plan_check
+from protrain.runtime.planning.plan_check import PlanCheckResult
 from protrain.runtime.planning.plan_switch import hold_on_host
 from protrain.runtime.planning.planner import Planner
 
@@ -156,30 +155,14 @@ class Replanner:
             f"({self.planner.failure}); lower micro_batch_size or raise memory.device_budget"
         )
 
-    def judge(self, check: dict[str, Any]) -> dict[str, Any]:
-        """Compute far off the prediction of a plan made from cached profiles: they may have been
-        measured at another moment. The first launch to find them off notes it in the cache
-        entries; the next that finds them off again drops them, so the launch after measures
-        again; one that finds them right clears the note (profile_cache.py)."""
-        origin = self.planner.origin
-        check = judge_plan_check(check, from_cache=bool(origin.cached))
-        if check["profile"] != "cached":
-            return check
-        if check["off"]:
-            dropped = origin.found_off({key: check[key] for key in FINDING_KEYS if key in check})
-            check["dropped_profiles" if dropped else "noted_off"] = [str(path) for path in (dropped or origin.cached)]
-        else:
-            origin.found_right()
-        return check
-
-    def after_window(self, plan: Plan, check: dict[str, Any], dist_ctx: DistContext) -> Plan | None:
+    def after_window(self, plan: Plan, check: PlanCheckResult, dist_ctx: DistContext) -> Plan | None:
         """The plan to switch to when the measured peak in ``check`` (agreed across ranks: every
         rank calls this) exceeds ``plan``'s prediction by more than the margin; None otherwise,
         past the limit, or when no plan fits the shrunk budget (said, and the plan kept)."""
         predicted = plan.predicted_peak_device_bytes
-        if predicted is None or "measured_peak_device_bytes" not in check:
+        if predicted is None or check.measured_peak_device_bytes is None:
             return None
-        measured = all_reduce_max(float(check["measured_peak_device_bytes"]), dist_ctx)
+        measured = all_reduce_max(float(check.measured_peak_device_bytes), dist_ctx)
         if measured <= predicted * (1 + self.margin) or self.replans >= self.limit:
             return None
         ratio = measured / predicted

@@ -19,7 +19,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from protrain.runtime.entry import current_spec, initialize
+    from protrain.runtime.config.job import current_spec
+    from protrain.runtime.entry import initialize
     from protrain.runtime.integrations.hf import ProTrainMixin, ProTrainTrainer
     from protrain.runtime.training.engine import Engine
 
@@ -29,7 +30,7 @@ __version__ = "0.1.0"
 # loaded when asked for.
 _LAZY = {
     "initialize": "protrain.runtime.entry",
-    "current_spec": "protrain.runtime.entry",
+    "current_spec": "protrain.runtime.config.job",
     "Engine": "protrain.runtime.training.engine",
     "ProTrainTrainer": "protrain.runtime.integrations.hf",
     "ProTrainMixin": "protrain.runtime.integrations.hf",

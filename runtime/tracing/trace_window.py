@@ -40,12 +40,22 @@ class TracedEngine(Protocol):
     """What the window reads of the engine (read at each call: a plan switch replaces managers)."""
 
     module: nn.Module
-    plan: Plan
-    chunks: ChunkManager
-    activations: ActivationManager
     device_info: DeviceInfo
-    global_step: int
-    skipped_steps: int
+
+    @property
+    def plan(self) -> Plan: ...
+
+    @property
+    def chunks(self) -> ChunkManager: ...
+
+    @property
+    def activations(self) -> ActivationManager: ...
+
+    @property
+    def global_step(self) -> int: ...
+
+    @property
+    def skipped_steps(self) -> int: ...
 
 
 class UpdateObserver(Protocol):

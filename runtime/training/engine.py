@@ -4,13 +4,12 @@
     engine.backward(out.loss)      # loss / gradient_accumulation_steps (x loss scale) backward
     engine.step()                  # an optimizer update only at the window's last micro-batch
 
-Model state lives in chunks (``runtime.chunks.manager``): gradients are reduce-scattered into
-fp32 shards during backward. Activations follow the plan's per-block modes
-(``runtime.activations.manager``, the one saved-tensor dispatcher). At the window's end the
-engine decides the same on every rank whether the update is skipped (non-finite loss, fp16
-overflow), clips the global norm, runs AdamW on the shards (parameters that got no gradient on
-any rank are skipped, as ``torch.optim.AdamW`` skips them), refreshes the device copies and
-reports one record.
+The Engine is a composition over parts it owns: the training state (state.py: the chunk and
+activation managers, the checkpointer, how far training has come), the accumulation window
+(window.py), the plan's owner (runtime/planning/controller.py), the learning rates
+(learning_rates.py), the checkpoint calls (checkpoints.py), the reports and the trace. At the
+window's end every rank decides alike whether the update is skipped (update.py), runs it on the
+shards and reports one record.
 """
 
 from __future__ import annotations
@@ -19,9 +18,9 @@ import contextlib
 import signal
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -30,104 +29,120 @@ from protrain.profiler.plan import BlockMode, Plan
 from protrain.runtime.activations.manager import ActivationManager
 from protrain.runtime.batches import refuse_larger_batch, to_device
 from protrain.runtime.checkpoint.checkpointer import Checkpointer
+from protrain.runtime.chunks.gathered import gathered
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.config.settings import TrainingSettings
-from protrain.runtime.console import MetricsFile, ProgressReporter, StepRecord
+from protrain.runtime.console import ProgressReporter
+from protrain.runtime.export.outputs import ModelOutputs
 from protrain.runtime.hw.device import DeviceInfo, synchronize
-from protrain.runtime.hw.distributed import DistContext
 from protrain.runtime.loaders import DataPosition
 from protrain.runtime.model_cache import TrainingCaches, refuse_cache_with_recompute
-from protrain.runtime.planning.model_facts import AUTOCAST_DTYPES
-from protrain.runtime.planning.replanner import Replanner
+from protrain.runtime.planning.controller import PlanController
+from protrain.runtime.planning.model_facts import autocast
 from protrain.runtime.tracing.trace_window import NO_TRACE, UpdateObserver
-from protrain.runtime.training.engine_facades import EngineFacades, device_call
-from protrain.runtime.training.live_engines import EngineClaim
+from protrain.runtime.training.checkpoints import TrainingCheckpoints
+from protrain.runtime.training.delegation import Reads, delegate, device_call
+from protrain.runtime.training.learning_rates import LearningRates
 from protrain.runtime.training.loss_scale import DynamicLossScaler
-from protrain.runtime.training.parts import EngineParts, close_dropped
+from protrain.runtime.training.optimizer_facade import EngineOptimizer
 from protrain.runtime.training.reporting import UpdateReports
-from protrain.runtime.training.stop import StopRequest, TrainingStopped
-from protrain.runtime.training.update import sum_window, update_shards
-from protrain.runtime.training.window import Window
+from protrain.runtime.training.state import TrainingState, close_dropped
+from protrain.runtime.training.stop import TrainingStopped
+from protrain.runtime.training.update import abandon_window, close_window
+from protrain.runtime.training.window import AccumulationWindow
+
+_E = TypeVar("_E", bound="Engine")
 
 
-class Engine(EngineFacades):
-    """Trains ``module`` under ``plan``; see the module docstring for the call protocol."""
+class Engine:
+    """Trains ``module`` under its plan; see the module docstring for the call protocol."""
 
     def __init__(
         self,
         *,
-        module: nn.Module,
-        plan: Plan,
+        state: TrainingState,
         settings: TrainingSettings,
-        dist_ctx: DistContext,
         device: DeviceInfo,
         reporter: ProgressReporter,
-        metrics: MetricsFile | None,
-        chunks: ChunkManager,
-        activations: ActivationManager,
-        checkpointer: Checkpointer,
-        stop: StopRequest | None = None,
-        claim: EngineClaim | None = None,
+        reports: UpdateReports,
+        plans: PlanController,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
-        replanner: Replanner | None = None,
         trace: UpdateObserver = NO_TRACE,
+        clock: Callable[[], float] = time.perf_counter,
+        wait_for_device: Callable[[DeviceInfo], None] = synchronize,
     ) -> None:
-        """``replanner`` (from ``initialize``) is asked on a batch and after each window whether
-        to switch plans, and applies the plan switched to; without one the plan never changes."""
-        self.module = module
-        self.plan = plan
-        self.settings = settings
-        self.dist_ctx = dist_ctx
-        self.device_info = device
-        self.loss_fn = loss_fn
-        self._reporter = reporter
-        self._parts = EngineParts(
-            chunks=chunks, activations=activations, checkpointer=checkpointer, dist_ctx=dist_ctx, stop=stop, claim=claim
+        """``state`` holds what it trains and owns (its observers: the reports, the trace and
+        ``plans``, the plan's owner); ``clock`` times the updates and ``wait_for_device`` lets
+        the device finish one whose time is read (tests give their own)."""
+        self.module, self.settings, self.device_info, self.loss_fn = state.module, settings, device, loss_fn
+        self.dist_ctx, self._state, self._plans, self._reports, self._trace = (
+            state.dist_ctx,
+            state,
+            plans,
+            reports,
+            trace,
         )
-        # Dropped without close(), the engine gives its parts back when it is collected.
-        self._finalizer = weakref.finalize(self, close_dropped, self._parts)
+        self._reporter, self._clock, self._wait_for_device = reporter, clock, wait_for_device
+        # Dropped without close(), the engine gives its state back when it is collected.
+        self._finalizer = weakref.finalize(self, close_dropped, state)
         self._finalizer.atexit = False
-        self._stop = stop
-        self._claim = claim
-        self._wall = None if claim is None else claim.wall
-        if claim is not None:
-            claim.hold_plan(plan.predicted_peak_device_bytes)
-        self.loss_scaler = DynamicLossScaler(settings.loss_scale) if settings.loss_scale else None
-        self.global_step = 0
-        """Optimizer updates made (skipped updates do not count)."""
-        self.skipped_steps = self.micro_step = 0
-        self.samples_consumed = 0
-        """Samples every rank trained on, summed over ranks and updates (skipped ones too)."""
-        self.resumed_from: Path | None = None
-        """The checkpoint this run continued from, if any."""
-        self.data_position = DataPosition(dist_ctx, micro_batch_size=settings.micro_batch_size, seed=settings.seed)
-        """This rank's resumable sampler (see ``data_sampler``), saved with checkpoints."""
-        self._stop_done = False
-        self._window = Window()
-        self._window_steps, self._boundary, self._backward_closes, self._step_applied = 0, None, None, False
-        self._torn: str | None = None
-        """Why training cannot go on (a failed backward left early updates half applied)."""
-        self._replanner = replanner
-        self._trace = self._parts.trace = trace  # logging.trace (runtime/tracing/trace_window.py)
-        self._reports = self._parts.reports = UpdateReports(
-            module=module,
-            device=device,
-            reporter=reporter,
-            metrics=metrics,
-            plan=plan,
-            settings=settings,
-            static_device_bytes=chunks.device_state_bytes(),
-            replanner=replanner,
-            sources=self._parts,
+        self._wall = None if state.claim is None else state.claim.wall
+        self._window = AccumulationWindow(settings.gradient_accumulation_steps)
+        self._rates = LearningRates(
+            self.module,
+            settings.optimizer,
+            settings.schedule,
+            updates_made=lambda: state.progress.global_step,
+            step_applied=self.was_step_applied,
         )
-        self._caches = TrainingCaches(module, log=reporter.print)  # not self.log: no cycle
+        # The parts log through the reporter, not self.log: a part referring to the engine would
+        # make it a cycle, which only the garbage collector frees (the finalizer runs late).
+        log = reporter.print
+        self._checkpoints = TrainingCheckpoints(state, self._window, settings, moved=self._rates.moved, log=log)
+        self._outputs = ModelOutputs(self.module, state, self.dist_ctx, log=log)
+        self._step_applied, self._stop_done = False, False
+        self._grad_norm: float | None = None
+        self._caches = TrainingCaches(self.module, log=log)
 
-    # ---------------------------------------------------------------- properties
+    # ---------------------------------------------------------------- what it holds, read where it is
+
+    plan = Reads[Plan]("_plans.plan", "The plan in force.")
+    chunks = Reads[ChunkManager]("_state.chunks", "The chunk manager of the plan in force.")
+    activations = Reads[ActivationManager]("_state.activations", "The activation manager of the plan in force.")
+    checkpointer = Reads[Checkpointer]("_state.checkpointer")
+    replans = Reads[int]("_plans.replans", "Plans switched to because the measured peak exceeded the prediction.")
+    global_step = Reads[int]("_state.progress.global_step", "Optimizer updates made (skipped ones do not count).")
+    skipped_steps = Reads[int]("_state.progress.skipped_steps")
+    micro_step = Reads[int]("_state.progress.micro_step")
+    samples_consumed = Reads[int]("_state.progress.samples_consumed", "Samples trained on, all ranks and updates.")
+    resumed_from = Reads[Path | None]("_state.progress.resumed_from", "The checkpoint this run continued from.")
+    data_position = Reads[DataPosition]("_state.data_position")
+    loss_scaler = Reads[DynamicLossScaler | None]("_state.loss_scaler", "fp16's dynamic loss scale.")
+    device = Reads[torch.device]("device_info.device")
+    rank = Reads[int]("dist_ctx.rank")
+    world_size = Reads[int]("dist_ctx.world_size")
+    micro_batch_size = Reads[int]("settings.micro_batch_size")
+    gradient_accumulation_steps = Reads[int]("settings.gradient_accumulation_steps")
+    group_lrs = Reads[tuple[float, ...]]("_rates.group_lrs", "Each optimizer group's rate for the next update.")
+    optimizer = Reads[EngineOptimizer]("_rates.facade", "The optimizer as torch.optim code sees it.")
 
     @property
-    def replans(self) -> int:
-        """Plans switched to because the measured peak exceeded the prediction."""
-        return 0 if self._replanner is None else self._replanner.replans
+    def lr(self) -> float:
+        """The learning rate of the next update (the top-level one; ``group_lrs`` has each)."""
+        return self.group_lrs[0]
+
+    @property
+    def lr_from_optimizer(self) -> bool:
+        """True: a scheduler of the caller's owns the rates in ``engine.optimizer``'s groups."""
+        return self._rates.from_optimizer
+
+    @lr_from_optimizer.setter
+    def lr_from_optimizer(self, value: bool) -> None:
+        self._rates.from_optimizer = value
+
+    def log(self, text: str) -> None:
+        """Print on rank 0 only."""
+        self._reporter.print(text)
 
     # ---------------------------------------------------------------- the call protocol
 
@@ -138,20 +153,21 @@ class Engine(EngineFacades):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._refuse_if_torn()
         args, kwargs = to_device((args, kwargs), self.device_info.device)  # where the chunks are
-        if self._replanner is not None and self._replanner.wants_batch and self._training():
-            self.plan_on_batch(kwargs if kwargs else (args[0] if len(args) == 1 else args), asked=False)
+        if self._plans.wants_batch and self._training():
+            self._plans.on_batch(kwargs if kwargs else (args[0] if len(args) == 1 else args), asked=False)
         refuse_larger_batch(self.plan.batch_shape, args, kwargs)
         if training := self._training():
             refuse_cache_with_recompute(kwargs, recomputes=BlockMode.CHECKPOINT in self.plan.block_modes)
-            if self._window.start_s is None:
-                self._window.start_s = time.perf_counter()  # this module's clock: tests replace it
+            if self._window.totals.start_s is None:
+                self._window.totals.start_s = self._clock()
+                self._plans.window_started()
                 self._reports.window_started()
                 self._trace.window_started(self)
-            self._window.count_batch(args, kwargs)
+            self._window.totals.count_batch(args, kwargs)
         self.activations.begin_forward()
         try:
             with (
-                self._autocast(),
+                autocast(self.settings.precision, self.device_info),
                 self.activations.saved_tensor_hooks(),
                 self._caches.off(training, note="use_cache" not in kwargs),
                 self._reports.forward(training),
@@ -163,28 +179,9 @@ class Engine(EngineFacades):
 
     @device_call("plan_on_batch")
     def plan_on_batch(self, batch: Any, *, asked: bool = True) -> None:
-        """Profile on ``batch`` and switch to the searched plan, once: ``initialize`` does so on
-        its example batch when it could not profile the model whole (weights streamed into
-        chunks), the first training forward does so when there was no example batch. The
-        profiling steps run through the chunk engine under the plan in force (so a model state
-        larger than the device is profiled too), every block kept, their gradients dropped and
-        the random streams restored: no training happens. ``asked`` False (the first training
-        batch, which nobody asked to profile with): an output without a loss keeps the plan."""
-        if self._replanner is None:
-            return
-        plan = self._replanner.plan_on(batch, chunks=self.chunks, activations=self.activations, asked=asked)
-        if plan is None and self._replanner.planner.failure is not None:  # the step did not fit
-            self.switch_plan(self._replanner.did_not_fit(self.plan))
-            plan = self._replanner.plan_on(batch, chunks=self.chunks, activations=self.activations, asked=asked)
-            if plan is None and self._replanner.planner.failure is not None:
-                self._replanner.did_not_fit(self.plan)  # raises: nothing smaller to profile under
-        if plan is None:
-            self._reports.reporter.show_deferred_plan(self.plan)
-            return
-        if not self._replanner.needs_switch(plan, self.plan):
-            self._adopt(plan)  # the same knobs: keep the managers, take the predictions
-        else:
-            self.switch_plan(plan)
+        """Profile on ``batch`` through the chunk engine and switch to the searched plan, once
+        (no training happens): for a model ``initialize`` could not profile whole."""
+        self._plans.on_batch(batch, asked=asked)
 
     def _training(self) -> bool:
         return self.module.training and torch.is_grad_enabled()
@@ -193,189 +190,143 @@ class Engine(EngineFacades):
     def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale);
         ``scale_wrt_gas=False``: of ``loss`` itself, which the caller normalised over the window
-        (as a Trainer does), and the window's reported loss is then the sum of its losses. If it
-        raises, the accumulation window's gradients are dropped (see ``_abandon_window``)."""
+        (as a Trainer does). If it raises, the window's gradients are dropped."""
         self._refuse_if_torn()
         if loss.dim() != 0:
             raise ValueError(f"backward expects a scalar loss, got shape {tuple(loss.shape)}")
-        closes = self.is_gradient_accumulation_boundary()
-        if not closes and self.chunks.applies_on_arrival:
-            raise RuntimeError(
-                "this backward does not end its accumulation window, but the engine applies each "
-                "gradient as it arrives (gradient_accumulation_steps 1, no clipping, not fp16): set "
-                "gradient_accumulation_steps in the spec to the window's length"
-            )
-        self._window.add_loss(loss)
-        self._window.normalised = not scale_wrt_gas
+        closes = self._window.is_gradient_accumulation_boundary()
+        self._window.refuse_open_when_applied_on_arrival(closes, self.chunks.applies_on_arrival)
+        self._window.totals.add_loss(loss)
+        self._window.totals.normalised = not scale_wrt_gas
         scaled = loss / self.settings.gradient_accumulation_steps if scale_wrt_gas else loss
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
-        self._backward_closes = closes
+        self._window.backward_closes = closes
         self._reports.backward_began()
-        if self._backward_closes:
-            # Early updates (unclipped fp32/bf16) or the two-phase norms: the chunks know which.
-            self.chunks.begin_last_backward(lr=self.group_lrs, local_nonfinite=self._window.any_nonfinite)
+        if closes:  # early updates (unclipped fp32/bf16) or the two-phase norms: the chunks know which
+            self.chunks.begin_last_backward(lr=self.group_lrs, local_nonfinite=self._window.totals.any_nonfinite)
         try:
             self.activations.begin_backward()
             try:
-                # Recomputed blocks run here: they see the configs their forward saw.
-                with self._caches.off(True, note=False):
+                with self._caches.off(True, note=False):  # recomputed blocks see their forward's configs
                     scaled.backward()
             finally:
                 self.activations.end_backward()
-                # Reduce what unused parameters left incomplete, in the fixed order every rank uses.
-                self.chunks.finish_backward()
+                self.chunks.finish_backward()  # what unused parameters left, in the fixed order
                 self._reports.backward_ended()
         except BaseException:
-            self._abandon_window()
+            abandon_window(self._window, self._state)
+            self.log("backward failed: this accumulation window's gradients were dropped")
             raise
 
-    def _abandon_window(self) -> None:
-        """A backward that failed (a full disk, a failed read, Ctrl-C) added part of a
-        micro-batch to the window's gradients: a caller who catches the error and goes on must not
-        train on them. The whole window is dropped (its earlier micro-batches too: they are the
-        caller's to run again) and the next micro-batch starts a new window. Early CPU-Adam
-        updates (clipping off) keep no undo state: after one the engine refuses to go on until a
-        checkpoint is loaded."""
-        self.chunks.finish_speculation()
-        if self.chunks.speculation_undoable():
-            self.chunks.discard_speculation()
-        else:
-            self._torn = (
-                f"a backward failed in update {self.global_step + 1} after some chunks had already been "
-                "updated from it (early CPU-Adam updates keep no undo state when gradient clipping is "
-                "off); the parameters are part-updated: load a checkpoint (engine.load_checkpoint) "
-                "to go on"
-            )
-        self.chunks.zero_grad()
-        self.micro_step -= self._window_steps
-        self._window, self._window_steps, self._backward_closes = Window(), 0, None
-        self.log("backward failed: this accumulation window's gradients were dropped")
-
     def _refuse_if_torn(self) -> None:
-        if self._torn is not None:
-            raise RuntimeError(self._torn)
+        if self._state.progress.torn is not None:
+            raise RuntimeError(self._state.progress.torn)
 
     @device_call("step")
     def step(self) -> bool:
-        """Count one micro-batch; at the accumulation boundary, update. Returns whether the
-        parameters changed."""
+        """Count one micro-batch; at the window's end, update. Whether the parameters changed."""
         self._refuse_if_torn()
-        closes = self._closes_window()
-        self.micro_step += 1
-        self._window_steps += 1
-        self._backward_closes = None
-        return self._finish_window() if closes else False
-
-    # ---------------------------------------------------------------- the update
-
-    def _finish_window(self) -> bool:
-        micro_batches, normalised = self._window_steps, self._window.normalised
-        stop = self._stop is not None and self._stop.requested
-        totals = sum_window(self._window, self.chunks, self.dist_ctx, stop=stop)
-        self.samples_consumed += totals.samples
-        self.data_position.consume_window(micro_batches)
-        window_start = self._window.start_s or time.perf_counter()
-        self._window, self._window_steps = Window(), 0
-        losses_in_window = micro_batches * self.dist_ctx.world_size
-        # A caller-normalised window's losses add up to its loss (one sum per rank to average).
-        loss_divisor = self.dist_ctx.world_size if normalised else losses_in_window
-        lr, group_lrs = self.lr, self.group_lrs
-        updated, grad_norm = update_shards(
-            totals,
-            chunks=self.chunks,
-            settings=self.settings,
-            loss_scaler=self.loss_scaler,
-            lr=group_lrs,
-            update_number=self.global_step + 1,
-            losses_in_window=losses_in_window,
-        )
-        self._step_applied, self._global_grad_norm = updated, grad_norm
-        if updated:
-            self.global_step += 1
-        else:
-            self.skipped_steps += 1
-        self._lrs_updated()
+        closes = self._window.step_closes()
+        self._state.progress.micro_step += 1
+        if not closes:
+            return False
+        state, progress = self._state, self._state.progress
+        stop = state.stop is not None and state.stop.requested
+        outcome = close_window(self._window, state, self.settings, lrs=self.group_lrs, stop=stop, clock=self._clock)
+        self._step_applied, self._grad_norm = outcome.updated, outcome.grad_norm
+        self._rates.moved()
         self._reports.update_queued()
-        if self._trace is not NO_TRACE or self._reports.times_update(self.global_step + self.skipped_steps):
-            synchronize(self.device_info)
-        elapsed = time.perf_counter() - window_start
+        if self._trace is not NO_TRACE or self._plans.measuring or self._reports.logs(progress.updates):
+            self._wait_for_device(self.device_info)  # else the update's tail counts in the next one's time
+        elapsed_s = self._clock() - outcome.started_s
         self._trace.window_finished(self)
-        self._report(
-            StepRecord(
-                step=self.global_step + self.skipped_steps,
-                loss=float("nan") if totals.nonfinite else totals.loss_sum / loss_divisor,
-                lr=lr,
-                grad_norm=grad_norm,
-                step_time_s=elapsed,
-                tokens_per_s=totals.tokens / elapsed if elapsed > 0 else 0.0,
-                skipped=not updated,
-                loss_scale=None if self.loss_scaler is None else self.loss_scaler.scale,
-                waits={**self.chunks.take_waits(), "activation_s": self.activations.take_wait_s()},
-                tokens=totals.tokens,
-                samples=totals.samples,
-            )
-        )
-        self._after_update(updated=updated, stop=totals.stop)
-        return updated
+        waits = {**self.chunks.take_waits(), "activation_s": self.activations.take_wait_s()}
+        scale = None if state.loss_scaler is None else state.loss_scaler.scale
+        record = outcome.record(step=progress.updates, elapsed_s=elapsed_s, loss_scale=scale, waits=waits)
+        compute_s = self._reports.report(record, plan=self.plan)
+        if outcome.updated:
+            self._plans.update_measured(elapsed_s, compute_s)
+        self._after_update(updated=outcome.updated, stop=outcome.totals.stop)
+        return outcome.updated
 
     def _after_update(self, *, updated: bool, stop: bool) -> None:
         """A periodic checkpoint, or the stop a signal asked for (checkpoint, then exit)."""
         settings = self.checkpointer.settings
         if stop:
             # A rank the signal did not reach itself stops as Ctrl-C would have stopped it.
-            signum = self._stop.signum if self._stop is not None and self._stop.signum else 2
-            where = ""
-            if settings.dir is not None:
-                where = f"; checkpoint {self.save_checkpoint()}"
+            signum = self._state.stop.signum if self._state.stop is not None and self._state.stop.signum else 2
+            where = f"; checkpoint {self.save_checkpoint()}" if settings.dir is not None else ""
             self.log(f"stopped at update {self.global_step}{where}")
             self._stop_done = True
             self.close()
             raise TrainingStopped(128 + signum)
-        if updated and settings.dir is not None and settings.interval_steps > 0:
-            if self.global_step % settings.interval_steps == 0:
-                self.save_checkpoint()
-
-    def _report(self, record: StepRecord) -> None:
-        plan = self._reports.report(record, plan=self.plan, dist_ctx=self.dist_ctx)
-        if plan is not None:
-            self.switch_plan(plan)
+        if updated and self._checkpoints.due():
+            self.save_checkpoint()
 
     @device_call("switch_plan")
     def switch_plan(self, plan: Plan) -> None:
-        """Carry on under ``plan``: the chunk and activation managers are rebuilt for it and
-        every parameter, moment and step count moves into its chunk layout (in memory; see
-        ``runtime.planning.plan_switch``). Every rank calls it, between updates."""
-        if self._replanner is None:
-            raise RuntimeError("this engine cannot switch plans (it was not built by runtime.initialize)")
-        if self._window_steps != 0:
-            raise RuntimeError("switch_plan in the middle of an accumulation window")
-        self.checkpointer.wait()
-        # The old activation manager goes first: the new one may reuse its file directory.
-        self.activations.close()
-        self._parts.chunks, self._parts.activations = self._replanner.apply(plan, state_from=self.chunks)
-        self.checkpointer.use(self.chunks)
-        self._adopt(plan, static_device_bytes=self.chunks.device_state_bytes())
+        """Carry on under ``plan``, every value moved into its chunk layout (every rank, between
+        updates; runtime/planning/controller.py)."""
+        self._window.refuse_inside("switch_plan")
+        self._plans.switch(plan)
 
-    def _adopt(self, plan: Plan, *, static_device_bytes: int | None = None) -> None:
-        """``plan`` is the one in force (see ``UpdateReports.adopt``)."""
-        self.plan = plan
-        if self._claim is not None:
-            self._claim.hold_plan(plan.predicted_peak_device_bytes)
-        self._reports.adopt(plan, static_device_bytes=static_device_bytes)
+    # ---------------------------------------------------------------- the parts' calls
 
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        dtype = AUTOCAST_DTYPES.get(self.settings.precision)
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device_info.autocast_type, dtype=dtype)
+    is_gradient_accumulation_boundary = delegate("_window", AccumulationWindow.is_gradient_accumulation_boundary)
+    set_gradient_accumulation_boundary = delegate("_window", AccumulationWindow.set_gradient_accumulation_boundary)
+    zero_grad = delegate("_window", AccumulationWindow.zero_grad)
+    data_sampler = delegate("data_position", DataPosition.data_sampler)
+    data_loader = delegate("data_position", DataPosition.data_loader)
+    state_dict = delegate("_outputs", ModelOutputs.state_dict, wall="state_dict")
+    export = delegate("_outputs", ModelOutputs.export, wall="export")
+    save_pretrained = delegate("_outputs", ModelOutputs.save_pretrained, wall="save_pretrained")
+    save_checkpoint = delegate("_checkpoints", TrainingCheckpoints.save_checkpoint, wall="save_checkpoint")
+    load_checkpoint = delegate("_checkpoints", TrainingCheckpoints.load_checkpoint, wall="load_checkpoint")
+    resume = delegate("_checkpoints", TrainingCheckpoints.resume, wall="resume")
+
+    def was_step_applied(self) -> bool:
+        """Whether the last update changed the parameters (False: skipped for a non-finite loss
+        or an fp16 overflow, or no update yet), as DeepSpeed's ``was_step_applied``."""
+        return self._step_applied
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm of the last update, before clipping (DeepSpeed's name);
+        None when it was not taken (no clipping, no fp16 loss scaling: it costs a pass)."""
+        return self._grad_norm
+
+    def gathered(
+        self, params: Iterable[nn.Parameter], *, modify: bool = False
+    ) -> contextlib.AbstractContextManager[None]:
+        """``with engine.gathered(model.lm_head.parameters()):`` the parameters hold their values
+        on the device for the block, wherever it reads them (DeepSpeed's ``GatheredParameters``):
+        for code that reads a weight outside the forward of the module that owns it, which is
+        refused otherwise while its chunk is offloaded. ``modify=True`` keeps what the block
+        wrote (rank 0's values) in the fp32 masters. Every rank enters it, in the same order."""
+        return gathered(self.chunks, params, modify=modify)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The model's parameters (chunk-managed: one not on the device may be empty)."""
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(prefix, recurse)
+
+    def train(self: _E, mode: bool = True) -> _E:
+        self.module.train(mode)
+        return self
+
+    def eval(self: _E) -> _E:
+        self.module.eval()
+        return self
+
+    # ---------------------------------------------------------------- the end
 
     @device_call("close")
     def close(self) -> None:
-        """Stop the progress display, close the metrics file, leave the process group. A stop
-        signal that came while no update was under way ends here: ``TrainingStopped``."""
+        """Give everything back; a stop signal that came between updates ends here."""
         self._close()
-        stop = self._stop
+        stop = self._state.stop
         if stop is not None and stop.signum is not None and not self._stop_done:
             self._stop_done = True
             self.log(f"stopped after update {self.global_step} ({signal.Signals(stop.signum).name})")
@@ -383,7 +334,7 @@ class Engine(EngineFacades):
 
     def _close(self) -> None:
         self._finalizer.detach()
-        self._parts.close()
+        self._state.close()
 
     def __enter__(self) -> Engine:
         return self

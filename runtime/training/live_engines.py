@@ -5,7 +5,7 @@ so are a notebook's engine and the one its re-run cell makes, two Trainers of on
 engine an exception left behind. Most of what an engine owns is its own (chunks, side streams,
 activation files, run folder, process group: see ``runtime.hw.distributed``); this module keeps the
 few claims that would collide, registered at ``initialize`` and released at ``close`` (or when
-the engine is dropped: ``runtime.training.parts``):
+the engine is dropped: ``runtime.training.state``):
 
 - **The device.** ``memory.device_budget: auto`` is what is free now: the device's capacity
   (CUDA: its total minus a reserve) less what the live engines hold. An engine with a hand-set
@@ -25,13 +25,17 @@ rank decides alike (before any collective).
 from __future__ import annotations
 
 import threading
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from protrain.runtime.config.job import ClaimRequest
 from protrain.runtime.config.spec_io import SpecError
 from protrain.runtime.hw import device_wall
+from protrain.runtime.hw.device import DeviceInfo
 
 PLAN_MARGIN = 0.05
 """An auto engine holds its plan's predicted device peak times (1 + this): the search's margin."""
@@ -130,6 +134,33 @@ def claim(
             entry.wall = device_wall.open_account(f"engine {entry.label}", budget, device)
         _LIVE.append(entry)
         return entry
+
+
+def _call_site() -> str:
+    """Where the caller made the engine: the innermost frame outside ProTrain and the libraries
+    that call it for the caller (a Trainer's seams), as file:line."""
+    ours = str(Path(__file__).resolve().parents[1])  # runtime/
+    frames = traceback.extract_stack()[:-2]
+    for frame in reversed(frames):
+        path = frame.filename
+        if not path.startswith(ours) and "site-packages" not in path and not path.startswith("<"):
+            return f"{path}:{frame.lineno}"
+    return f"{frames[0].filename}:{frames[0].lineno}" if frames else "(unknown)"
+
+
+def claim_for(
+    request: ClaimRequest, device: DeviceInfo, *, ranks_on_host: int, capacity: Callable[[DeviceInfo, int], int]
+) -> EngineClaim:
+    """This engine's device budget and checkpoint directory, registered against the other engines
+    alive in this process (an auto budget is what they left of ``capacity(device, ranks_on_host)``)."""
+    auto = request.device_budget is None
+    return claim(
+        device_budget=request.device_budget,
+        measured_auto_bytes=capacity(device, ranks_on_host) if auto else 0,
+        checkpoint_dir=request.checkpoint_dir,
+        device=device.device,
+        created_at=_call_site(),
+    )
 
 
 def crowded_note(entry: EngineClaim) -> str:

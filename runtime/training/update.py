@@ -15,7 +15,7 @@ non-finite loss or an overflow.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,10 +23,12 @@ import torch
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.config.settings import TrainingSettings
 from protrain.runtime.config.spec import NonFiniteLossPolicy
+from protrain.runtime.console import StepRecord
 from protrain.runtime.hw import stream_chaos
 from protrain.runtime.hw.distributed import DistContext, all_reduce_sum_
 from protrain.runtime.training.loss_scale import DynamicLossScaler
-from protrain.runtime.training.window import Window
+from protrain.runtime.training.state import TrainingState
+from protrain.runtime.training.window import AccumulationWindow, Window
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -61,6 +63,96 @@ def sum_window(window: Window, chunks: ChunkManager, dist_ctx: DistContext, *, s
         samples=int(samples),
         stop=stopped > 0,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class WindowOutcome:
+    """A closed window: its totals and what became of its update."""
+
+    totals: WindowTotals
+    updated: bool
+    grad_norm: float | None
+    lr: float
+    """The top-level learning rate the update used."""
+    loss: float
+    """The window's mean loss over ranks (NaN when one was not finite)."""
+    started_s: float
+    """When its first training forward began, on the engine's clock."""
+
+    def record(self, *, step: int, elapsed_s: float, loss_scale: float | None, waits: dict[str, float]) -> StepRecord:
+        totals = self.totals
+        return StepRecord(
+            step=step,
+            loss=self.loss,
+            lr=self.lr,
+            grad_norm=self.grad_norm,
+            step_time_s=elapsed_s,
+            tokens_per_s=totals.tokens / elapsed_s if elapsed_s > 0 else 0.0,
+            skipped=not self.updated,
+            loss_scale=loss_scale,
+            waits=waits,
+            tokens=totals.tokens,
+            samples=totals.samples,
+        )
+
+
+def close_window(
+    window: AccumulationWindow,
+    state: TrainingState,
+    settings: TrainingSettings,
+    *,
+    lrs: Sequence[float],
+    stop: bool,
+    clock: Callable[[], float],
+) -> WindowOutcome:
+    """Sum the window over ranks, update (or skip) and count it; a new window begins. ``stop``:
+    a stop signal reached this rank; ``clock``: the engine's, read for a window never started."""
+    progress = state.progress
+    micro_batches, normalised = window.steps, window.totals.normalised
+    totals = sum_window(window.totals, state.chunks, state.dist_ctx, stop=stop)
+    progress.samples_consumed += totals.samples
+    state.data_position.consume_window(micro_batches)
+    started_s = window.restart().start_s or clock()
+    losses_in_window = micro_batches * state.dist_ctx.world_size
+    # A caller-normalised window's losses add up to its loss (one sum per rank to average).
+    loss_divisor = state.dist_ctx.world_size if normalised else losses_in_window
+    updated, grad_norm = update_shards(
+        totals,
+        chunks=state.chunks,
+        settings=settings,
+        loss_scaler=state.loss_scaler,
+        lr=lrs,
+        update_number=progress.global_step + 1,
+        losses_in_window=losses_in_window,
+    )
+    if updated:
+        progress.global_step += 1
+    else:
+        progress.skipped_steps += 1
+    loss = float("nan") if totals.nonfinite else totals.loss_sum / loss_divisor
+    return WindowOutcome(totals, updated, grad_norm, lrs[0], loss, started_s)
+
+
+def abandon_window(window: AccumulationWindow, state: TrainingState) -> None:
+    """A backward that failed (a full disk, a failed read, Ctrl-C) added part of a micro-batch to
+    the window's gradients: a caller who catches the error and goes on must not train on them.
+    The whole window is dropped (its earlier micro-batches too: they are the caller's to run
+    again) and the next micro-batch starts a new window. Early CPU-Adam updates (clipping off)
+    keep no undo state: after one the engine refuses to go on until a checkpoint is loaded."""
+    chunks, progress = state.chunks, state.progress
+    chunks.finish_speculation()
+    if chunks.speculation_undoable():
+        chunks.discard_speculation()
+    else:
+        progress.torn = (
+            f"a backward failed in update {progress.global_step + 1} after some chunks had already been "
+            "updated from it (early CPU-Adam updates keep no undo state when gradient clipping is "
+            "off); the parameters are part-updated: load a checkpoint (engine.load_checkpoint) "
+            "to go on"
+        )
+    chunks.zero_grad()
+    progress.micro_step -= window.steps
+    window.restart()
 
 
 def update_shards(

@@ -1,4 +1,4 @@
-"""An engine nobody closed gives everything back once it is unreachable (runtime/training/parts.py):
+"""An engine nobody closed gives everything back once it is unreachable (runtime/training/state.py):
 its claim on the device, its worker threads, its host regions, its files, its hooks on the
 model, its stop handlers. An exception mid-training, a notebook cell run again, a Trainer nobody
 ended: after ``gc.collect()`` the next engine finds the process as it was."""

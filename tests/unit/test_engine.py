@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from protrain import runtime
+from protrain.runtime.planning.profilers import Profilers
 from protrain.runtime.training.update import NonFiniteLossError
 from tests.helpers import (
     assert_matches_reference,
@@ -226,19 +227,15 @@ def test_two_engines_in_one_process_keep_separate_run_folders(tmp_path: Path) ->
     assert len(list((tmp_path / "runs").glob("*/metrics.jsonl"))) == 2
 
 
-def test_the_engine_waits_for_the_device_only_at_the_updates_whose_time_it_reads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_engine_waits_for_the_device_only_at_the_updates_whose_time_it_reads(tmp_path: Path) -> None:
     """A full device synchronize at an update's end keeps the host from queueing the next
     forward while the device finishes the update. The engine waits only where the time is read:
     the plan check's updates, update 1 and every ``logging.every_steps`` (before: every update)."""
-    import protrain.runtime.training.engine as engine_module
-
     waits: list[int] = []
-    monkeypatch.setattr(engine_module, "synchronize", lambda info: waits.append(1))
+    profilers = Profilers(synchronize=lambda info: waits.append(1))
     data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
     config = job(tmp_path, logging={"every_steps": 4})
-    with runtime.initialize(tiny_gpt(), config=config) as engine:
+    with runtime.initialize(tiny_gpt(), config=config, profilers=profilers) as engine:
 
         def train(updates: range) -> None:
             for update in updates:
@@ -247,7 +244,7 @@ def test_the_engine_waits_for_the_device_only_at_the_updates_whose_time_it_reads
                 engine.step()
 
         train(range(6))
-        assert engine._reports.check.done, "the plan check measured its updates"
+        assert not engine._plans.measuring, "the plan check measured its updates"
         waits.clear()
         train(range(6, 14))  # updates 7 to 14
     assert len(waits) == 2  # updates 8 and 12

@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 
 from protrain import runtime
-import protrain.runtime.training.engine
 from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.hw.device import synchronize
 from protrain.runtime.metrics.peak_flops import PEAK_TFLOPS_ENV
+from protrain.runtime.planning.profilers import Profilers
 from tests.helpers import TINY_GPT, lm_batches, tiny_gpt
 
 PEAK = 0.25
@@ -73,9 +74,9 @@ def job(tmp_path: Path, **logging: Any) -> dict[str, Any]:
     }
 
 
-def train(config: dict[str, Any], updates: int = UPDATES) -> None:
+def train(config: dict[str, Any], updates: int = UPDATES, profilers: Profilers | None = None) -> None:
     data = lm_batches(micro_batch_size=MICRO_BATCH, accumulation=ACCUMULATION, world_size=1)
-    with runtime.initialize(tiny_gpt(), config=config) as engine:
+    with runtime.initialize(tiny_gpt(), config=config, profilers=profilers) as engine:
         for update in range(updates):
             for micro in range(ACCUMULATION):
                 out = engine(**data.batch(update, micro, 0))
@@ -217,17 +218,15 @@ def test_tensorboard_missing_names_the_extra(tmp_path: Path, monkeypatch: pytest
     train(job(tmp_path / "after", tensorboard=True), updates=1)  # nothing was left claimed
 
 
-def test_measuring_never_waits_for_the_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_measuring_never_waits_for_the_device(tmp_path: Path) -> None:
     """The engine synchronises once per update; measuring and the trackers add none."""
-    synchronize = protrain.runtime.training.engine.synchronize
     calls = []
 
     def counting(info: Any) -> None:
         calls.append(info)
         synchronize(info)
 
-    monkeypatch.setattr(protrain.runtime.training.engine, "synchronize", counting)
-    train(job(tmp_path, tensorboard=True), updates=3)
+    train(job(tmp_path, tensorboard=True), updates=3, profilers=Profilers(synchronize=counting))
     assert len(calls) == 3
     # Nor can it: nothing under runtime/metrics names a call that waits for a device or a
     # tensor's value (readings there are of the allocator's counters and completed events).

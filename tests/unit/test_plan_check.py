@@ -2,13 +2,15 @@
 whose compute (the forward and backward phases) is off by more than 25% named stale: noted in the
 cache by the first launch that finds it so, dropped by the second, measured again by the third;
 a busy host that slows the rest of the step, or one busy launch between right ones, costs no
-profiling. Step and phase times come from fake clocks (the engine's and the phase clock's), so
-the verdicts do not depend on how busy the machine is; the profiles are real."""
+profiling. Step and phase times come from fake clocks given to ``initialize`` (the engine's and
+the phase clock's), so the verdicts do not depend on how busy the machine is; the profiles are
+real."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import types
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +18,10 @@ import pytest
 import torch
 
 from protrain import runtime
-import protrain.runtime.metrics.phases
-import protrain.runtime.training.engine
 from protrain.runtime.planning.model_profiling import profile_model
 from protrain.runtime.planning.plan_check import CHECK_AFTER_UPDATES
+from protrain.runtime.planning.profilers import Profilers
 from protrain.runtime.planning.profile_cache import FOUND_OFF
-from protrain.runtime.planning.planner import Profilers
 from protrain.runtime.training.engine import Engine
 from tests.helpers import lm_batches, tiny_gpt, train_updates
 
@@ -41,35 +41,45 @@ def example() -> dict[str, torch.Tensor]:
     return lm_batches(micro_batch_size=2, accumulation=1, world_size=1).batch(0, 0, 0)
 
 
+class FakeClocks:
+    """The engine's step clock and its phase clock, moving ``step_s`` and ``phase_s`` at each
+    reading (0 until ``train_at`` sets them)."""
+
+    def __init__(self) -> None:
+        self.step_s = self.phase_s = 0.0
+        self._step = self._phase = 0.0
+
+    def step(self) -> float:
+        self._step += self.step_s
+        return self._step
+
+    def phase(self) -> float:
+        self._phase += self.phase_s
+        return self._phase
+
+
+CLOCKS: weakref.WeakKeyDictionary[Engine, FakeClocks] = weakref.WeakKeyDictionary()
+
+
 def start(tmp_path: Path, run: str, profilers: Profilers | None = None) -> Engine:
-    config = job(tmp_path, run)
-    return runtime.initialize(tiny_gpt(), config=config, example_batch=example(), profilers=profilers)
+    clocks = FakeClocks()
+    profilers = dataclasses.replace(profilers or Profilers(), clock=clocks.step, compute_clock=clocks.phase)
+    engine = runtime.initialize(tiny_gpt(), config=job(tmp_path, run), example_batch=example(), profilers=profilers)
+    CLOCKS[engine] = clocks
+    return engine
 
 
-def ticking(seconds: float) -> types.SimpleNamespace:
-    """A ``time`` module whose clock moves ``seconds`` at every reading."""
-    now = [0.0]
-
-    def clock() -> float:
-        now[0] += seconds
-        return now[0]
-
-    return types.SimpleNamespace(perf_counter=clock)
-
-
-def train_at(engine: Engine, step_s: float, monkeypatch: pytest.MonkeyPatch, compute_s: float | None = None) -> None:
+def train_at(engine: Engine, step_s: float, compute_s: float | None = None) -> None:
     """Train until the plan check, every update taking ``step_s`` on the engine's clock (read at
     each update's first forward and after its step) and ``compute_s`` in its forward and backward
     phases (the phase clock is read at their starts and ends and at the update's end; None: the
     plan's predicted compute, as a right profile would measure)."""
     predicted = engine.plan.predicted_compute_s
     assert predicted is not None
-    compute_s = predicted if compute_s is None else compute_s
-    with monkeypatch.context() as patch:
-        patch.setattr(protrain.runtime.training.engine, "time", ticking(step_s))
-        patch.setattr(protrain.runtime.metrics.phases, "time", ticking(compute_s / 2))
-        data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
-        train_updates(engine, data, range(CHECK_AFTER_UPDATES))
+    clocks = CLOCKS[engine]
+    clocks.step_s, clocks.phase_s = step_s, (predicted if compute_s is None else compute_s) / 2
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    train_updates(engine, data, range(CHECK_AFTER_UPDATES))
     engine.close()
 
 
@@ -117,7 +127,7 @@ def stale_cache(tmp_path: Path) -> tuple[float, float]:
 
 
 def test_a_stale_cached_profile_is_noted_then_dropped_by_the_next_launch_then_measured(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     step_s, compute_s = stale_cache(tmp_path)
     for launch in ("first", "second"):
@@ -125,7 +135,7 @@ def test_a_stale_cached_profile_is_noted_then_dropped_by_the_next_launch_then_me
         predicted = stale.plan.predicted_compute_s
         assert predicted is not None and predicted > 1.25 * compute_s, "doubled, it is off by more than 25%"
         capsys.readouterr()
-        train_at(stale, step_s, monkeypatch, compute_s)
+        train_at(stale, step_s, compute_s)
         out = printed(capsys)
         check = plan_check_record(tmp_path, launch)
         assert check["profile"] == "cached" and check["off"] is True
@@ -151,31 +161,29 @@ def test_a_stale_cached_profile_is_noted_then_dropped_by_the_next_launch_then_me
     assert len(cache_entries(tmp_path)) == 2  # measured and cached again
 
 
-def test_one_off_launch_between_right_ones_costs_no_profiling(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_one_off_launch_between_right_ones_costs_no_profiling(tmp_path: Path) -> None:
     entries, busy = from_the_cache(tmp_path, "busy")
     assert busy.plan.predicted_compute_s is not None and busy.plan.predicted_step_s is not None
-    train_at(busy, busy.plan.predicted_step_s, monkeypatch, busy.plan.predicted_compute_s * 2)
+    train_at(busy, busy.plan.predicted_step_s, busy.plan.predicted_compute_s * 2)
     assert plan_check_record(tmp_path, "busy")["off"] is True
     assert all(FOUND_OFF in json.loads(entry.read_text()) for entry in entries)
     right = start(tmp_path, "right")
     assert right.plan.predicted_step_s is not None
-    train_at(right, right.plan.predicted_step_s, monkeypatch)
+    train_at(right, right.plan.predicted_step_s)
     assert plan_check_record(tmp_path, "right")["off"] is False
     assert cache_entries(tmp_path) == entries
     assert not any(FOUND_OFF in json.loads(entry.read_text()) for entry in entries), "the note is cleared"
 
 
 def test_a_busy_host_that_slows_the_step_but_not_the_compute_keeps_the_profile(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Before, the step time was compared: every launch on a busy machine dropped the cache."""
     entries, busy = from_the_cache(tmp_path, "busy")
     predicted_s = busy.plan.predicted_step_s
     assert predicted_s is not None
     capsys.readouterr()
-    train_at(busy, predicted_s * 2, monkeypatch)  # CPU Adam and the update twice as slow
+    train_at(busy, predicted_s * 2)  # CPU Adam and the update twice as slow
     check = plan_check_record(tmp_path, "busy")
     assert check["error"] == pytest.approx(-0.5, abs=1e-3) and check["compute_error"] == pytest.approx(0, abs=1e-3)
     assert check["off"] is False and "noted_off" not in check and "dropped_profiles" not in check
@@ -185,13 +193,13 @@ def test_a_busy_host_that_slows_the_step_but_not_the_compute_keeps_the_profile(
 
 
 def test_a_cached_profile_within_25_percent_is_kept_and_nothing_more_is_said(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     entries, cached = from_the_cache(tmp_path, "cached")
     predicted_s, compute_s = cached.plan.predicted_step_s, cached.plan.predicted_compute_s
     assert predicted_s is not None and compute_s is not None
     capsys.readouterr()
-    train_at(cached, predicted_s * 1.2, monkeypatch, compute_s * 1.2)  # predictions 16.7% below
+    train_at(cached, predicted_s * 1.2, compute_s * 1.2)  # predictions 16.7% below
     out = printed(capsys)
     check = plan_check_record(tmp_path, "cached")
     assert check["profile"] == "cached" and check["off"] is False and "dropped_profiles" not in check
@@ -201,7 +209,7 @@ def test_a_cached_profile_within_25_percent_is_kept_and_nothing_more_is_said(
 
 
 def test_a_profile_measured_in_this_run_and_off_blames_the_cost_model(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fresh = start(tmp_path, "fresh")
     predicted_s = fresh.plan.predicted_step_s
@@ -209,7 +217,7 @@ def test_a_profile_measured_in_this_run_and_off_blames_the_cost_model(
     capsys.readouterr()
     compute_s = fresh.plan.predicted_compute_s
     assert compute_s is not None
-    train_at(fresh, predicted_s / 2, monkeypatch, compute_s / 2)
+    train_at(fresh, predicted_s / 2, compute_s / 2)
     out = printed(capsys)
     check = plan_check_record(tmp_path, "fresh")
     assert check["profile"] == "measured" and check["off"] is True

@@ -19,7 +19,7 @@ from protrain.runtime.chunks.layout import model_params
 from protrain.runtime.config.spec_io import SpecError
 from protrain.runtime.hw.device import select_device
 from protrain.runtime.planning.model_profiling import profile_model
-from protrain.runtime.planning.planner import Profilers
+from protrain.runtime.planning.profilers import Profilers
 from tests.helpers import assert_state_equal, lm_batches, tiny_gpt, train_reference
 
 KIB = 1024

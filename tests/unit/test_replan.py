@@ -22,8 +22,7 @@ def underestimated(engine: Any, factor: float) -> None:
     """Make the plan's peak prediction ``factor`` times what the profile said, as a profile that
     missed part of the run's memory would: the measured peak then exceeds it."""
     low = int(engine.plan.predicted_peak_device_bytes * factor)
-    engine.plan = dataclasses.replace(engine.plan, predicted_peak_device_bytes=low)
-    engine._reports.check.predicted_peak_bytes = low
+    engine._plans._adopt(dataclasses.replace(engine.plan, predicted_peak_device_bytes=low), rebuilt=False)
 
 
 def test_a_peak_above_the_prediction_re_plans_and_training_stays_exact(tmp_path: Path) -> None:

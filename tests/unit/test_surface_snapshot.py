@@ -10,6 +10,7 @@ A change to either must be deliberate: the snapshot file is updated and reviewed
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import os
@@ -25,6 +26,8 @@ from protrain.launcher.plot_cli import build_parser as build_plot_parser
 from protrain.launcher.report_cli import build_parser as build_report_parser
 from protrain.launcher.what_if_cli import build_parser as build_what_if_parser
 from protrain.runtime.config.spec_doc import reference_rows
+from protrain.runtime.planning.profilers import Profilers
+from protrain.runtime.training.delegation import Reads
 
 SNAPSHOT = Path(__file__).with_name("surface_snapshot.json")
 UPDATE_ENV = "PROTRAIN_UPDATE_SURFACE"
@@ -75,7 +78,7 @@ def launcher_surface() -> dict[str, dict[str, Any]]:
 
 
 def _signature(value: Any) -> str:
-    if isinstance(value, property):
+    if isinstance(value, property | Reads):
         return "property"
     return f"{'async ' if inspect.iscoroutinefunction(value) else ''}{inspect.signature(value)}"
 
@@ -88,12 +91,14 @@ def python_surface() -> dict[str, dict[str, str]]:
         name: _signature(member)
         for cls in reversed(protrain.Engine.__mro__[:-1])
         for name, member in vars(cls).items()
-        if not name.startswith("_") and (callable(member) or isinstance(member, property))
+        if not name.startswith("_") and (callable(member) or isinstance(member, property | Reads))
     }
+    profilers = {item.name: str(item.type) for item in dataclasses.fields(Profilers)}
     return {
         "protrain": {"__all__": ", ".join(sorted(protrain.__all__)), **names},
         "protrain.initialize": {"signature": _signature(protrain.initialize)},
         "protrain.Engine": dict(sorted(engine.items())),
+        "Profilers (initialize's measuring functions)": profilers,
     }
 
 

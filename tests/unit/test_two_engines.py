@@ -19,6 +19,7 @@ import torch
 
 from protrain import runtime
 from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.planning.profilers import Profilers
 from protrain.runtime.training.stop import TrainingStopped
 from tests.helpers import TINY_GPT, assert_state_equal, lm_batches, tiny_gpt, train_reference, train_updates
 
@@ -110,68 +111,68 @@ def test_second_initialize_leaves_the_random_streams_as_they_were(tmp_path: Path
 
 
 def test_a_second_auto_budget_is_what_the_first_engines_plan_left(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """A notebook cell run again, two Trainers in one script: the second auto engine gets the
     device less what the first one's plan holds (its predicted peak with the search's margin),
     not a refusal."""
     capacity = 64 * 2**20
-    monkeypatch.setattr("protrain.runtime.entry.auto_device_budget", lambda device, ranks: capacity)
+    device = Profilers(device_capacity=lambda info, ranks: capacity)  # the device's free memory
     data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
-    first = runtime.initialize(tiny_gpt(0), config=job(tmp_path, device_budget="auto"), example_batch=data.batch(0, 0, 0))
+    first = runtime.initialize(tiny_gpt(0), profilers=device, config=job(tmp_path, device_budget="auto"), example_batch=data.batch(0, 0, 0))
     try:
         peak = first.plan.predicted_peak_device_bytes
         assert peak is not None and first.plan.device_budget_bytes == capacity
-        second = runtime.initialize(tiny_gpt(1), config=job(tmp_path, device_budget="auto"))
+        second = runtime.initialize(tiny_gpt(1), profilers=device, config=job(tmp_path, device_budget="auto"))
         assert second.plan.device_budget_bytes == capacity - int(peak * 1.05)
         train_updates(second, data, range(1))
         second.close()
     finally:
         first.close()
     # The closed engines gave everything back: the whole capacity again.
-    with runtime.initialize(tiny_gpt(1), config=job(tmp_path, device_budget="auto")) as third:
+    with runtime.initialize(tiny_gpt(1), profilers=device, config=job(tmp_path, device_budget="auto")) as third:
         assert third.plan.device_budget_bytes == capacity
 
 
 def test_an_auto_budget_with_nothing_left_names_each_live_engine_and_how_to_free_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    monkeypatch.setattr("protrain.runtime.entry.auto_device_budget", lambda device, ranks: 64 * 2**20)
-    first = runtime.initialize(tiny_gpt(0), config=job(tmp_path, device_budget="64MiB"))
+    device = Profilers(device_capacity=lambda info, ranks: 64 * 2**20)  # the device's free memory
+    first = runtime.initialize(tiny_gpt(0), profilers=device, config=job(tmp_path, device_budget="64MiB"))
     try:
         with pytest.raises(SpecError) as refused:
-            runtime.initialize(tiny_gpt(1), config=job(tmp_path, device_budget="auto"))
+            runtime.initialize(tiny_gpt(1), profilers=device, config=job(tmp_path, device_budget="auto"))
         message = str(refused.value)
-        line = first._claim.created_at
+        line = first._state.claim.created_at
         assert line.startswith(__file__ + ":"), line
-        assert f"engine {first._claim.label} (made at {line}) holds 0.06 GiB (its memory.device_budget)" in message
+        assert f"engine {first._state.claim.label} (made at {line}) holds 0.06 GiB (its memory.device_budget)" in message
         assert "close it (engine.close(), trainer.end()) or drop every reference to it" in message
     finally:
         first.close()
     # The refused engine claimed nothing, and the closed one gave its claim back.
-    runtime.initialize(tiny_gpt(1), config=job(tmp_path, device_budget="auto")).close()
+    runtime.initialize(tiny_gpt(1), profilers=device, config=job(tmp_path, device_budget="auto")).close()
 
 
 def test_an_auto_budget_below_every_plan_names_the_engines_holding_the_rest(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    monkeypatch.setattr("protrain.runtime.entry.auto_device_budget", lambda device, ranks: 64 * 2**20)
+    device = Profilers(device_capacity=lambda info, ranks: 64 * 2**20)  # the device's free memory
     data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
-    with runtime.initialize(tiny_gpt(0), config=job(tmp_path, device_budget=64 * 2**20 - 200 * 2**10)) as first:
+    with runtime.initialize(tiny_gpt(0), profilers=device, config=job(tmp_path, device_budget=64 * 2**20 - 200 * 2**10)) as first:
         with pytest.raises(SpecError) as refused:
-            runtime.initialize(tiny_gpt(1), config=job(tmp_path, device_budget="auto"), example_batch=data.batch(0, 0, 0))
+            runtime.initialize(tiny_gpt(1), profilers=device, config=job(tmp_path, device_budget="auto"), example_batch=data.batch(0, 0, 0))
         message = str(refused.value)
         assert message.startswith("memory: no plan fits the device budget of 200.00 KiB per rank"), message
-        assert f"the rest of the device is held by engine {first._claim.label} (made at {__file__}:" in message
+        assert f"the rest of the device is held by engine {first._state.claim.label} (made at {__file__}:" in message
 
 
 def test_auto_budget_beside_a_set_one_is_what_the_set_one_left(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    monkeypatch.setattr("protrain.runtime.entry.auto_device_budget", lambda device, ranks: 1 << 30)
-    first = runtime.initialize(tiny_gpt(0), config=job(tmp_path, device_budget="300MiB"))
+    device = Profilers(device_capacity=lambda info, ranks: 1 << 30)  # the device's free memory
+    first = runtime.initialize(tiny_gpt(0), profilers=device, config=job(tmp_path, device_budget="300MiB"))
     try:
-        second = runtime.initialize(tiny_gpt(1), config=job(tmp_path, device_budget="auto"))
+        second = runtime.initialize(tiny_gpt(1), profilers=device, config=job(tmp_path, device_budget="auto"))
         assert second.plan.device_budget_bytes == (1 << 30) - 300 * 2**20
         second.close()
     finally:
