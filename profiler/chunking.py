@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from protrain.profiler.host_bytes import rank_numel
+from protrain.profiler.host_bytes import ADAMW_STATES, rank_numel
 
 MIB = 1 << 20
 PREFERRED_MIN_CHUNK_BYTES = 32 * MIB
@@ -183,11 +183,13 @@ def persistent_full_numel(used: int, *, trainable: bool, chunk_numel: int, world
     return chunk_numel if trainable and world_size > 1 else used
 
 
-def persistent_chunk_bytes(chunk: PackedChunk, *, chunk_numel: int, world_size: int, element_size: int) -> int:
+def persistent_chunk_bytes(
+    chunk: PackedChunk, *, chunk_numel: int, world_size: int, element_size: int, optimizer_states: int = ADAMW_STATES
+) -> int:
     """Device bytes of one persistent chunk on rank 0 (which holds the most): its full compute
     copy (``persistent_full_numel``) and, trainable, the fp32 master (shared with the copy for
-    one rank in fp32), gradient and two Adam moments of rank 0's real elements; frozen, the copy
-    alone (the shard is a view of it)."""
+    one rank in fp32), gradient and the optimizer's ``optimizer_states`` fp32 tensors of rank 0's
+    real elements; frozen, the copy alone (the shard is a view of it)."""
     full = (
         persistent_full_numel(chunk.used, trainable=chunk.trainable, chunk_numel=chunk_numel, world_size=world_size)
         * element_size
@@ -196,4 +198,4 @@ def persistent_chunk_bytes(chunk: PackedChunk, *, chunk_numel: int, world_size: 
         return full
     stored = rank_numel(chunk.used, chunk_numel // world_size, 0)
     alias = world_size == 1 and element_size == 4
-    return full + stored * ((0 if alias else 4) + 4 + 8)
+    return full + stored * ((0 if alias else 4) + 4 + 4 * optimizer_states)

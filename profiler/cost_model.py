@@ -88,6 +88,8 @@ class ChunkCosts:
     num_chunks: int
     world_size: int
     element_size: int
+    optimizer_states: int
+    """fp32 state tensors per trainable element (the optimizer rule's; AdamW: 2)."""
     need: tuple[int, ...]
     """Fewest buffers for each n_persist in [0, num_chunks] (0 at num_chunks)."""
     fwd: tuple[float, ...]
@@ -152,7 +154,9 @@ class Prediction:
     """The norm and zeroing passes after the optimizer."""
 
 
-def chunk_costs(model: ModelProfile, hardware: HardwareProfile, chunk_size: int) -> ChunkCosts:
+def chunk_costs(
+    model: ModelProfile, hardware: HardwareProfile, chunk_size: int, *, optimizer_states: int = host_bytes.ADAMW_STATES
+) -> ChunkCosts:
     """Pack the parameters at ``chunk_size`` bytes and precompute the per-chunk terms."""
     e = model.element_size
     world = hardware.world_size
@@ -203,7 +207,9 @@ def chunk_costs(model: ModelProfile, hardware: HardwareProfile, chunk_size: int)
         rows["update_passes"].append(2 * 4 * shard / hardware.memory_bytes_per_s if chunk.trainable else 0.0)
         rows["host_update_passes"].append(2 * 4 * shard / copy_rate if chunk.trainable else 0.0)
         rows["refresh"].append(gather if chunk.trainable else 0.0)
-        persistent = persistent_chunk_bytes(chunk, chunk_numel=chunk_numel, world_size=world, element_size=e)
+        persistent = persistent_chunk_bytes(
+            chunk, chunk_numel=chunk_numel, world_size=world, element_size=e, optimizer_states=optimizer_states
+        )
         rows["persistent_bytes"].append(persistent)
         if chunk.trainable:
             rows["host_fp32_tensor_bytes"].append(host_bytes.tensor_bytes(stored, 4))
@@ -220,6 +226,7 @@ def chunk_costs(model: ModelProfile, hardware: HardwareProfile, chunk_size: int)
         num_chunks=packing.num_chunks,
         world_size=world,
         element_size=e,
+        optimizer_states=optimizer_states,
         need=need,
         unattributed_forward_s=rest_f,
         unattributed_backward_s=rest_b,
@@ -371,7 +378,7 @@ def offloaded_host_bytes(costs: ChunkCosts, n_persist: int, *, keeps_gradients: 
     n = costs.num_chunks
     if n_persist >= n:
         return 0
-    tensors = 4 if keeps_gradients else 3
+    tensors = 1 + costs.optimizer_states + (1 if keeps_gradients else 0)
     payload = tensors * int(_span(costs.host_fp32_tensor_bytes, n_persist, n))
     payload += int(_span(costs.host_frozen_bytes, n_persist, n))
     return host_bytes.region_bytes(payload) + host_bytes.staging_bytes(

@@ -36,6 +36,9 @@ CPU Adam want aligned rows; pages would waste up to 4 KiB per tensor for nothing
 STAGING_BUFFERS = 2
 """Per staging ring: one buffer being filled while the previous one is read."""
 FP32_BYTES = 4
+ADAMW_STATES = 2
+"""fp32 state tensors per trainable element of the default optimizer rule (AdamW's moments);
+other rules pass their own count (runtime/optim/)."""
 WIDEN_SLICE_NUMEL = 1 << 20
 """Elements of the fp32 scratch a 16-bit gradient is widened into, slice by slice, before the
 host worker adds it into a kept fp32 gradient shard (runtime/chunks/grad_add.py)."""
@@ -55,11 +58,14 @@ def tensor_bytes(numel: int, element_size: int) -> int:
     return round_up(numel * element_size, HOST_ALIGN_BYTES)
 
 
-def chunk_state_bytes(numel: int, *, trainable: bool, element_size: int, keeps_gradients: bool) -> int:
-    """One offloaded chunk's host state on a rank holding ``numel`` of its elements."""
+def chunk_state_bytes(
+    numel: int, *, trainable: bool, element_size: int, keeps_gradients: bool, optimizer_states: int = ADAMW_STATES
+) -> int:
+    """One offloaded chunk's host state on a rank holding ``numel`` of its elements: trainable,
+    its fp32 master, the optimizer's ``optimizer_states`` tensors and (kept) its gradient."""
     if not trainable:
         return tensor_bytes(numel, element_size)
-    return (4 if keeps_gradients else 3) * tensor_bytes(numel, FP32_BYTES)
+    return (1 + optimizer_states + (1 if keeps_gradients else 0)) * tensor_bytes(numel, FP32_BYTES)
 
 
 def region_bytes(payload: int) -> int:
@@ -94,7 +100,12 @@ def staging_bytes(shard_numel: int, *, element_size: int, offloaded_trainable: b
 
 
 def offloaded_region_bytes(
-    chunks: list[tuple[int, bool]], shard_numel: int, *, element_size: int, keeps_gradients: bool
+    chunks: list[tuple[int, bool]],
+    shard_numel: int,
+    *,
+    element_size: int,
+    keeps_gradients: bool,
+    optimizer_states: int = ADAMW_STATES,
 ) -> int:
     """What rank 0 (which holds the most) maps for the offloaded ``chunks`` ((used elements,
     trainable) each): their state's region and the staging regions, as the runtime sizes them."""
@@ -106,6 +117,7 @@ def offloaded_region_bytes(
             trainable=trainable,
             element_size=element_size,
             keeps_gradients=keeps_gradients,
+            optimizer_states=optimizer_states,
         )
         for used, trainable in chunks
     )

@@ -28,6 +28,43 @@ class BlockMode(str, Enum):
     SSD = "ssd"
 
 
+class UpdateMode(str, Enum):
+    """How the optimizer updates offloaded chunks (runtime/chunks/optimizer.py), which follows
+    from whether a window's update needs the global gradient norm first (clipping, fp16) and
+    whether host work runs beside compute (CUDA) or on its cores (CPU):
+
+    - ``on_arrival``: no norm, no accumulation: offloaded chunks keep no gradient shard; each
+      reduced gradient is applied as it arrives, during the last backward;
+    - ``early``: no norm: each offloaded chunk is updated during the window's last backward, as
+      soon as its gradient is complete;
+    - ``two_phase``: a norm, host beside compute: the last backward takes each shard's squared
+      norm; the step queues the updates, which overlap the next forward;
+    - ``deferred``: a norm, on CPU: every update at the step.
+    """
+
+    ON_ARRIVAL = "on_arrival"
+    EARLY = "early"
+    TWO_PHASE = "two_phase"
+    DEFERRED = "deferred"
+
+    @classmethod
+    def of(cls, *, keeps_gradients: bool, updates_after_norm: bool, host_beside_compute: bool) -> UpdateMode:
+        """The mode a job's settings and device call for (docs/decisions/0001-offloaded-update-modes.md)."""
+        if updates_after_norm:
+            return cls.TWO_PHASE if host_beside_compute else cls.DEFERRED
+        return cls.EARLY if keeps_gradients else cls.ON_ARRIVAL
+
+    @property
+    def keeps_gradients(self) -> bool:
+        """Offloaded chunks keep an fp32 gradient shard (all but ``on_arrival``)."""
+        return self is not UpdateMode.ON_ARRIVAL
+
+    @property
+    def updates_after_norm(self) -> bool:
+        """The update waits for the window's global gradient norm."""
+        return self in (UpdateMode.TWO_PHASE, UpdateMode.DEFERRED)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
     """Knobs and per-block modes for one job, the same on every rank."""
@@ -69,6 +106,8 @@ class Plan:
     save's staging."""
     predicted_ssd_bytes: int | None = None
     notes: tuple[str, ...] = field(default=())
+    update_mode: UpdateMode = UpdateMode.EARLY
+    """How offloaded chunks are updated (``UpdateMode``)."""
     batch_shape: tuple[int, ...] = ()
     """The profiled batch's main input shape: the plan's predictions hold for no larger batch
     (empty: made without a profile)."""
@@ -99,6 +138,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         body = asdict(self)
         body["block_modes"] = [mode.value for mode in self.block_modes]
+        body["update_mode"] = self.update_mode.value
         body["chosen"] = list(self.chosen)
         body["notes"] = list(self.notes)
         body["batch_shape"] = list(self.batch_shape)
@@ -114,6 +154,7 @@ class Plan:
             raise ValueError(f"unknown plan fields: {sorted(unknown)}")
         values = dict(body)
         values["block_modes"] = tuple(BlockMode(mode) for mode in body["block_modes"])
+        values["update_mode"] = UpdateMode(body.get("update_mode", UpdateMode.EARLY.value))
         values["chosen"] = tuple(body.get("chosen", ()))
         values["notes"] = tuple(body.get("notes", ()))
         values["batch_shape"] = tuple(body.get("batch_shape", ()))
@@ -140,6 +181,7 @@ class Plan:
             ("n_checkpoint", str(self.n_checkpoint), origin("memory.n_checkpoint")),
             ("ssd.n_offload", str(self.n_offload), origin("memory.ssd.n_offload")),
             ("block_modes", modes or "(no blocks)", "plan"),
+            ("update_mode", self.update_mode.value, "job"),
         ]
         predictions = [
             (

@@ -14,7 +14,8 @@ from typing import Any
 
 from protrain.profiler.activation_cost import activation_options, block_layout
 from protrain.profiler.chunking import ChunkTooSmallError, min_buffers, pack, search_chunk_size
-from protrain.profiler.plan import BlockMode, Plan, format_bytes
+from protrain.profiler.host_bytes import ADAMW_STATES
+from protrain.profiler.plan import BlockMode, Plan, UpdateMode, format_bytes
 from protrain.profiler.profile import HardwareProfile, ModelProfile
 from protrain.profiler.search import SearchResult, search
 
@@ -45,6 +46,7 @@ def resident_plan(
     host_budget_bytes: int,
     chosen: tuple[str, ...],
     module_params: Sequence[Sequence[int]] = (),
+    update_mode: UpdateMode = UpdateMode.EARLY,
 ) -> Plan:
     """Fill every "auto" knob so that nothing leaves the device: all chunks persistent, no
     buffers, every block kept. Hand-set knobs are kept as given; when a hand-set ``n_persist``
@@ -82,6 +84,7 @@ def resident_plan(
         device_budget_bytes=device_budget_bytes,
         host_budget_bytes=host_budget_bytes,
         chosen=chosen,
+        update_mode=update_mode,
         rule="resident: auto knobs keep every chunk persistent and every block kept"
         + ("" if all(m is BlockMode.KEEP for m in modes) else " (block modes as set by hand)"),
     )
@@ -145,13 +148,15 @@ def searched_plan(
     chosen: tuple[str, ...],
     extra_buffers: int | None = None,
     ssd_available: bool = False,
-    updates_after_norm: bool = False,
-    keeps_gradients: bool = True,
+    update_mode: UpdateMode = UpdateMode.EARLY,
     host_fixed_bytes: int = 0,
+    optimizer_states: int = ADAMW_STATES,
 ) -> tuple[Plan, SearchResult]:
     """The fastest plan that fits, by the cost model over the profiles; hand-set knobs stay.
     Activation counts left auto are searched with the chunk knobs (ssd only when
-    ``ssd_available``: a path is set and its disk was measured). Raises NoPlanFitsError (a
+    ``ssd_available``: a path is set and its disk was measured; ``update_mode``: how offloaded
+    chunks are updated, which the cost model times; ``optimizer_states``: the optimizer rule's
+    fp32 state tensors per parameter). Raises NoPlanFitsError (a
     ValueError) saying what would fit."""
     layouts = None
     if activations_searchable(request) and len(model.blocks) == num_blocks:
@@ -175,9 +180,10 @@ def searched_plan(
         extra_buffers=extra_buffers,
         block_modes=None if fixed is None else [mode.value for mode in fixed],
         activation_layouts=layouts,
-        updates_after_norm=updates_after_norm,
-        keeps_gradients=keeps_gradients,
+        updates_after_norm=update_mode.updates_after_norm,
+        keeps_gradients=update_mode.keeps_gradients,
         host_fixed=host_fixed_bytes,
+        optimizer_states=optimizer_states,
     )
     best = result.best
     if fixed is not None:
@@ -198,6 +204,7 @@ def searched_plan(
         device_budget_bytes=device_budget_bytes,
         host_budget_bytes=host_budget_bytes,
         chosen=chosen,
+        update_mode=update_mode,
         rule=f"search: fastest of {result.evaluated} plans that fit; {result.binding}",
         batch_shape=model.batch_shape,
         predicted_step_s=best.prediction.step_s,

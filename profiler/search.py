@@ -29,6 +29,7 @@ from protrain.profiler.cost_model import (
     with_activations,
 )
 from protrain.profiler.feasibility import chunk_knob_conflict
+from protrain.profiler.host_bytes import ADAMW_STATES
 from protrain.profiler.profile import HardwareProfile, ModelProfile
 from protrain.profiler.search_pruning import buffer_candidates, most_saved_by_persisting
 
@@ -88,6 +89,7 @@ def search(
     updates_after_norm: bool = False,
     keeps_gradients: bool = True,
     host_fixed: int = 0,
+    optimizer_states: int = ADAMW_STATES,
 ) -> SearchResult:
     """The fastest plan that fits ``device_budget`` and ``host_budget`` (bytes per rank; the
     host holds ``host_fixed`` beside what a plan places: the process's own memory at start, an
@@ -98,7 +100,8 @@ def search(
     ``block_modes``, or neither (every block keeps). ``updates_after_norm``: the update waits
     for the gradient norm (clipping, fp16), which times the step differently
     (profiler.cost_model); ``keeps_gradients``: offloaded chunks keep a gradient shard on the
-    host (clipping, fp16, accumulation), 4 bytes per parameter more."""
+    host (clipping, fp16, accumulation), 4 bytes per parameter more; ``optimizer_states``: the
+    optimizer rule's fp32 state tensors per parameter (AdamW: 2)."""
     started = time.perf_counter()
     layouts: list[Layout]
     if activation_layouts is not None:
@@ -107,7 +110,7 @@ def search(
         layouts = [(tuple(block_modes), activation_cost(model, hardware, block_modes))]
     else:
         layouts = [(None, None)]
-    all_costs = list(_costs_by_size(model, hardware, chunk_size))
+    all_costs = list(_costs_by_size(model, hardware, chunk_size, optimizer_states))
     evaluated = 0
     fitting: list[Candidate] = []
     smallest: Candidate | None = None
@@ -275,16 +278,18 @@ def search(
     )
 
 
-def _costs_by_size(model: ModelProfile, hardware: HardwareProfile, chunk_size: int | None) -> Iterable[ChunkCosts]:
+def _costs_by_size(
+    model: ModelProfile, hardware: HardwareProfile, chunk_size: int | None, optimizer_states: int
+) -> Iterable[ChunkCosts]:
     if chunk_size is not None:
-        yield chunk_costs(model, hardware, chunk_size)
+        yield chunk_costs(model, hardware, chunk_size, optimizer_states=optimizer_states)
         return
     e = model.element_size
     total = sum(numel for numel, _ in model.param_sizes) * e
     largest = max((numel for numel, _ in model.param_sizes), default=1) * e
     for size in candidate_chunk_bytes(total, largest):
         try:
-            yield chunk_costs(model, hardware, size)
+            yield chunk_costs(model, hardware, size, optimizer_states=optimizer_states)
         except ChunkTooSmallError:
             continue
 

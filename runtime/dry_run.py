@@ -73,7 +73,7 @@ def dry_run(
         )
     try:
         sizes = [(p.numel, p.trainable) for p in params]
-        check_supported(plan, planning.precision, sizes, keeps_gradients=planning.keeps_gradients)
+        check_supported(plan, planning, sizes)
     except SpecError as err:
         console.print(f"[red]This plan cannot run:[/red] {err}")
         raise SystemExit(2) from None

@@ -175,7 +175,7 @@ def _build_engine(
     )
     plan, params = planned.plan, planned.params
     sizes = [(p.numel, p.trainable) for p in params]
-    check_supported(plan, planning.precision, sizes, keeps_gradients=planning.keeps_gradients)
+    check_supported(plan, planning, sizes)
     target = PlanTarget(params=params, training=training, planning=planning, device=device, dist_ctx=dist_ctx)
     # The run folder first: a bad output_dir is refused before chunk threads and files exist.
     metrics = open_metrics(resolved, run_dir, is_main=dist_ctx.is_main)

@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench_adam.py --smoke    # one step on 1M parameters
 
 Candidates, each in fp32 and with the bf16 copy-out mixed precision needs (the updated master
-converted into the compute copy sent back to the device): ours (``runtime.cpu_adam.ShardAdamW``
+converted into the compute copy sent back to the device): ours (``runtime.optim.adamw.ShardAdamW``
 over one flat shard), ``torch.optim.AdamW(foreach=True)`` and ``torch.optim.AdamW(fused=True)``
 over separate parameters of the same sizes, and ``DeepSpeedCPUAdam`` when ``import deepspeed``
 works (never installed or required here). The parameter sizes are those of GPT-style blocks of
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from protrain.runtime.cpu_adam import ShardAdamW
+from protrain.runtime.optim.adamw import ShardAdamW
 
 BYTES_PER_PARAM = 28
 LR = 1e-3

@@ -51,6 +51,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +67,7 @@ from bench_common import (
 )
 
 from protrain import runtime
+from protrain.profiler.plan import UpdateMode
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.config.spec_io import SpecError
 from protrain.runtime.training.engine import Engine
@@ -377,20 +379,19 @@ def main(argv: Sequence[str] | None = None) -> None:
             deferred = offloaded_engine(
                 args, output_dir, chunk_size, batches[0], first_n_buffer=1, clip=args.clip or NEVER_CLIPS
             )
-            deferred.chunks.speculative_cpu_adam = False
-            deferred.chunks.two_phase_updates = False  # a clipped window on CUDA would take two phases
+            deferred.switch_plan(dataclasses.replace(deferred.plan, update_mode=UpdateMode.DEFERRED))
             offloaded.append(deferred)
         if args.clip > 0:
             # The same minimum-buffer plan with the two-phase step (runtime/chunks/optimizer.py).
             two_phase = offloaded_engine(args, output_dir, chunk_size, batches[0], first_n_buffer=1)
-            two_phase.chunks.two_phase_updates = True
+            two_phase.switch_plan(dataclasses.replace(two_phase.plan, update_mode=UpdateMode.TWO_PHASE))
             offloaded.append(two_phase)
         for engine in offloaded:
             stack.enter_context(engine)
             label = " (minimum)" if engine.plan.n_buffer == minimum.plan.n_buffer else ""
-            if engine.chunks.two_phase_updates:
+            if engine.plan.update_mode is UpdateMode.TWO_PHASE:
                 label += ", two-phase"
-            elif not engine.chunks.speculative_cpu_adam:
+            elif engine.plan.update_mode is UpdateMode.DEFERRED:
                 label += ", CPU Adam deferred"
             name = f"offload, n_buffer={engine.plan.n_buffer}{label}"
             configs.append(Config(name, engine, ExclusiveTimer()))

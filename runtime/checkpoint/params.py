@@ -6,8 +6,8 @@ layout (a new plan or world size has to load it), so every parameter is presente
 global tensor of its own shape under its own name, each rank contributing the part in its shard:
 
     model.<name>              fp32 master (frozen parameters: their stored dtype)
-    optim.exp_avg.<name>      Adam's first moment
-    optim.exp_avg_sq.<name>   Adam's second moment
+    optim.<state>.<name>      each state tensor of the optimizer rule (runtime/optim/), by its
+                              name: AdamW's optim.exp_avg.<name> and optim.exp_avg_sq.<name>
     optim.step.<name>         updates this parameter has had (torch's per-parameter state['step'])
 
 A rank's part of a parameter is a contiguous range of its flattened elements; DCP describes
@@ -47,8 +47,6 @@ from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.chunks.store import Chunk, shard_segments
 
 MODEL = "model."
-EXP_AVG = "optim.exp_avg."
-EXP_AVG_SQ = "optim.exp_avg_sq."
 STEP = "optim.step."
 
 Box = tuple[list[int], list[int]]
@@ -167,7 +165,7 @@ class ParameterSpace:
     # ------------------------------------------------------------------ pieces
 
     def _sources(self) -> Iterator[tuple[Chunk, list[torch.Tensor]]]:
-        """Per chunk: its master shard, then (trainable) the two moments."""
+        """Per chunk: its master shard, then (trainable) the optimizer rule's state tensors."""
         for chunk in self.chunks.chunks:
             yield chunk, [tensor.detach() for tensor in chunk.state_tensors()]
 
@@ -175,7 +173,8 @@ class ParameterSpace:
         self, state_dict: dict[str, Any], chunk: Chunk, flats: list[torch.Tensor], staging: DeviceStaging | None
     ) -> None:
         """``staging``: device tensors among ``flats`` become its placeholders."""
-        prefixes = (MODEL, EXP_AVG, EXP_AVG_SQ)[: len(flats)]
+        states = tuple(f"optim.{name}." for name in self.chunks.optimizer_rule.state_names)
+        prefixes = (MODEL, *states)[: len(flats)]
         for prefix, flat in zip(prefixes, flats, strict=True):
             stage = staging if staging is not None and not self.chunks.store.on_host(flat) else None
             for segment in chunk.segments:

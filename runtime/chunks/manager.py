@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from protrain.profiler.plan import UpdateMode
 from protrain.runtime.chunks.layout import ChunkLayout, check_buffers
 from protrain.runtime.chunks.optimizer import ChunkOptimizer
 from protrain.runtime.chunks.readout import ChunkReadout
@@ -43,12 +44,13 @@ from protrain.runtime.chunks.reduce import GradientReducer
 from protrain.runtime.chunks.residency import ChunkResidency, SavedAlias
 from protrain.runtime.chunks.side_stream import CollectiveQueue
 from protrain.runtime.chunks.store import Chunk, Segment, shard_segments
-from protrain.runtime.chunks.store_build import AdamWHyper, build_store
-from protrain.runtime.cpu_adam import GroupValues
+from protrain.runtime.chunks.store_build import build_store
 from protrain.runtime.hw import device_wall, stream_chaos
 from protrain.runtime.hw.device import DeviceInfo, SideStream, synchronize
 from protrain.runtime.hw.distributed import DistContext, all_reduce_sum_
 from protrain.runtime.hw.host_memory import MmapArena
+from protrain.runtime.optim.rule import OptimizerHyper, OptimizerRule
+from protrain.runtime.optim.shard import GroupValues
 
 __all__ = ["Chunk", "ChunkManager", "SavedAlias", "Segment", "shard_segments"]
 
@@ -66,15 +68,18 @@ class ChunkManager:
         compute_dtype: torch.dtype,
         device: DeviceInfo,
         dist_ctx: DistContext,
-        adamw: AdamWHyper,
+        optimizer: OptimizerRule,
+        hyper: OptimizerHyper,
         read_param: Callable[[str], torch.Tensor] | None = None,
-        keeps_gradients: bool = True,
+        update_mode: UpdateMode = UpdateMode.EARLY,
     ) -> None:
         """``read_param(name)``, when given, supplies each parameter's value while its chunk is
         built (the model holds only stand-ins: weights streamed from a file, one at a time).
-        ``keeps_gradients`` False: offloaded chunks keep no gradient shard; each reduced
-        gradient is applied as it arrives (every backward must then end its window)."""
+        ``optimizer``: the rule every trainable shard is updated by, built with ``hyper``.
+        ``update_mode``: how offloaded chunks are updated (the plan's; ``on_arrival``: they keep
+        no gradient shard and every backward must end its window)."""
         self.model = model
+        self.optimizer_rule = optimizer
         self.layout = layout
         self.compute_dtype = compute_dtype
         self.device = device
@@ -88,14 +93,15 @@ class ChunkManager:
             compute_dtype=compute_dtype,
             device=device,
             dist_ctx=dist_ctx,
-            adamw=adamw,
+            optimizer=optimizer,
+            hyper=hyper,
             read_param=read_param,
-            keeps_gradients=keeps_gradients,
+            keeps_gradients=update_mode.keeps_gradients,
         )
         self.collectives = CollectiveQueue(device)
         self._lazy_chaos = stream_chaos.mode() == "lazy"
         self._drains = 0
-        self.optimizer = ChunkOptimizer(store=self.store, waits=self.collectives.waits)
+        self.optimizer = ChunkOptimizer(store=self.store, mode=update_mode, waits=self.collectives.waits)
         self.reducer = GradientReducer(store=self.store, queue=self.collectives, sink=self.optimizer)
         self.residency = ChunkResidency(
             store=self.store,
@@ -140,36 +146,9 @@ class ChunkManager:
         return self.collectives.stream
 
     @property
-    def speculative_cpu_adam(self) -> bool:
-        """Update offloaded chunks during the window's last backward, as soon as their gradient
-        is reduced (see begin_last_backward); False defers every update to the accumulation
-        boundary."""
-        return self.optimizer.speculative
-
-    @speculative_cpu_adam.setter
-    def speculative_cpu_adam(self, value: bool) -> None:
-        if not value and self.optimizer.applies_on_arrival:
-            raise ValueError(
-                "offloaded chunks keep no gradient shard (gradient_accumulation_steps 1, no clipping, "
-                "not fp16): their updates cannot be deferred to the step"
-            )
-        self.optimizer.speculative = value
-
-    @property
-    def two_phase_updates(self) -> bool:
-        """Clipped and fp16 windows: offloaded chunks are updated after the step's norm, on the
-        host worker, overlapping the next forward (no early update, no undo snapshot); see
-        ChunkOptimizer.two_phase."""
-        return self.optimizer.two_phase
-
-    @two_phase_updates.setter
-    def two_phase_updates(self, value: bool) -> None:
-        if value and self.optimizer.applies_on_arrival:
-            raise ValueError(
-                "offloaded chunks keep no gradient shard (gradient_accumulation_steps 1, no clipping, "
-                "not fp16): their updates cannot wait for the gradient norm"
-            )
-        self.optimizer.two_phase = value
+    def update_mode(self) -> UpdateMode:
+        """How offloaded chunks are updated (the plan's; see ChunkOptimizer)."""
+        return self.optimizer.mode
 
     @property
     def applies_on_arrival(self) -> bool:
@@ -287,7 +266,7 @@ class ChunkManager:
         reductions (see ChunkOptimizer.arm). Two-phase: no early update, only each offloaded
         shard's squared norm as its gradient completes. ``local_nonfinite()``: whether a loss of
         the window was not finite here (read only for early updates: it waits for the device)."""
-        if self.optimizer.two_phase:
+        if self.optimizer.mode is UpdateMode.TWO_PHASE:
             self.optimizer.arm_norms()
             return
         if not self.optimizer.may_speculate():

@@ -40,14 +40,15 @@ from dataclasses import dataclass
 import torch
 
 from protrain.profiler.host_bytes import FP32_BYTES, WIDEN_SLICE_NUMEL
+from protrain.profiler.plan import UpdateMode
 from protrain.runtime.chunks.grad_add import add_widened
 from protrain.runtime.chunks.store import Chunk, ChunkStore
 from protrain.runtime.chunks.trace_labels import job_label
 from protrain.runtime.chunks.waits import ExposedWaits
-from protrain.runtime.cpu_adam import GroupValues
 from protrain.runtime.hw.device import DeviceEvent, HostWorker, host_worker_threads
 from protrain.runtime.hw.distributed import DistContext, all_reduce_sum_
 from protrain.runtime.hw.host_memory import MmapArena
+from protrain.runtime.optim.shard import GroupValues
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,19 +72,14 @@ class ChunkOptimizer:
     """AdamW over every trainable shard, early (speculative) for offloaded chunks; see the
     module docstring."""
 
-    def __init__(self, *, store: ChunkStore, waits: ExposedWaits | None = None) -> None:
+    def __init__(self, *, store: ChunkStore, mode: UpdateMode, waits: ExposedWaits | None = None) -> None:
+        """``mode``: how offloaded chunks are updated (the module docstring): early and on
+        arrival during the window's last backward; two-phase after the step's norm, on the host
+        worker, overlapping the next forward; deferred at the step."""
         self.store = store
         self.waits = waits if waits is not None else ExposedWaits()
         """Where the main thread's waits for the host worker are counted (``host``)."""
-        self.speculative = True
-        """Update offloaded chunks during the window's last backward, as soon as their gradient
-        is reduced; False defers every update to the accumulation boundary."""
-        self.two_phase = False
-        """No early update: the window's last backward takes each offloaded shard's squared
-        norm on the host worker as its gradient lands; the step then updates offloaded chunks on
-        the host worker in forward order (clip and unscale factors applied there), overlapping
-        the next forward, whose gather of a chunk waits for that chunk's update. Bit-exact AdamW
-        with no undo snapshot; for clipped and fp16 windows (see ``ChunkManager``)."""
+        self.mode = mode
         self._norms_armed = False
         self._norm_squares: dict[int, torch.Tensor] = {}
         """Two-phase: each offloaded shard's squared gradient norm (float64), taken on the host
@@ -180,7 +176,8 @@ class ChunkOptimizer:
 
     def may_speculate(self) -> bool:
         """Whether an offloaded trainable chunk can be updated early at all."""
-        return self.speculative and any(not c.persistent for c in self.trainable_chunks())
+        early = self.mode in (UpdateMode.EARLY, UpdateMode.ON_ARRIVAL)
+        return early and any(not c.persistent for c in self.trainable_chunks())
 
     def arm(self, *, lr: GroupValues, agreed: DeviceEvent, any_nonfinite: torch.Tensor) -> None:
         """The coming backward ends the window: update offloaded chunks as their gradients arrive,
@@ -373,7 +370,7 @@ class ChunkOptimizer:
                 if any(wanted):
                     self._apply_held(chunk, wanted, lr)
                 continue
-            if self.two_phase and not chunk.persistent:
+            if self.mode is UpdateMode.TWO_PHASE and not chunk.persistent:
                 job = self._updater(chunk, wanted, lr, grad_factors, zero=True)
                 self._pending_updates[chunk.index] = self._submit(job)
             else:

@@ -42,10 +42,10 @@ from torch import nn
 from protrain.runtime.chunks.layout import ChunkInfo, ChunkLayout
 from protrain.runtime.chunks.released import mark_released, mark_resident
 from protrain.runtime.chunks.residency_states import Residency, check_move
-from protrain.runtime.cpu_adam import ShardAdamW
+from protrain.runtime.chunks.tiers import StateTiers
 from protrain.runtime.hw.device import DeviceInfo
 from protrain.runtime.hw.distributed import DistContext
-from protrain.runtime.hw.host_memory import MmapArena
+from protrain.runtime.optim.shard import ShardOptimizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +73,12 @@ def shard_segments(layout: ChunkLayout, chunk: ChunkInfo, rank: int) -> list[Seg
 
 @dataclass(eq=False, slots=True)
 class ShardTraining:
-    """What only a trainable chunk has: its fp32 gradient shard and AdamW over its master."""
+    """What only a trainable chunk has: its fp32 gradient shard and the optimizer rule's kernel
+    over its master (runtime/optim/)."""
 
     grad_shard: torch.Tensor | None
     """None for an offloaded chunk whose gradients are applied as they arrive (no shard kept)."""
-    optimizer: ShardAdamW
+    optimizer: ShardOptimizer
 
 
 @dataclass(eq=False, slots=True)
@@ -133,7 +134,7 @@ class Chunk:
         return self.master.numel()
 
     @property
-    def optimizer(self) -> ShardAdamW:
+    def optimizer(self) -> ShardOptimizer:
         return self._training().optimizer
 
     def _training(self) -> ShardTraining:
@@ -142,10 +143,11 @@ class Chunk:
         return self.training
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """What is saved and moved per chunk: the master shard, then (trainable) the two moments."""
+        """What is saved and moved per chunk: the master shard, then (trainable) the optimizer
+        rule's state tensors, in its ``state_names`` order."""
         if self.training is None:
             return [self.master]
-        return [self.master, self.training.optimizer.exp_avg, self.training.optimizer.exp_avg_sq]
+        return [self.master, *self.training.optimizer.states]
 
     def move(self, target: Residency) -> None:
         self.residency = check_move(self.index, self.residency, target)
@@ -196,7 +198,7 @@ class ChunkStore:
         layout: ChunkLayout,
         params: list[nn.Parameter],
         chunks: list[Chunk],
-        host_arena: MmapArena | None,
+        tiers: StateTiers,
         compute_dtype: torch.dtype,
         device: DeviceInfo,
         dist_ctx: DistContext,
@@ -204,7 +206,9 @@ class ChunkStore:
         self.layout = layout
         self.params = params
         self.chunks = chunks
-        self.host_arena = host_arena
+        self.tiers = tiers
+        self.host_arena = tiers.host.arena
+        """The offloaded chunks' host region (None: none is offloaded)."""
         self.compute_dtype = compute_dtype
         self.device = device
         self.dist_ctx = dist_ctx
@@ -276,9 +280,7 @@ class ChunkStore:
 
     def host_like(self, tensor: torch.Tensor) -> torch.Tensor:
         """An empty host tensor like ``tensor``, from the arena when there is one."""
-        if self.host_arena is None:
-            return torch.empty_like(tensor)
-        return self.host_arena.allocate(tensor.numel(), tensor.dtype)
+        return self.tiers.host.empty_like(tensor)
 
     def state_storages(self) -> set[int]:
         """Storage addresses of persistent copies and shards (the slots are residency's)."""
@@ -300,10 +302,9 @@ class ChunkStore:
         for chunk in self.chunks:
             tensors += [chunk.full, chunk.master]
             if chunk.training is not None:
-                optimizer = chunk.training.optimizer
-                tensors += [chunk.training.grad_shard, optimizer.exp_avg, optimizer.exp_avg_sq]
+                tensors += [chunk.training.grad_shard, *chunk.training.optimizer.states]
         for tensor in tensors:
-            if tensor is None or tensor.device != self.device.device or self._in_host_arena(tensor):
+            if tensor is None or self.tiers.on_host(tensor):
                 continue
             storage = tensor.untyped_storage()
             if storage.data_ptr() not in seen:
@@ -311,12 +312,9 @@ class ChunkStore:
                 total += storage.nbytes()
         return total
 
-    def _in_host_arena(self, tensor: torch.Tensor) -> bool:
-        return self.host_arena is not None and self.host_arena.contains(tensor)
-
     def on_host(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is chunk state in host memory (not on the compute device)."""
-        return tensor.device != self.device.device or self._in_host_arena(tensor)
+        return self.tiers.on_host(tensor)
 
     def release_device(self) -> None:
         """Let go of every chunk and of what the parameters point at: each parameter views the

@@ -24,26 +24,12 @@ from protrain.runtime.chunks.store import (
     ShardTraining,
     shard_segments,
 )
-from protrain.runtime.cpu_adam import ShardAdamW
+from protrain.runtime.chunks.tiers import DeviceTier, HostTier, StateTiers
 from protrain.runtime.hw import device_wall
 from protrain.runtime.hw.device import DeviceInfo, trim_host_heap
 from protrain.runtime.hw.distributed import DistContext, broadcast_from_main_
 from protrain.runtime.hw.host_memory import MmapArena
-
-
-@dataclass(frozen=True, slots=True)
-class AdamWHyper:
-    """The optimizer settings each trainable chunk's ``ShardAdamW`` is built with."""
-
-    weight_decay: Sequence[float]
-    """Per parameter (by layout index)."""
-    group: Sequence[int]
-    """Per parameter (by layout index): its parameter group (runtime/param_groups.py)."""
-    lrs: Sequence[float]
-    """Per parameter group, the peak learning rate."""
-    betas: Sequence[tuple[float, float]]
-    """Per parameter group."""
-    eps: float
+from protrain.runtime.optim.rule import OptimizerHyper, OptimizerRule
 
 
 def build_store(
@@ -54,28 +40,32 @@ def build_store(
     compute_dtype: torch.dtype,
     device: DeviceInfo,
     dist_ctx: DistContext,
-    adamw: AdamWHyper,
+    optimizer: OptimizerRule,
+    hyper: OptimizerHyper,
     read_param: Callable[[str], torch.Tensor] | None,
     keeps_gradients: bool = True,
 ) -> ChunkStore:
     """Copy each parameter into its chunk; keep this rank's shard; give up the originals (the
     parameters then view their chunk's full copy, or the placeholder). ``keeps_gradients``
     False: offloaded chunks get no gradient shard (their gradients are applied as they arrive)."""
+    arena = _build_host_arena(
+        layout,
+        n_persist,
+        rank=dist_ctx.rank,
+        element_size=torch.empty((), dtype=compute_dtype).element_size(),
+        keeps_gradients=keeps_gradients,
+        optimizer_states=len(optimizer.state_names),
+        pin=device.is_cuda,
+    )
     builder = _ChunkBuilder(
         params=params,
         layout=layout,
         compute_dtype=compute_dtype,
         device=device,
         dist_ctx=dist_ctx,
-        adamw=adamw,
-        host_arena=_build_host_arena(
-            layout,
-            n_persist,
-            rank=dist_ctx.rank,
-            element_size=torch.empty((), dtype=compute_dtype).element_size(),
-            keeps_gradients=keeps_gradients,
-            pin=device.is_cuda,
-        ),
+        optimizer=optimizer,
+        hyper=hyper,
+        tiers=StateTiers(device=DeviceTier(device), host=HostTier(arena)),
         read_param=read_param,
         keeps_gradients=keeps_gradients,
     )
@@ -90,7 +80,7 @@ def build_store(
         layout=layout,
         params=params,
         chunks=chunks,
-        host_arena=builder.host_arena,
+        tiers=builder.tiers,
         compute_dtype=compute_dtype,
         device=device,
         dist_ctx=dist_ctx,
@@ -111,7 +101,14 @@ def _give_up_originals(params: Sequence[nn.Parameter]) -> None:
 
 
 def _build_host_arena(
-    layout: ChunkLayout, n_persist: int, *, rank: int, element_size: int, keeps_gradients: bool, pin: bool
+    layout: ChunkLayout,
+    n_persist: int,
+    *,
+    rank: int,
+    element_size: int,
+    keeps_gradients: bool,
+    optimizer_states: int,
+    pin: bool,
 ) -> MmapArena | None:
     """One region holding every offloaded chunk's host state at exact sizes
     (profiler/host_bytes.py: the cost model counts the same bytes)."""
@@ -124,6 +121,7 @@ def _build_host_arena(
             trainable=info.trainable,
             element_size=element_size,
             keeps_gradients=keeps_gradients,
+            optimizer_states=optimizer_states,
         )
         for info in offloaded
     )
@@ -137,8 +135,9 @@ class _ChunkBuilder:
     compute_dtype: torch.dtype
     device: DeviceInfo
     dist_ctx: DistContext
-    adamw: AdamWHyper
-    host_arena: MmapArena | None
+    optimizer: OptimizerRule
+    hyper: OptimizerHyper
+    tiers: StateTiers
     read_param: Callable[[str], torch.Tensor] | None
     keeps_gradients: bool
 
@@ -208,33 +207,20 @@ class _ChunkBuilder:
         numel = master.numel()
         kept = persistent or self.keeps_gradients
         grad_shard = self._zeros(numel, persistent) if kept else None
-        moments = (self._zeros(numel, persistent), self._zeros(numel, persistent))
-        optimizer = ShardAdamW(
+        states = tuple(self._zeros(numel, persistent) for _ in self.optimizer.state_names)
+        hyper = self.hyper
+        optimizer = self.optimizer.build(
             master,
-            [(s.shard_offset, s.numel, self.adamw.weight_decay[s.param], self.adamw.group[s.param]) for s in segments],
-            lr=self.adamw.lrs,
-            betas=self.adamw.betas,
-            eps=self.adamw.eps,
-            moments=moments,
+            [(s.shard_offset, s.numel, hyper.weight_decay[s.param], hyper.group[s.param]) for s in segments],
+            hyper=hyper,
+            states=states,
         )
         return ShardTraining(grad_shard=grad_shard, optimizer=optimizer)
 
     def _place(self, tensor: torch.Tensor, persistent: bool) -> torch.Tensor:
-        """A copy of ``tensor`` where the chunk's state lives: the device, or the host arena."""
-        if persistent:
-            return tensor.to(self.device.device, copy=True)
-        if self.host_arena is None:
-            with device_wall.host_allocations():
-                return tensor.clone()
-        out = self.host_arena.allocate(tensor.numel(), tensor.dtype)
-        out.copy_(tensor)
-        return out
+        """A copy of ``tensor`` where the chunk's state lives (tiers.py)."""
+        return self.tiers.for_chunk(persistent=persistent).copy_of(tensor)
 
     def _zeros(self, numel: int, persistent: bool) -> torch.Tensor:
         """Zeroed fp32 state of ``numel`` elements where the chunk's state lives."""
-        if persistent:
-            return torch.zeros(numel, device=self.device.device)
-        if self.host_arena is None:
-            with device_wall.host_allocations():
-                return torch.zeros(numel)
-        return self.host_arena.allocate(numel, torch.float32)  # mmap pages start zeroed
+        return self.tiers.for_chunk(persistent=persistent).zeros(numel)

@@ -33,7 +33,7 @@ from protrain.profiler.analytic import (
     shape_from_config,
 )
 from protrain.profiler.host_bytes import checkpoint_staging_bytes
-from protrain.profiler.plan import Plan
+from protrain.profiler.plan import Plan, UpdateMode
 from protrain.profiler.plan_builder import KnobRequest, searched_plan
 from protrain.profiler.profile import HardwareProfile, ModelProfile
 from protrain.profiler.search import NoPlanFitsError
@@ -170,8 +170,10 @@ def plan_model(
         chosen=chosen,
         extra_buffers=EXTRA_BUFFERS,
         ssd_available=ssd,
-        updates_after_norm=updates_after_norm,
-        keeps_gradients=keeps_gradients,
+        # A what-if machine has a GPU: host work runs beside compute.
+        update_mode=UpdateMode.of(
+            keeps_gradients=keeps_gradients, updates_after_norm=updates_after_norm, host_beside_compute=True
+        ),
         host_fixed_bytes=host_fixed_bytes,
     )
     return plan

@@ -25,12 +25,15 @@ from protrain.runtime.config.spec import (
 )
 from protrain.runtime.config.spec_io import SpecError
 from protrain.runtime.config.spec_types import Auto, ParamGroup
+from protrain.runtime.optim.registry import rule_named
 
 T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OptimizerSettings:
+    type: str
+    """The rule's name (runtime/optim/registry.py)."""
     lr: float
     betas: tuple[float, float]
     eps: float
@@ -131,6 +134,7 @@ def settings_from_spec(spec: Spec) -> TrainingSettings:
         gradient_clipping=_clipping(spec),
         on_nonfinite_loss=spec.on_nonfinite_loss,
         optimizer=OptimizerSettings(
+            type=optimizer.type,
             lr=trainer_set(optimizer.lr, "optimizer.lr"),
             betas=trainer_set(optimizer.betas, "optimizer.betas"),
             eps=trainer_set(optimizer.eps, "optimizer.eps"),
@@ -196,6 +200,13 @@ class PlanningSettings:
     async_save: bool = False
     """``checkpoint.async_save``: a save copies this rank's state to host memory first, which
     the plan's host figure counts."""
+    optimizer: str = "adamw"
+    """``optimizer.type``: the rule (runtime/optim/) whose state the plan's memory counts."""
+
+    @property
+    def optimizer_states(self) -> int:
+        """fp32 state tensors per trainable element (the rule's ``state_names``)."""
+        return len(rule_named(self.optimizer).state_names)
 
 
 def _clipping(spec: Spec) -> float:
@@ -227,6 +238,7 @@ def planning_settings_from_spec(spec: Spec) -> PlanningSettings:
             accumulation_steps=trainer_set(spec.gradient_accumulation_steps, "gradient_accumulation_steps"),
         ),
         async_save=spec.checkpoint.async_save,
+        optimizer=spec.optimizer.type,
     )
 
 

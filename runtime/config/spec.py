@@ -44,7 +44,9 @@ from protrain.runtime.config.spec_types import (
     TrainerPositiveInt,
     cross_field_error,
     enum_leaf,
+    registered_leaf,
 )
+from protrain.runtime.optim.registry import registered
 
 # The leaf types (sizes, "auto", bounded numbers) and their strict parsing: runtime/config/spec_types.py.
 
@@ -66,10 +68,6 @@ class NonFiniteLossPolicy(str, Enum):
     SKIP = "skip"
 
 
-class OptimizerType(str, Enum):
-    ADAMW = "adamw"
-
-
 class SchedulerType(str, Enum):
     WARMUP_COSINE = "warmup_cosine"
     CONSTANT = "constant"
@@ -78,7 +76,7 @@ class SchedulerType(str, Enum):
 PrecisionField = Annotated[(Precision | Literal["auto"], *enum_leaf(Precision, trainer_auto=True))]
 NonFiniteField = Annotated[(NonFiniteLossPolicy, *enum_leaf(NonFiniteLossPolicy))]
 LogLevelField = Annotated[(LogLevel, *enum_leaf(LogLevel))]
-OptimizerTypeField = Annotated[(OptimizerType, *enum_leaf(OptimizerType))]
+OptimizerTypeField = Annotated[(str, *registered_leaf(registered, "runtime/optim/registry.py registers more"))]
 SchedulerTypeField = Annotated[(SchedulerType, *enum_leaf(SchedulerType))]
 
 
@@ -109,10 +107,11 @@ class LossScalingSpec(SpecModel):
 
 
 class OptimizerSpec(SpecModel):
-    """AdamW with decoupled weight decay, the same update as ``torch.optim.AdamW``."""
+    """The optimizer: AdamW (decoupled weight decay, the same update as ``torch.optim.AdamW``)
+    unless ``type`` names another registered rule (runtime/optim/)."""
 
-    type: OptimizerTypeField = OptimizerType.ADAMW
-    """Optimizer kind."""
+    type: OptimizerTypeField = "adamw"
+    """Optimizer rule."""
     lr: TrainerPositiveFloat = 3.0e-4
     """Peak learning rate."""
     betas: TrainerBetas = (0.9, 0.95)

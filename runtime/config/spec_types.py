@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from enum import Enum
@@ -227,6 +227,19 @@ def enum_leaf(enum_type: type[Enum], *, trainer_auto: bool = False) -> tuple[Any
         return enum_type(value)
 
     return _leaf(check, allowed, trainer_auto=trainer_auto)
+
+
+def registered_leaf(names: Callable[[], Sequence[str]], note: str) -> tuple[Any, ...]:
+    """Annotated metadata for a field naming a registered entry (an optimizer rule): checked
+    against what is registered when the spec is read, so a rule registered at run time counts;
+    the reference lists those registered at import, with ``note``."""
+
+    def check(value: Any) -> str:
+        if not isinstance(value, str) or value not in names():
+            raise ValueError
+        return value
+
+    return _leaf(check, f"one of {', '.join(names())} ({note})")
 
 
 def _betas_check(value: Any) -> tuple[float, float]:

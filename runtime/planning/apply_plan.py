@@ -19,16 +19,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from protrain.profiler.plan import BlockMode, Plan
+from protrain.profiler.plan import BlockMode, Plan, UpdateMode
 from protrain.runtime.activations.manager import ActivationManager
 from protrain.runtime.activations.ssd_store import ActivationFileStore
 from protrain.runtime.chunks.layout import ParamInfo, layout_from_params
 from protrain.runtime.chunks.manager import ChunkManager
-from protrain.runtime.chunks.store_build import AdamWHyper
 from protrain.runtime.config.settings import PlanningSettings, TrainingSettings
 from protrain.runtime.config.spec_io import SpecError
 from protrain.runtime.hw.device import DeviceInfo
 from protrain.runtime.hw.distributed import DistContext
+from protrain.runtime.optim.registry import rule_named
+from protrain.runtime.optim.rule import OptimizerHyper
 from protrain.runtime.param_groups import resolve_param_hyper
 from protrain.runtime.planning.model_facts import COMPUTE_DTYPES, compute_element_size, model_blocks
 from protrain.runtime.planning.plan_switch import HeldState, move_state
@@ -99,7 +100,8 @@ def _build_chunks(
             compute_dtype=COMPUTE_DTYPES[settings.precision],
             device=target.device,
             dist_ctx=target.dist_ctx,
-            adamw=AdamWHyper(
+            optimizer=rule_named(optimizer.type),
+            hyper=OptimizerHyper(
                 weight_decay=hyper.weight_decay,
                 group=hyper.group_of_param,
                 lrs=hyper.lrs,
@@ -107,26 +109,23 @@ def _build_chunks(
                 eps=optimizer.eps,
             ),
             read_param=read_param,
-            keeps_gradients=settings.keeps_gradients,
+            update_mode=checked_update_mode(plan.update_mode, settings),
         )
     except ValueError as err:
         raise SpecError(str(err)) from None
-    chunks.speculative_cpu_adam, chunks.two_phase_updates = update_mode(
-        gradient_clipping=settings.gradient_clipping,
-        loss_scaled=settings.loss_scale is not None,
-        device=target.device,
-    )
     return chunks
 
 
-def update_mode(*, gradient_clipping: float, loss_scaled: bool, device: DeviceInfo) -> tuple[bool, bool]:
-    """(speculative, two-phase) CPU Adam for offloaded chunks. Without a norm to wait for, early
-    updates overlap backward. A clipped or fp16 window's update needs the global norm first:
-    two-phase where host work runs beside compute (CUDA), its updates overlapping the next
-    forward; on CPU, where the host worker takes compute's cores, every update waits for the step
-    (docs/decisions/0001-offloaded-update-modes.md)."""
-    needs_norm = gradient_clipping > 0 or loss_scaled
-    return not needs_norm, needs_norm and device.is_cuda
+def checked_update_mode(mode: UpdateMode, settings: TrainingSettings) -> UpdateMode:
+    """``mode`` unless the job's settings rule it out: an update that needs the global norm
+    (clipping, fp16) cannot be made early, and a window that keeps its gradients (those, or
+    accumulation) cannot apply them on arrival."""
+    needs_norm = settings.gradient_clipping > 0 or settings.loss_scale is not None
+    if needs_norm and not mode.updates_after_norm:
+        raise ValueError(f"update_mode {mode.value}: clipping and fp16 updates wait for the gradient norm")
+    if settings.keeps_gradients and not mode.keeps_gradients:
+        raise ValueError(f"update_mode {mode.value}: this job's windows keep their gradients until the step")
+    return mode
 
 
 def _build_activations(model: nn.Module, plan: Plan, chunks: ChunkManager, target: PlanTarget) -> ActivationManager:

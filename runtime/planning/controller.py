@@ -176,6 +176,7 @@ class PlanController:
         ``plan_switch.py``). Every rank calls it, between updates."""
         if self._replanner is None:
             raise RuntimeError("this engine cannot switch plans (it was not built by runtime.initialize)")
+        self._replanner.refuse_unrunnable(plan)
         state = self._state
         state.checkpointer.wait()
         # The old activation manager goes first: the new one may reuse its file directory.

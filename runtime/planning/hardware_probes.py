@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 import torch
 
 from protrain.profiler.profile import HardwareProfile, cache_key
-from protrain.runtime.cpu_adam import ShardAdamW
 from protrain.runtime.hw import device_wall
 from protrain.runtime.hw.device import (
     DeviceInfo,
@@ -41,6 +40,7 @@ from protrain.runtime.hw.distributed import (
 )
 from protrain.runtime.hw.nvml import describe_link, pcie_link
 from protrain.runtime.hw.ssd_io import measure_disk_rates
+from protrain.runtime.optim.adamw import ShardAdamW
 from protrain.runtime.planning.host_rates import measure_host_rates
 from protrain.runtime.planning.profile_cache import ProfileOrigin, read_agreed, write_cached
 

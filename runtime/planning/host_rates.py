@@ -20,8 +20,8 @@ from typing import TypeVar
 import torch
 
 from protrain.runtime.chunks.grad_add import add_widened
-from protrain.runtime.cpu_adam import ShardAdamW
 from protrain.runtime.hw import device_wall
+from protrain.runtime.optim.adamw import ShardAdamW
 
 HOST_PROBE_NUMEL = 4 << 20
 """Elements per probe (16 MiB in fp32): beyond the caches, as chunk shards are."""

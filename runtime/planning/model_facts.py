@@ -88,28 +88,34 @@ def is_searchable(request: KnobRequest, *, num_blocks: int) -> bool:
     )
 
 
-def model_state_bytes(plan: Plan, element_size: int, param_sizes: Sequence[tuple[int, bool]]) -> int:
+def model_state_bytes(
+    plan: Plan, element_size: int, param_sizes: Sequence[tuple[int, bool]], *, optimizer_states: int
+) -> int:
     """Device bytes of the plan's model state on rank 0, as the cost model counts them
     (``profiler.cost_model.persistent_chunk_bytes``): its persistent chunks and the buffers
-    the others pass through. ``param_sizes``: (numel, trainable) in first-use order."""
+    the others pass through. ``param_sizes``: (numel, trainable) in first-use order;
+    ``optimizer_states``: the optimizer rule's fp32 state tensors per parameter."""
     packing = pack(param_sizes, plan.chunk_size // element_size, plan.world_size)
     persistent = sum(
         persistent_chunk_bytes(
-            chunk, chunk_numel=packing.chunk_numel, world_size=plan.world_size, element_size=element_size
+            chunk,
+            chunk_numel=packing.chunk_numel,
+            world_size=plan.world_size,
+            element_size=element_size,
+            optimizer_states=optimizer_states,
         )
         for chunk in packing.chunks[: plan.n_persist]
     )
     return persistent + plan.n_buffer * packing.chunk_numel * element_size
 
 
-def check_supported(
-    plan: Plan, precision: Precision, param_sizes: Sequence[tuple[int, bool]], *, keeps_gradients: bool = True
-) -> None:
+def check_supported(plan: Plan, planning: PlanningSettings, param_sizes: Sequence[tuple[int, bool]]) -> None:
     """Refuse, before any training step, model state that cannot fit the device budget, and a
     rule's plan (made without a profile, so not checked by the search) whose host memory does not
     fit the host budget."""
-    element_size = compute_element_size(precision)
-    needed = model_state_bytes(plan, element_size, param_sizes)
+    element_size = compute_element_size(planning.precision)
+    states = planning.optimizer_states
+    needed = model_state_bytes(plan, element_size, param_sizes, optimizer_states=states)
     if needed > plan.device_budget_bytes:
         raise SpecError(
             f"memory.device_budget: the model state of this plan needs {needed / 2**20:.1f} MiB per rank "
@@ -122,7 +128,13 @@ def check_supported(
     packing = pack(param_sizes, plan.chunk_size // element_size, plan.world_size)
     offloaded = [(chunk.used, chunk.trainable) for chunk in packing.chunks[plan.n_persist :]]
     shard = packing.chunk_numel // plan.world_size
-    regions = offloaded_region_bytes(offloaded, shard, element_size=element_size, keeps_gradients=keeps_gradients)
+    regions = offloaded_region_bytes(
+        offloaded,
+        shard,
+        element_size=element_size,
+        keeps_gradients=plan.update_mode.keeps_gradients,
+        optimizer_states=states,
+    )
     host = regions + plan.host_fixed_bytes
     if host > plan.host_budget_bytes:
         raise SpecError(

@@ -77,6 +77,7 @@ def profile_model(
     chunked: ChunkedRun | None = None,
     agree_max: Callable[[float], float] = lambda seconds: seconds,
     offload_saved: bool = False,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> ModelProfile:
     """Forward, loss and backward on the example batch, ``warmup_steps`` uninstrumented then
     up to ``profile_steps`` instrumented (the fastest kept). Measuring stops early once a step's
@@ -87,20 +88,21 @@ def profile_model(
     ``chunked``: the steps run through the chunk engine (which drops their gradients).
     ``agree_max(seconds)``: the largest of every rank's figure, so that all ranks stop after
     the same step (their steps issue collectives under the chunk engine). ``offload_saved``:
-    saved activations wait in host memory (see the module docstring)."""
+    saved activations wait in host memory (see the module docstring). ``clock``: what the
+    steps' wall times are read on, to decide when they have settled (tests give a fake one)."""
     devices = [device.device.index or 0] if device.is_cuda else []
     runs: list[dict[str, Any]] = []
     buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
     with torch.random.fork_rng(devices=devices):
         previous_s: float | None = None
         for _ in range(warmup_steps):
-            started = time.perf_counter()
+            started = clock()
             _one_step(
                 model, run_forward, loss_fn, blocks, device, instruments=False, chunked=chunked, offload=offload_saved
             )
-            previous_s = agree_max(time.perf_counter() - started)
+            previous_s = agree_max(clock() - started)
         for _ in range(max(1, profile_steps)):
-            started = time.perf_counter()
+            started = clock()
             runs.append(
                 _one_step(
                     model,
@@ -113,7 +115,7 @@ def profile_model(
                     offload=offload_saved,
                 )
             )
-            wall_s = agree_max(time.perf_counter() - started)
+            wall_s = agree_max(clock() - started)
             if previous_s is not None and abs(wall_s - previous_s) <= STEADY_STEPS * wall_s:
                 break
             previous_s = wall_s

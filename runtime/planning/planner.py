@@ -33,7 +33,7 @@ from torch import nn
 
 from protrain.profiler.chunking import min_buffers, pack, smallest_chunk_size
 from protrain.profiler.host_bytes import checkpoint_staging_bytes
-from protrain.profiler.plan import BlockMode, Plan
+from protrain.profiler.plan import BlockMode, Plan, UpdateMode
 from protrain.profiler.plan_builder import (
     KnobRequest,
     activations_searchable,
@@ -156,6 +156,17 @@ class Planner:
     """Of which the caller's parameters in host memory: the chunks take them over."""
 
     @property
+    def update_mode(self) -> UpdateMode:
+        """How the plans update offloaded chunks: the job's clipping, precision and accumulation
+        on this device (``UpdateMode.of``)."""
+        settings = self.settings
+        return UpdateMode.of(
+            keeps_gradients=settings.keeps_gradients,
+            updates_after_norm=settings.updates_after_norm,
+            host_beside_compute=self.subject.device.is_cuda,
+        )
+
+    @property
     def host_fixed_bytes(self) -> int:
         """Host memory every plan holds beside its own regions: the process at start less the
         parameters the chunks take over and, with ``checkpoint.async_save``, a save's staging
@@ -233,9 +244,9 @@ class Planner:
             host_budget_bytes=self.budgets[1],
             chosen=settings.chosen,
             ssd_available=self.profiles.hardware.ssd_write_bytes_per_s > 0 and settings.ssd_path is not None,
-            updates_after_norm=settings.updates_after_norm,
-            keeps_gradients=settings.keeps_gradients,
+            update_mode=self.update_mode,
             host_fixed_bytes=self.host_fixed_bytes,
+            optimizer_states=settings.optimizer_states,
         )
         return plan
 
@@ -248,7 +259,8 @@ class Planner:
         element_size = compute_element_size(self.settings.precision)
         plan = self._resident(request)
         sizes = [(p.numel, p.trainable) for p in self.subject.params]
-        if request.n_persist is None and model_state_bytes(plan, element_size, sizes) > self.budgets[0]:
+        state = model_state_bytes(plan, element_size, sizes, optimizer_states=self.settings.optimizer_states)
+        if request.n_persist is None and state > self.budgets[0]:
             rule = "conservative: the model state does not fit the device budget, so every chunk is offloaded"
             plan = self._offloaded(rule)
         return plan
@@ -281,6 +293,7 @@ class Planner:
             host_budget_bytes=self.budgets[1],
             chosen=settings.chosen,
             module_params=subject.owned,
+            update_mode=self.update_mode,
         )
         return dataclasses.replace(plan, host_fixed_bytes=self.host_fixed_bytes)
 

@@ -35,7 +35,7 @@ from protrain.runtime.chunks.layout import model_params
 from protrain.runtime.chunks.manager import ChunkManager, SavedAlias
 from protrain.runtime.config.spec_io import SpecError
 from protrain.runtime.hw.distributed import DistContext, all_reduce_max, broadcast_object
-from protrain.runtime.planning.apply_plan import PlanTarget, apply_plan
+from protrain.runtime.planning.apply_plan import PlanTarget, apply_plan, checked_update_mode
 from protrain.runtime.planning.model_profiling import ChunkedRun
 from protrain.runtime.planning.plan_check import PlanCheckResult
 from protrain.runtime.planning.plan_switch import hold_on_host
@@ -82,11 +82,19 @@ class Replanner:
     def apply(self, plan: Plan, *, state_from: ChunkManager) -> tuple[ChunkManager, ActivationManager]:
         """``plan``'s managers, the training state moved over from ``state_from`` (closed here:
         its state goes to the host and its device memory is freed before the new layout is
-        built, so the device never holds both)."""
+        built, so the device never holds both; ``refuse_unrunnable`` first)."""
         state_from.close()
         held = hold_on_host(state_from)
         self._reordered = False
         return apply_plan(self.model, plan, target=self.target, state_from=held)
+
+    def refuse_unrunnable(self, plan: Plan) -> None:
+        """``SpecError`` when the job cannot run under ``plan`` (an update mode its clipping,
+        precision or accumulation rules out), before anything is torn down for it."""
+        try:
+            checked_update_mode(plan.update_mode, self.target.training)
+        except ValueError as err:
+            raise SpecError(str(err)) from None
 
     def needs_switch(self, plan: Plan, current: Plan) -> bool:
         """Whether ``plan`` needs new managers: other knobs, or the parameters in a new order."""
@@ -188,7 +196,7 @@ class Replanner:
 
 def same_layout(plan: Plan, other: Plan) -> bool:
     """Whether two plans have the same knobs (then the managers in place carry out either)."""
-    knobs = ("chunk_size", "n_persist", "n_buffer", "block_modes")
+    knobs = ("chunk_size", "n_persist", "n_buffer", "block_modes", "update_mode")
     return all(getattr(plan, knob) == getattr(other, knob) for knob in knobs)
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from protrain.profiler.plan import UpdateMode
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.config.settings import TrainingSettings
 from protrain.runtime.config.spec import NonFiniteLossPolicy
@@ -183,7 +184,7 @@ def update_shards(
         # applied as they arrived, the squares the host worker took of each gradient).
         grad_norm = chunks.grad_norm()
     if not skipped and (settings.gradient_clipping > 0 or loss_scaler is not None):
-        if chunks.two_phase_updates and (loss_scaler is None or _power_of_two(loss_scaler.scale)):
+        if chunks.update_mode is UpdateMode.TWO_PHASE and (loss_scaler is None or _power_of_two(loss_scaler.scale)):
             grad_norm, factors = _norm_and_factors(chunks, loss_scaler, settings.gradient_clipping)
         else:
             grad_norm = _unscale_and_clip(chunks, loss_scaler, settings.gradient_clipping)

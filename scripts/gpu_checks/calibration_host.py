@@ -10,7 +10,7 @@ threads (torch's OpenMP backend keeps that number per thread).
   16-core GPU machine 14), alone at half of it, and at half of it while CPU Adam steps without
   pause on the other half (the memory bus is shared: the rate beside Adam is what a pipeline
   that overlaps them gets);
-- CPU Adam (``runtime.cpu_adam.ShardAdamW``, one segment) at two shard sizes, at the host
+- CPU Adam (``runtime.optim.adamw.ShardAdamW``, one segment) at two shard sizes, at the host
   worker's thread count.
 
 Each figure is the best of a few repeats after a warm-up (first-touch page faults excluded).
@@ -44,7 +44,7 @@ class BackgroundAdam:
     stopped; its steps per second while it ran."""
 
     def __init__(self, numel: int, threads: int) -> None:
-        from protrain.runtime.cpu_adam import ShardAdamW
+        from protrain.runtime.optim.adamw import ShardAdamW
 
         self.master = torch.zeros(numel)
         self.grad = torch.full_like(self.master, 1e-3)
@@ -126,7 +126,7 @@ def host_rates(ctx: Context, sizes: HostSizes, worker_threads: int) -> None:
 
 def adam_rates(ctx: Context, sizes: HostSizes, worker_threads: int) -> None:
     """ShardAdamW over one fp32 shard of each size, at the host worker's thread count."""
-    from protrain.runtime.cpu_adam import ShardAdamW
+    from protrain.runtime.optim.adamw import ShardAdamW
 
     for numel in sizes.adam_numels:
 

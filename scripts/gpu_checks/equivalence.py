@@ -238,13 +238,7 @@ def _train(
         with training.pool_reads(engine) as found, training.device_peak(ctx.device) as peak:
             losses = training.train(engine, data, size.steps)
         chunks = engine.chunks
-        mode = (
-            "two-phase"
-            if chunks.two_phase_updates
-            else "early"
-            if chunks.speculative_cpu_adam
-            else "deferred"
-        )
+        mode = chunks.update_mode.value.replace("_", "-")
         result = Run(
             state=training.to_cpu(engine.state_dict()),
             losses=losses,

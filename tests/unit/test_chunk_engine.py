@@ -4,6 +4,7 @@ buffer is reused, and knobs that cannot work are refused before training."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -11,11 +12,11 @@ import pytest
 import torch
 
 from protrain import runtime
+from protrain.profiler.plan import UpdateMode
 from protrain.runtime.chunks.released import ReleasedParameterError
 from protrain.runtime.chunks.residency_states import IllegalTransition, Residency, check_move
-from protrain.runtime.config.spec_io import SpecError
-from protrain.runtime.hw.device import DeviceInfo
-from protrain.runtime.planning.apply_plan import update_mode
+from protrain.runtime.config.settings import planning_settings_from_spec
+from protrain.runtime.config.spec_io import SpecError, validate_spec
 from tests.helpers import (
     assert_matches_reference,
     assert_state_close,
@@ -172,7 +173,7 @@ def test_clipped_windows_never_update_early_and_match(tmp_path: Path) -> None:
     config = job(tmp_path, n_persist=3, n_buffer=2)
     config["gradient_clipping"] = 0.05
     engine = runtime.initialize(tiny_gpt(), config=config)
-    assert not engine.chunks.two_phase_updates and not engine.chunks.speculative_cpu_adam
+    assert engine.plan.update_mode is UpdateMode.DEFERRED and engine.chunks.update_mode is UpdateMode.DEFERRED
     train(engine, 6)
     # The clip coefficient is rounded differently (norm over flat shards): the key biases'
     # Adam updates amplify that, within the float64 noise floor.
@@ -182,23 +183,41 @@ def test_clipped_windows_never_update_early_and_match(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("clip", "fp16", "cuda", "expected"),
+    ("clip", "fp16", "accumulation", "cuda", "expected"),
     [
-        (0.0, False, False, (True, False)),
-        (0.0, False, True, (True, False)),
-        (1.0, False, False, (False, False)),
-        (1.0, False, True, (False, True)),
-        (0.0, True, True, (False, True)),
-        (0.0, True, False, (False, False)),
+        (0.0, False, 1, False, UpdateMode.ON_ARRIVAL),
+        (0.0, False, 2, True, UpdateMode.EARLY),
+        (1.0, False, 1, False, UpdateMode.DEFERRED),
+        (1.0, False, 2, True, UpdateMode.TWO_PHASE),
+        (0.0, True, 1, True, UpdateMode.TWO_PHASE),
+        (0.0, True, 1, False, UpdateMode.DEFERRED),
     ],
 )
-def test_update_mode_follows_the_norm_and_the_device(
-    clip: float, fp16: bool, cuda: bool, expected: tuple[bool, bool]
+def test_the_plans_update_mode_follows_the_norm_the_window_and_the_device(
+    tmp_path: Path, clip: float, fp16: bool, accumulation: int, cuda: bool, expected: UpdateMode
 ) -> None:
-    """(speculative, two-phase): early updates only when no norm is needed; else two-phase
-    where host work runs beside compute (CUDA), deferred on CPU."""
-    device = DeviceInfo(torch.device("cuda" if cuda else "cpu"), "nccl" if cuda else "gloo")
-    assert update_mode(gradient_clipping=clip, loss_scaled=fp16, device=device) == expected
+    """Early updates only when no norm is needed (on arrival without accumulation); else two
+    phases where host work runs beside compute (CUDA), deferred on CPU. The plan carries it, and
+    a mode the job rules out is refused when the plan is applied."""
+    settings = {"gradient_clipping": clip, "gradient_accumulation_steps": accumulation}
+    if fp16:
+        settings["precision"] = "fp16"
+    planning = planning_settings_from_spec(validate_spec({**job(tmp_path), **settings}, source="test"))
+    mode = UpdateMode.of(
+        keeps_gradients=planning.keeps_gradients,
+        updates_after_norm=planning.updates_after_norm,
+        host_beside_compute=cuda,
+    )
+    assert mode is expected
+    if not cuda and not fp16:  # what this CPU machine can run
+        config = job(tmp_path, n_persist=3, n_buffer=2)
+        config.update(settings)
+        with runtime.initialize(tiny_gpt(), config=config) as engine:
+            assert engine.plan.update_mode is expected and engine.chunks.update_mode is expected
+            early = dataclasses.replace(engine.plan, update_mode=UpdateMode.EARLY)
+            if clip:
+                with pytest.raises(SpecError, match="update_mode early: clipping and fp16 updates wait"):
+                    engine.switch_plan(early)
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
@@ -211,9 +230,11 @@ def test_two_phase_clipped_step_is_bit_exact_and_keeps_no_snapshot(tmp_path: Pat
     for mode in ("deferred", "two_phase"):
         config = job(tmp_path / mode, n_persist=3, n_buffer=2)
         config.update(gradient_clipping=0.05, gradient_accumulation_steps=accumulation)
-        engine = runtime.initialize(tiny_gpt(), config=config)
-        engine.chunks.speculative_cpu_adam = False
-        engine.chunks.two_phase_updates = mode == "two_phase"
+        example = lm_batches(micro_batch_size=2, accumulation=accumulation, world_size=1).batch(0, 0, 0)
+        engine = runtime.initialize(tiny_gpt(), config=config, example_batch=example)  # planned up front
+        if mode == "two_phase":  # as on CUDA: the PlanController rebuilds the managers for it
+            engine.switch_plan(dataclasses.replace(engine.plan, update_mode=UpdateMode.TWO_PHASE))
+        assert engine.chunks.update_mode.value == mode
         train(engine, 4, accumulation=accumulation)
         if mode == "two_phase":
             offloaded = range(3, engine.plan.num_chunks)

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from protrain.runtime.cpu_adam import Segment, ShardAdamW
+from protrain.runtime.optim.adamw import ShardAdamW
+from protrain.runtime.optim.shard import Segment
 from tests.helpers import RELATIVE_TOLERANCE
 
 BETAS = (0.9, 0.95)

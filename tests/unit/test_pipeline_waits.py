@@ -13,7 +13,7 @@ import torch
 
 from protrain import runtime
 from protrain.runtime.chunks.residency import ChunkResidency
-from protrain.runtime.cpu_adam import ShardAdamW
+from protrain.runtime.optim.adamw import ShardAdamW
 from tests.helpers import lm_batches, tiny_gpt
 
 SLOW_S = 0.03

@@ -49,8 +49,10 @@ def fp32_profile(
     warmup_steps: int = 1,
     profile_steps: int = 2,
     chunked: Any = None,
+    clock: Any = None,
 ) -> ModelProfile:
-    """``profile_model`` in fp32 on this machine's device, blocks found under ``block_path``."""
+    """``profile_model`` in fp32 on this machine's device, blocks found under ``block_path``
+    (``clock``: the steps' wall clock, default the real one)."""
     blocks = list(model.get_submodule(block_path)) if block_path else []
     return profile_model(
         model,
@@ -67,6 +69,7 @@ def fp32_profile(
         warmup_steps=warmup_steps,
         profile_steps=profile_steps,
         chunked=chunked,
+        **({} if clock is None else {"clock": clock}),
     )
 
 
@@ -311,18 +314,11 @@ class _Timed(torch.nn.Module):
         ([0.1, 0.4, 0.1, 0.4], 4),  # never settled: every step asked for
     ],
 )
-def test_profiling_stops_once_steps_agree(
-    durations: list[float], steps_run: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import types
-
-    from protrain.runtime.planning import model_profiling
-
+def test_profiling_stops_once_steps_agree(durations: list[float], steps_run: int) -> None:
     clock = [0.0]
-    monkeypatch.setattr(model_profiling, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     model = _Timed(durations, clock)
     x = torch.ones(4)
-    fp32_profile(model, lambda: model(x), batch_shape=(4,), profile_steps=3)
+    fp32_profile(model, lambda: model(x), batch_shape=(4,), profile_steps=3, clock=lambda: clock[0])
     assert model.calls == steps_run
 
 

@@ -5,6 +5,7 @@ place is bit-identical to the run without chaos (and, in fp32, matches plain PyT
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from protrain import runtime
+from protrain.profiler.plan import UpdateMode
 from protrain.runtime.activations.transfers import ActivationTransfers
 from protrain.runtime.chunks.grad_buffers import GradientBufferPool
 from protrain.runtime.chunks.optimizer import ChunkOptimizer
@@ -111,18 +113,6 @@ def _skip_two_phase_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ChunkOptimizer, "pending_update", lambda self, chunk_index: None)
 
 
-def _two_phase_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The two-phase step (updates on the host worker beside the next forward) as on CUDA; on
-    CPU a clipped window otherwise defers every update to the step."""
-    import protrain.runtime.planning.apply_plan as apply_plan
-
-    def two_phase(*, gradient_clipping: float, loss_scaled: bool, device: Any) -> tuple[bool, bool]:
-        needs_norm = gradient_clipping > 0 or loss_scaled
-        return not needs_norm, needs_norm
-
-    monkeypatch.setattr(apply_plan, "update_mode", two_phase)
-
-
 @dataclass(frozen=True)
 class Bug:
     remove_wait: Callable[[pytest.MonkeyPatch], None]
@@ -134,7 +124,11 @@ class Bug:
     accumulation: int = 1
     """Micro-batches per update (2: offloaded chunks keep their gradients in host shards)."""
     clipping: float | None = None
-    """Gradient clipping (on: the two-phase step)."""
+    """Gradient clipping (on: the update waits for the norm)."""
+    update_mode: UpdateMode | None = None
+    """The plan switched to before training (the engine planned on an example batch first):
+    ``two_phase`` runs the step as on CUDA (updates on the host worker beside the next forward),
+    where on CPU a clipped window defers every update to the step."""
 
 
 BUGS = {
@@ -146,7 +140,7 @@ BUGS = {
     # downcast into upload staging.
     "staging-ring": Bug(_skip_staging_ring_wait, "bf16", OFFLOADED, accumulation=2),
     "host-add": Bug(_skip_host_add_wait, "bf16", OFFLOADED, accumulation=2),
-    "two-phase": Bug(_skip_two_phase_wait, "fp32", OFFLOADED, route=_two_phase_on_cpu, clipping=1.0),
+    "two-phase": Bug(_skip_two_phase_wait, "fp32", OFFLOADED, clipping=1.0, update_mode=UpdateMode.TWO_PHASE),
 }
 
 
@@ -162,8 +156,11 @@ def chaos_training(tmp_path: Path, bug: Bug) -> tuple[dict[str, torch.Tensor], l
     }
     if bug.clipping is not None:
         config["gradient_clipping"] = bug.clipping
-    engine = runtime.initialize(tiny_gpt(0, FOUR_BLOCKS), config=config)
     data = lm_batches(micro_batch_size=2, accumulation=bug.accumulation, world_size=1)
+    example = None if bug.update_mode is None else data.batch(0, 0, 0)
+    engine = runtime.initialize(tiny_gpt(0, FOUR_BLOCKS), config=config, example_batch=example)
+    if bug.update_mode is not None:
+        engine.switch_plan(dataclasses.replace(engine.plan, update_mode=bug.update_mode))
     losses = []
     with engine:
         for update in range(STEPS):

@@ -10,28 +10,21 @@ precision sends back to the device.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
-# Dtypes a compute copy may have; the master and its moments are always fp32.
-COPY_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-class Segment(NamedTuple):
-    """One parameter's place in a flat shard: elements ``[start, start + numel)``, its weight
-    decay, and its parameter group (``optimizer.groups``: whose learning rate and betas it takes;
-    0 is the top-level values)."""
-
-    start: int
-    numel: int
-    weight_decay: float
-    group: int = 0
-
-
-GroupValues = float | Sequence[float]
-"""A learning rate for every group, or one per group (indexed by ``Segment.group``)."""
+from protrain.runtime.optim.rule import OptimizerHyper
+from protrain.runtime.optim.shard import (
+    COPY_OUT_DTYPES,
+    GroupValues,
+    Segment,
+    check_master,
+    check_segments,
+    per_group,
+    split_plan,
+)
 
 
 class ShardAdamW:
@@ -98,10 +91,10 @@ class ShardAdamW:
         (``Segment.group`` indexes them). ``moments``: zero-filled (exp_avg, exp_avg_sq) shaped
         like ``master`` when the caller owns their memory (the chunk engine puts offloaded
         shards' moments in its host arena)."""
-        _check_master(master)
-        self.segments: tuple[Segment, ...] = _check_segments(segments, numel=master.numel())
+        check_master(master)
+        self.segments: tuple[Segment, ...] = check_segments(segments, numel=master.numel())
         num_groups = 1 + max((s.group for s in self.segments), default=0)
-        self.lr = _per_group(lr, num_groups, "lr")
+        self.lr = per_group(lr, num_groups, "lr")
         self.betas = _per_group_betas(betas, num_groups)
         for group_lr, group_betas in zip(self.lr, self.betas, strict=True):
             _check_hyperparameters(lr=group_lr, betas=group_betas, eps=eps)
@@ -116,9 +109,14 @@ class ShardAdamW:
         # from; exact for counts up to 2**24, as in torch itself.
         self.steps = torch.zeros(len(self.segments), dtype=torch.float32, device=master.device)
         self._params = [_alias(master, segment) for segment in self.segments]
-        self._split_sizes, self._piece_of_segment = _split_plan(self.segments, numel=master.numel())
+        self._split_sizes, self._piece_of_segment = split_plan(self.segments, numel=master.numel())
         # A rank's shard can be all padding (no segment); torch refuses an empty optimizer.
         self._optimizer = _build_optimizer(self._params, self, eps=eps) if self.segments else None
+
+    @property
+    def states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(exp_avg, exp_avg_sq), flat, in ``ADAMW.state_names`` order."""
+        return (self.exp_avg, self.exp_avg_sq)
 
     @property
     def num_segments(self) -> int:
@@ -146,7 +144,7 @@ class ShardAdamW:
         """
         self._check_step_inputs(grad_flat, active, lr, copy_out)
         if self._optimizer is not None:
-            lrs = self.lr if lr is None else _per_group(lr, len(self.lr), "lr")
+            lrs = self.lr if lr is None else per_group(lr, len(self.lr), "lr")
             self._update(self._optimizer, grad_flat, active, lrs)
         if copy_out is not None:
             copy_out.copy_(self.master)
@@ -238,7 +236,7 @@ class ShardAdamW:
         if len(active) != len(self.segments):
             raise ValueError(f"active has {len(active)} flags for {len(self.segments)} segments")
         if lr is not None:
-            for group_lr in _per_group(lr, len(self.lr), "lr"):
+            for group_lr in per_group(lr, len(self.lr), "lr"):
                 if not group_lr >= 0.0:
                     raise ValueError(f"lr must be >= 0, got {lr}")
         if copy_out is not None and (copy_out.shape != master.shape or copy_out.dtype not in COPY_OUT_DTYPES):
@@ -246,65 +244,6 @@ class ShardAdamW:
                 f"copy_out must have shape {tuple(master.shape)} and a dtype in {COPY_OUT_DTYPES}, "
                 f"got {copy_out.dtype} of shape {tuple(copy_out.shape)}"
             )
-
-
-def _check_master(master: torch.Tensor) -> None:
-    if master.dtype != torch.float32 or master.dim() != 1 or not master.is_contiguous():
-        raise ValueError(
-            f"the master must be a contiguous 1-D float32 tensor, got {master.dtype} with shape "
-            f"{tuple(master.shape)}: pass the chunk shard's flat fp32 master"
-        )
-    if master.requires_grad:
-        raise ValueError("the master must not require grad: pass master.detach()")
-
-
-def _check_segments(
-    segments: Sequence[tuple[int, int, float] | tuple[int, int, float, int]], *, numel: int
-) -> tuple[Segment, ...]:
-    """Segments as given (any order), validated: inside the shard, non-empty, not overlapping."""
-    checked = tuple(
-        Segment(int(entry[0]), int(entry[1]), float(entry[2]), int(entry[3]) if len(entry) > 3 else 0)
-        for entry in segments
-    )
-    for segment in checked:
-        if segment.numel <= 0 or segment.start < 0 or segment.start + segment.numel > numel:
-            raise ValueError(f"{segment} does not lie inside the shard of {numel} elements")
-        if segment.weight_decay < 0.0:
-            raise ValueError(f"{segment}: weight_decay must be >= 0")
-        if segment.group < 0:
-            raise ValueError(f"{segment}: group must be >= 0")
-    ordered = sorted(checked)
-    for left, right in zip(ordered, ordered[1:], strict=False):
-        if left.start + left.numel > right.start:
-            raise ValueError(f"{left} overlaps {right}: each element belongs to one parameter")
-    return checked
-
-
-def _split_plan(segments: Sequence[Segment], *, numel: int) -> tuple[list[int], list[int]]:
-    """Sizes that cut a flat shard into segments and the gaps around them (zero-sized where there
-    is none), and the index of each segment's piece among them."""
-    sizes: list[int] = []
-    piece_of_segment = [0] * len(segments)
-    end = 0
-    for index in sorted(range(len(segments)), key=lambda i: segments[i].start):
-        segment = segments[index]
-        sizes.append(segment.start - end)
-        piece_of_segment[index] = len(sizes)
-        sizes.append(segment.numel)
-        end = segment.start + segment.numel
-    sizes.append(numel - end)
-    return sizes, piece_of_segment
-
-
-def _per_group(value: GroupValues, num_groups: int, name: str) -> tuple[float, ...]:
-    """One value per group from one value or a sequence of at least ``num_groups`` (a shard may
-    hold no parameter of the last groups)."""
-    if isinstance(value, int | float):
-        return (float(value),) * num_groups
-    values = tuple(float(v) for v in value)
-    if len(values) < num_groups:
-        raise ValueError(f"{name} has {len(values)} values for {num_groups} parameter groups")
-    return values
 
 
 def _per_group_betas(
@@ -365,3 +304,15 @@ def _build_optimizer(params: list[nn.Parameter], shard: ShardAdamW, *, eps: floa
             "exp_avg_sq": shard.exp_avg_sq.narrow(0, segment.start, segment.numel),
         }
     return optimizer
+
+
+def build_adamw(
+    master: torch.Tensor,
+    segments: Sequence[tuple[int, int, float, int]],
+    *,
+    hyper: OptimizerHyper,
+    states: tuple[torch.Tensor, ...],
+) -> ShardAdamW:
+    """AdamW's kernel for ``ADAMW`` (registry.py): the shard's moments are ``states``."""
+    exp_avg, exp_avg_sq = states
+    return ShardAdamW(master, segments, lr=hyper.lrs, betas=hyper.betas, eps=hyper.eps, moments=(exp_avg, exp_avg_sq))
