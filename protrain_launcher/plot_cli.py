@@ -3,7 +3,7 @@
     protrain-run --plot RUN_DIR [--rank R] [--out FILE.png]
 
 It reads the run folder's memory timeline (``memory-timeline-rank{R}.json``, written on the update
-after the trace window: ``runtime/tracing/trace_window.py``) and ``metrics.jsonl``, and draws
+after the trace window: ``runtime/observability/trace_window.py``) and ``metrics.jsonl``, and draws
 them (``memory_picture``) into ``RUN_DIR/memory-rank{R}.png`` unless ``--out`` says where.
 Everything is checked before matplotlib (the ``plot`` extra) is imported, and torch never is:
 bad input answers at once, with exit 2.

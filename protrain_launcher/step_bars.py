@@ -18,7 +18,7 @@ SPLIT_KEYS = {
     "optimizer": "time_metrics/optimizer(s)",
     "other": "time_metrics/other(s)",
 }
-"""metrics.jsonl's step time split (runtime/metrics/update_metrics.py), in the bar's order."""
+"""metrics.jsonl's step time split (runtime/observability/update_metrics.py), in the bar's order."""
 WAIT_PREFIX = "time_metrics/exposed_wait_"
 
 

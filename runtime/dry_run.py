@@ -16,16 +16,16 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from protrain.runtime.batches import to_device
 from protrain.runtime.config.settings import PlanningSettings
 from protrain.runtime.config.spec_io import ResolvedSpec, SpecError
-from protrain.runtime.console import plan_table
+from protrain.runtime.data.batches import to_device
 from protrain.runtime.hw.device import select_device
+from protrain.runtime.model_io.weights import held_on
+from protrain.runtime.observability.console import plan_table
 from protrain.runtime.planning.budgets import host_parameter_bytes, process_rss_bytes, resolve_budgets
 from protrain.runtime.planning.first_plan import first_plan
 from protrain.runtime.planning.model_facts import check_supported
 from protrain.runtime.planning.profilers import Profilers
-from protrain.runtime.weights import held_on
 
 
 def dry_run(

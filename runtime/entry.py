@@ -16,18 +16,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from protrain.runtime.batches import to_device
 from protrain.runtime.blocks import refuse_foreign_activation_handling
 from protrain.runtime.config.job import RunSettings, resolve_job, run_settings
 from protrain.runtime.config.spec import Spec
 from protrain.runtime.config.spec_io import ResolvedSpec, SpecError
-from protrain.runtime.console import ProgressReporter, frozen_note, groups_table
+from protrain.runtime.data.batches import to_device
 from protrain.runtime.dry_run import dry_run
 from protrain.runtime.hw import device_wall
 from protrain.runtime.hw.device import DeviceInfo, select_device
 from protrain.runtime.hw.distributed import DistContext, broadcast_from_main_, env_int, init_distributed, release
-from protrain.runtime.metrics.run_folder import open_metrics
-from protrain.runtime.metrics.trackers import require_tracker_packages
+from protrain.runtime.model_io.weights import (
+    WeightReader,
+    WeightsSource,
+    held_on,
+    install_placeholders_,
+    move_buffers_,
+    weight_reader,
+)
+from protrain.runtime.observability.console import ProgressReporter, frozen_note, groups_table
+from protrain.runtime.observability.run_folder import open_metrics
+from protrain.runtime.observability.trackers import require_tracker_packages
 from protrain.runtime.planning.apply_plan import PlanTarget, apply_plan
 from protrain.runtime.planning.budgets import (
     host_parameter_bytes,
@@ -40,14 +48,6 @@ from protrain.runtime.planning.profilers import Profilers
 from protrain.runtime.training import live_engines
 from protrain.runtime.training.assembly import Outputs, assemble_engine
 from protrain.runtime.training.engine import Engine
-from protrain.runtime.weights import (
-    WeightReader,
-    WeightsSource,
-    held_on,
-    install_placeholders_,
-    move_buffers_,
-    weight_reader,
-)
 
 
 def initialize(

@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from protrain.runtime.data import LMBatches, stdlib_text_corpus
-from protrain.runtime.models.gpt import GPT, GPTConfig
+from protrain_demo.corpus import LMBatches, stdlib_text_corpus
+from protrain_demo.gpt import GPT, GPTConfig
 
 SEED = 1234
 Batch = dict[str, torch.Tensor]

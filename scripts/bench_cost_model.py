@@ -96,7 +96,7 @@ from protrain.runtime.config.hardware_spec import load_hardware
 from protrain.runtime.config.settings import keeps_gradients
 from protrain.runtime.config.spec_io import SpecError
 from protrain.runtime.hw.device import malloc_in_use_bytes
-from protrain.runtime.models.gpt import GPTConfig
+from protrain_demo.gpt import GPTConfig
 from protrain.runtime.planning.hardware_probes import hardware_profile
 from protrain.runtime.planning.model_profiling import profile_model
 from protrain.runtime.planning.profilers import Profilers

@@ -114,10 +114,15 @@ def spec(workdir: Path, *, device_budget: int | str, chunk_size: int | str = "au
 
 
 def train(engine: Any, steps: int, seq_len: int) -> None:
-    from protrain.runtime.data import LMBatches, stdlib_text_corpus
+    from protrain_demo.corpus import LMBatches, stdlib_text_corpus
 
     data = LMBatches(
-        tokens=stdlib_text_corpus(), seq_len=seq_len, micro_batch_size=1, gradient_accumulation_steps=1, world_size=1, seed=1
+        tokens=stdlib_text_corpus(),
+        seq_len=seq_len,
+        micro_batch_size=1,
+        gradient_accumulation_steps=1,
+        world_size=1,
+        seed=1,
     )
     for update in range(steps):
         out = engine(**data.batch(update, 0, 0))
@@ -232,7 +237,11 @@ def run_part(part: str, smoke: bool, shard_bytes: int) -> dict[str, Any]:
 
 def measure(part: str, smoke: bool, shard_bytes: int) -> dict[str, Any]:
     """Run one part in a fresh process; its result."""
-    env = {**os.environ, "PROTRAIN_STRICT_DEVICE": "0", "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "PROTRAIN_STRICT_DEVICE": "0",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "scripts")]),
+    }
     argv = [sys.executable, str(Path(__file__).resolve()), "--part", part, "--shard-mib", str(shard_bytes / MIB)]
     started = time.monotonic()
     result = subprocess.run(

@@ -32,7 +32,7 @@ import torch
 from bench_common import SEED, Batch, add_model_arguments, build_gpt, gpt_config, make_batches
 
 from protrain import runtime
-from protrain.runtime.models.gpt import GPT
+from protrain_demo.gpt import GPT
 from protrain.runtime.param_groups import split_decay
 from protrain.runtime.training.engine import Engine
 

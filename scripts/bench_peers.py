@@ -103,7 +103,7 @@ FORKSERVER_PRELOAD = [
     "torch.distributed.fsdp",
     "torch.nn.parallel",
     "protrain.runtime",
-    "protrain.runtime.data",
+    "protrain_demo.corpus",
     "protrain.runtime.config.spec_io",
     "protrain.runtime.entry",
     "bench_common",
@@ -380,7 +380,7 @@ def probe(kind: Kind, job: Job, batches: Sequence[Batch], min_plan: dict[str, in
 
 def rank_batches(args: argparse.Namespace, rank: int, count: int) -> list[Batch]:
     """This rank's share of ``count`` global batches (``args.batch`` samples per rank each)."""
-    from protrain.runtime.data import LMBatches, stdlib_text_corpus
+    from protrain_demo.corpus import LMBatches, stdlib_text_corpus
 
     data = LMBatches(
         tokens=stdlib_text_corpus(),

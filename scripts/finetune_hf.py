@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
-from protrain.runtime.data import TokenWindows, stdlib_text_corpus  # noqa: E402
+from protrain_demo.corpus import TokenWindows, stdlib_text_corpus  # noqa: E402
 
 SEQ_LEN = 128
 BASE_CONFIG: dict[str, Any] = dict(

@@ -29,8 +29,8 @@ from rich.console import Console
 from rich.table import Table
 
 from protrain import runtime
-from protrain.runtime.data import TokenWindows, stdlib_text_corpus
-from protrain.runtime.models.gpt import GPT, PRESETS
+from protrain_demo.corpus import TokenWindows, stdlib_text_corpus
+from protrain_demo.gpt import GPT, PRESETS
 
 MIB = 1 << 20
 

@@ -39,9 +39,9 @@ from torch import nn
 
 from protrain import runtime
 from protrain.runtime.config.spec import AUTO, Spec
-from protrain.runtime.data import TokenWindows, stdlib_text_corpus
-from protrain.runtime.models.gpt import GPT, PRESETS
-from protrain.runtime.weights import ModelInit, WeightsSource
+from protrain_demo.corpus import TokenWindows, stdlib_text_corpus
+from protrain_demo.gpt import GPT, PRESETS
+from protrain.runtime.model_io.weights import ModelInit, WeightsSource
 
 LLAMA_PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from protrain.runtime.data import TokenWindows, stdlib_text_corpus
-from protrain.runtime.models.gpt import GPTConfig
+from protrain_demo.corpus import TokenWindows, stdlib_text_corpus
+from protrain_demo.gpt import GPTConfig
 from tests.helpers import TINY_GPT, tiny_gpt
 
 SEQ_LEN = 32

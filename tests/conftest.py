@@ -11,6 +11,7 @@ import atexit
 import os
 import shutil
 import signal
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,14 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     # nothing. A handler (unlike SIG_IGN) is reset to the default at exec, so children get Python's
     # usual KeyboardInterrupt again.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# The demo's model and corpus (scripts/protrain_demo/) are not part of the product package: the
+# tests import them from scripts/, and so do the processes they start.
+SCRIPTS = str(Path(__file__).resolve().parents[1] / "scripts")
+if SCRIPTS not in sys.path:
+    sys.path.insert(0, SCRIPTS)
+if SCRIPTS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [SCRIPTS, os.environ.get("PYTHONPATH")]))
 
 if not os.environ.get("PROTRAIN_TESTS_HOME"):
     # Engines without an example batch profile on their first batch and cache the profiles under

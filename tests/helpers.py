@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from protrain.runtime.data import LMBatches, stdlib_text_corpus
-from protrain.runtime.models.gpt import GPT, GPTConfig
+from protrain_demo.corpus import LMBatches, stdlib_text_corpus
+from protrain_demo.gpt import GPT, GPTConfig
 
 # qkv_bias on, as models have it: the key bias has an exactly-zero gradient (softmax ignores a
 # per-query constant), so Adam turns rounding noise into lr-sized steps there and no two fp32
@@ -372,7 +372,7 @@ def run_script_smoke(script: str, *, timeout: float = 60) -> str:
     result = subprocess.run(
         [sys.executable, str(root / "scripts" / script), "--smoke"],
         cwd=root,
-        env={**os.environ, "PYTHONPATH": str(root)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "scripts")])},
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from protrain.runtime.data import TokenWindows, stdlib_text_corpus
+from protrain_demo.corpus import TokenWindows, stdlib_text_corpus
 from tests.helpers import TINY_LLAMA
 
 SEQ_LEN = 32

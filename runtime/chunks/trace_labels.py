@@ -26,7 +26,7 @@ A device copy belongs to a chunk when its launch (the CUDA runtime call, by corr
 inside the label's range on the same thread (``scripts/gpu_checks/trace_overlap.py``). The jobs
 run on worker threads, which torch's profiler records only when asked to profile every thread
 (``_ExperimentalConfig(profile_all_threads=True)``, torch 2.7 and later). On older torch
-``runtime.tracing.profiling`` records the labels' ranges itself (``recording``) and merges them
+``runtime.observability.profiling`` records the labels' ranges itself (``recording``) and merges them
 into the trace.
 
 Cost with no profiler running: one ``record_function`` enter and exit and the name, a few

@@ -3,6 +3,6 @@
 
 from __future__ import annotations
 
-from protrain.runtime.tracing.timeline_file import Timeline, read_timeline, timeline_path
+from protrain.runtime.observability.timeline_file import Timeline, read_timeline, timeline_path
 
 __all__ = ["Timeline", "read_timeline", "timeline_path"]

@@ -46,7 +46,7 @@ from protrain.runtime.commands.memory_estimate import (
 from protrain.runtime.commands.what_if_request import SEARCHED_KNOBS, WhatIfRequest
 from protrain.runtime.config.hardware_spec import HardwareFile, load_hardware
 from protrain.runtime.config.spec_io import SpecError
-from protrain.runtime.console import plan_table
+from protrain.runtime.observability.console import plan_table
 
 DEVICE_RESERVE_FRACTION = 0.05
 """As runtime/planning/budgets.py: kept free on a CUDA device for the context, NCCL and allocator slack."""

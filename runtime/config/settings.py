@@ -70,7 +70,7 @@ class LoggingSettings:
     """``logging``: where rank 0 sends each update's metrics besides metrics.jsonl."""
 
     level: str = "info"
-    """quiet, info or debug: what rank 0 prints (runtime.console.ProgressReporter)."""
+    """quiet, info or debug: what rank 0 prints (runtime.observability.console.ProgressReporter)."""
     every_steps: int = 1
     """The trackers get update 1 and every this many updates (metrics.jsonl gets every one)."""
     tensorboard: bool = False

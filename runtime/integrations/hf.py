@@ -62,10 +62,10 @@ from protrain.runtime.integrations.hf_spec import (
     with_args,
     with_decay_groups,
 )
+from protrain.runtime.model_io.weights import WeightsSource
 from protrain.runtime.training.engine import Engine
 from protrain.runtime.training.optimizer_facade import EngineOptimizer
 from protrain.runtime.training.schedule import build_scheduler
-from protrain.runtime.weights import WeightsSource
 
 ENGINE_CHECKPOINT = "protrain"
 """The engine's checkpoint inside a Trainer's ``checkpoint-N`` folder."""

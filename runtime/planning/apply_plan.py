@@ -28,12 +28,12 @@ from protrain.runtime.config.settings import PlanningSettings, TrainingSettings
 from protrain.runtime.config.spec_io import SpecError
 from protrain.runtime.hw.device import DeviceInfo
 from protrain.runtime.hw.distributed import DistContext
+from protrain.runtime.model_io.weights import WeightReader
 from protrain.runtime.optim.registry import rule_named
 from protrain.runtime.optim.rule import OptimizerHyper
 from protrain.runtime.param_groups import resolve_param_hyper
 from protrain.runtime.planning.model_facts import COMPUTE_DTYPES, compute_element_size, model_blocks
 from protrain.runtime.planning.plan_switch import HeldState, move_state
-from protrain.runtime.weights import WeightReader
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -48,7 +48,11 @@ class ManagedState(Protocol):
 
 
 class PlanDisplay(Protocol):
-    """Where plans and checks are shown and recorded (the engine's reports)."""
+    """Where plans and checks are shown and recorded (the engine's reports), and what they
+    measured of the last update's forward and backward phases (None: not measured here)."""
+
+    @property
+    def compute_s(self) -> float | None: ...
 
     def show_plan(self, plan: Plan, *, rebuilt: bool) -> None: ...
 
@@ -111,12 +115,12 @@ class PlanController:
         if self._check.measuring_peak:
             self._probe.start()
 
-    def update_measured(self, step_time_s: float, compute_s: float | None) -> None:
-        """An applied update took ``step_time_s`` (``compute_s`` in its forward and backward
-        phases, when measured). Once enough are in, the check is shown and, when the peak came
-        out above the prediction, another plan is switched to. Every rank calls it (the
-        replanner agrees the peak across ranks)."""
-        result = self._check.observe(step_time_s, self._probe.stop, compute_s)
+    def update_measured(self, step_time_s: float) -> None:
+        """An applied update took ``step_time_s`` (its forward and backward phases: what the
+        display measured). Once enough are in, the check is shown and, when the peak came out
+        above the prediction, another plan is switched to. Every rank calls it (the replanner
+        agrees the peak across ranks)."""
+        result = self._check.observe(step_time_s, self._probe.stop, self._display.compute_s)
         if result is None:
             return
         result = self._judge(result)

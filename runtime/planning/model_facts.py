@@ -20,14 +20,14 @@ from protrain.profiler.feasibility import chunk_knob_conflict, spec_size
 from protrain.profiler.host_bytes import offloaded_region_bytes
 from protrain.profiler.plan import Plan
 from protrain.profiler.plan_builder import KnobRequest, activations_searchable
-from protrain.runtime.batches import call_model
 from protrain.runtime.blocks import BlocksNotFoundError, find_blocks
 from protrain.runtime.chunks.layout import ParamInfo, first_use_order
 from protrain.runtime.config.settings import PlanningSettings
 from protrain.runtime.config.spec import Precision
 from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.data.batches import call_model
 from protrain.runtime.hw.device import DeviceInfo
-from protrain.runtime.weights import held_on, stand_ins
+from protrain.runtime.model_io.weights import held_on, stand_ins
 
 COMPUTE_DTYPES = {
     Precision.FP32: torch.float32,

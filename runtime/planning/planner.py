@@ -43,10 +43,10 @@ from protrain.profiler.plan_builder import (
 )
 from protrain.profiler.profile import HardwareProfile, ModelProfile, cache_key
 from protrain.profiler.search import NoPlanFitsError
-from protrain.runtime.batches import batch_shape, call_model, default_loss
 from protrain.runtime.chunks.layout import ParamInfo, first_use_order
 from protrain.runtime.config.settings import PlanningSettings
 from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.data.batches import batch_shape, call_model, default_loss
 from protrain.runtime.hw.device import DeviceInfo, counts_every_byte, release_free_memory
 from protrain.runtime.hw.distributed import DistContext, all_reduce_max, all_reduce_sum_
 from protrain.runtime.model_cache import cache_configs, caches_off

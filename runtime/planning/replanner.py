@@ -30,10 +30,10 @@ from torch import nn
 
 from protrain.profiler.plan import Plan
 from protrain.runtime.activations.manager import ActivationManager
-from protrain.runtime.batches import LossNotFoundError
 from protrain.runtime.chunks.layout import model_params
 from protrain.runtime.chunks.manager import ChunkManager, SavedAlias
 from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.data.batches import LossNotFoundError
 from protrain.runtime.hw.distributed import DistContext, all_reduce_max, broadcast_object
 from protrain.runtime.planning.apply_plan import PlanTarget, apply_plan, checked_update_mode
 from protrain.runtime.planning.model_profiling import ChunkedRun

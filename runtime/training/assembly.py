@@ -16,18 +16,18 @@ from protrain.profiler.plan import Plan
 from protrain.runtime.activations.manager import ActivationManager
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.config.job import RunSettings
-from protrain.runtime.console import MetricsFile, ProgressReporter
-from protrain.runtime.loaders import DataPosition
+from protrain.runtime.data.loaders import DataPosition
+from protrain.runtime.observability.console import MetricsFile, ProgressReporter
+from protrain.runtime.observability.reporting import UpdateReports
+from protrain.runtime.observability.trace_window import trace_window_for
 from protrain.runtime.planning.apply_plan import PlanTarget
 from protrain.runtime.planning.controller import PlanController
 from protrain.runtime.planning.planner import Planner
 from protrain.runtime.planning.profilers import Profilers
 from protrain.runtime.planning.replanner import Replanner
-from protrain.runtime.tracing.trace_window import trace_window_for
 from protrain.runtime.training.engine import Engine
 from protrain.runtime.training.live_engines import EngineClaim
 from protrain.runtime.training.loss_scale import DynamicLossScaler
-from protrain.runtime.training.reporting import UpdateReports
 from protrain.runtime.training.state import TrainingState
 from protrain.runtime.training.stop import StopRequest
 
@@ -107,10 +107,9 @@ def assemble_engine(
             settings=training,
             device=device,
             reporter=reporter,
-            reports=reports,
+            observers=(reports, trace),
             plans=plans,
             loss_fn=loss_fn,
-            trace=trace,
             clock=measuring.clock,
             wait_for_device=measuring.synchronize,
         )

@@ -18,7 +18,7 @@ import contextlib
 import signal
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,25 +27,24 @@ from torch import nn
 
 from protrain.profiler.plan import BlockMode, Plan
 from protrain.runtime.activations.manager import ActivationManager
-from protrain.runtime.batches import refuse_larger_batch, to_device
 from protrain.runtime.checkpoint.checkpointer import Checkpointer
 from protrain.runtime.chunks.gathered import gathered
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.config.settings import TrainingSettings
-from protrain.runtime.console import ProgressReporter
-from protrain.runtime.export.outputs import ModelOutputs
+from protrain.runtime.data.batches import refuse_larger_batch, to_device
+from protrain.runtime.data.loaders import DataPosition
 from protrain.runtime.hw.device import DeviceInfo, synchronize
-from protrain.runtime.loaders import DataPosition
 from protrain.runtime.model_cache import TrainingCaches, refuse_cache_with_recompute
+from protrain.runtime.model_io.outputs import ModelOutputs
+from protrain.runtime.observability.console import ProgressReporter
+from protrain.runtime.observability.observer import Observers, UpdateObserver
 from protrain.runtime.planning.controller import PlanController
 from protrain.runtime.planning.model_facts import autocast
-from protrain.runtime.tracing.trace_window import NO_TRACE, UpdateObserver
 from protrain.runtime.training.checkpoints import TrainingCheckpoints
 from protrain.runtime.training.delegation import Reads, delegate, device_call
 from protrain.runtime.training.learning_rates import LearningRates
 from protrain.runtime.training.loss_scale import DynamicLossScaler
 from protrain.runtime.training.optimizer_facade import EngineOptimizer
-from protrain.runtime.training.reporting import UpdateReports
 from protrain.runtime.training.state import TrainingState, close_dropped
 from protrain.runtime.training.stop import TrainingStopped
 from protrain.runtime.training.update import abandon_window, close_window
@@ -64,24 +63,19 @@ class Engine:
         settings: TrainingSettings,
         device: DeviceInfo,
         reporter: ProgressReporter,
-        reports: UpdateReports,
+        observers: Sequence[UpdateObserver],
         plans: PlanController,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
-        trace: UpdateObserver = NO_TRACE,
         clock: Callable[[], float] = time.perf_counter,
         wait_for_device: Callable[[DeviceInfo], None] = synchronize,
     ) -> None:
-        """``state`` holds what it trains and owns (its observers: the reports, the trace and
-        ``plans``, the plan's owner); ``clock`` times the updates and ``wait_for_device`` lets
-        the device finish one whose time is read (tests give their own)."""
+        """``state`` holds what it trains and owns; ``observers`` watch each window (the reports,
+        the trace: runtime/observability/observer.py); ``plans`` owns the plan; ``clock`` times
+        the updates and ``wait_for_device`` lets the device finish one whose time is read (tests
+        give their own)."""
         self.module, self.settings, self.device_info, self.loss_fn = state.module, settings, device, loss_fn
-        self.dist_ctx, self._state, self._plans, self._reports, self._trace = (
-            state.dist_ctx,
-            state,
-            plans,
-            reports,
-            trace,
-        )
+        self.dist_ctx, self._state, self._plans = state.dist_ctx, state, plans
+        self._observers = Observers(observers)
         self._reporter, self._clock, self._wait_for_device = reporter, clock, wait_for_device
         # Dropped without close(), the engine gives its state back when it is collected.
         self._finalizer = weakref.finalize(self, close_dropped, state)
@@ -161,8 +155,7 @@ class Engine:
             if self._window.totals.start_s is None:
                 self._window.totals.start_s = self._clock()
                 self._plans.window_started()
-                self._reports.window_started()
-                self._trace.window_started(self)
+                self._observers.window_started(self)
             self._window.totals.count_batch(args, kwargs)
         self.activations.begin_forward()
         try:
@@ -170,7 +163,7 @@ class Engine:
                 autocast(self.settings.precision, self.device_info),
                 self.activations.saved_tensor_hooks(),
                 self._caches.off(training, note="use_cache" not in kwargs),
-                self._reports.forward(training),
+                self._observers.forward(training),
             ):
                 return self.module(*args, **kwargs)
         finally:
@@ -202,7 +195,7 @@ class Engine:
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
         self._window.backward_closes = closes
-        self._reports.backward_began()
+        self._observers.backward_began()
         if closes:  # early updates (unclipped fp32/bf16) or the two-phase norms: the chunks know which
             self.chunks.begin_last_backward(lr=self.group_lrs, local_nonfinite=self._window.totals.any_nonfinite)
         try:
@@ -213,7 +206,7 @@ class Engine:
             finally:
                 self.activations.end_backward()
                 self.chunks.finish_backward()  # what unused parameters left, in the fixed order
-                self._reports.backward_ended()
+                self._observers.backward_ended()
         except BaseException:
             abandon_window(self._window, self._state)
             self.log("backward failed: this accumulation window's gradients were dropped")
@@ -236,17 +229,17 @@ class Engine:
         outcome = close_window(self._window, state, self.settings, lrs=self.group_lrs, stop=stop, clock=self._clock)
         self._step_applied, self._grad_norm = outcome.updated, outcome.grad_norm
         self._rates.moved()
-        self._reports.update_queued()
-        if self._trace is not NO_TRACE or self._plans.measuring or self._reports.logs(progress.updates):
+        self._observers.update_queued()
+        if self._plans.measuring or self._observers.reads_update_time(progress.updates):
             self._wait_for_device(self.device_info)  # else the update's tail counts in the next one's time
         elapsed_s = self._clock() - outcome.started_s
-        self._trace.window_finished(self)
+        self._observers.window_finished(self)
         waits = {**self.chunks.take_waits(), "activation_s": self.activations.take_wait_s()}
         scale = None if state.loss_scaler is None else state.loss_scaler.scale
         record = outcome.record(step=progress.updates, elapsed_s=elapsed_s, loss_scale=scale, waits=waits)
-        compute_s = self._reports.report(record, plan=self.plan)
+        self._observers.update_reported(record, self.plan)
         if outcome.updated:
-            self._plans.update_measured(elapsed_s, compute_s)
+            self._plans.update_measured(elapsed_s)
         self._after_update(updated=outcome.updated, stop=outcome.totals.stop)
         return outcome.updated
 

@@ -25,8 +25,8 @@ from torch import nn
 from protrain.runtime.activations.manager import ActivationManager
 from protrain.runtime.checkpoint.checkpointer import Checkpointer, CheckpointSettings
 from protrain.runtime.chunks.manager import ChunkManager
+from protrain.runtime.data.loaders import DataPosition
 from protrain.runtime.hw.distributed import DistContext, release
-from protrain.runtime.loaders import DataPosition
 from protrain.runtime.training.live_engines import EngineClaim
 from protrain.runtime.training.loss_scale import DynamicLossScaler
 from protrain.runtime.training.stop import StopRequest

@@ -24,9 +24,9 @@ from protrain.profiler.plan import UpdateMode
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.config.settings import TrainingSettings
 from protrain.runtime.config.spec import NonFiniteLossPolicy
-from protrain.runtime.console import StepRecord
 from protrain.runtime.hw import stream_chaos
 from protrain.runtime.hw.distributed import DistContext, all_reduce_sum_
+from protrain.runtime.observability.console import StepRecord
 from protrain.runtime.training.loss_scale import DynamicLossScaler
 from protrain.runtime.training.state import TrainingState
 from protrain.runtime.training.window import AccumulationWindow, Window

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from protrain.runtime.batches import count_samples, count_tokens
+from protrain.runtime.data.batches import count_samples, count_tokens
 
 
 @dataclass(slots=True)

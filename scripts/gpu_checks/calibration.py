@@ -11,7 +11,7 @@ model and the pipeline rest on, each measured directly, cheapest and most tellin
    reported). On CPU both are plain memory: figures only.
 3. A copy issued on the runtime's side stream under a chunk's job label (``protrain.gather.3``,
    and a copy back under ``protrain.reduce.5``), traced with every thread profiled
-   (``runtime.tracing.profiling``) and read back with the overlap stage's parser
+   (``runtime.observability.profiling``) and read back with the overlap stage's parser
    (``trace_overlap.parse_trace``): on CUDA each device copy must be attributed to its chunk
    through the launch links; on CPU, which has no device copies, the labels' own ranges count.
 4. The host worker's arithmetic alone and beside CPU Adam, and CPU Adam at two sizes
@@ -178,7 +178,7 @@ def labelled_copies(ctx: Context, nbytes: int) -> None:
     from gpu_checks.trace_overlap import parse_trace
     from protrain.runtime.chunks.trace_labels import job_label
     from protrain.runtime.hw.device import SideStream
-    from protrain.runtime.tracing.profiling import profile_every_thread
+    from protrain.runtime.observability.profiling import profile_every_thread
 
     numel = nbytes // 4
     host = torch.ones(numel, pin_memory=ctx.is_cuda)

@@ -6,7 +6,7 @@ Shapes: Meta's Llama 3.2 1B (hidden 2048, 16 layers, 32 heads, 8 KV heads, FFN 8
 (hidden 3072, 28 layers, 24 heads, 8 KV heads, FFN 8192), as their Hugging Face config.json files
 give them, with Llama 2's 32000-token vocabulary and untied embeddings (LlamaConfig's defaults):
 1.10 B and 3.01 B parameters. ``transformers.LlamaForCausalLM`` built on the meta device and
-filled chunk by chunk from ``runtime.weights.ModelInit`` (engine_runs.meta_model): never whole
+filled chunk by chunk from ``runtime.model_io.weights.ModelInit`` (engine_runs.meta_model): never whole
 in host memory, never whole on the device unless the plan keeps it there.
 
 Each (model, budget): ``runtime.initialize`` with ``memory.device_budget`` set and the rest
@@ -155,7 +155,7 @@ class Speed:
 
 def hf_batches(shape: LlamaShape, sizes: Sizes) -> Callable[[int, int], dict[str, torch.Tensor]]:
     """Batch (update, micro) of byte-level text; Hugging Face's models shift labels themselves."""
-    from protrain.runtime.data import LMBatches, stdlib_text_corpus
+    from protrain_demo.corpus import LMBatches, stdlib_text_corpus
 
     data = LMBatches(
         tokens=stdlib_text_corpus() % shape.vocab, seq_len=sizes.seq_len, micro_batch_size=sizes.micro_batch,

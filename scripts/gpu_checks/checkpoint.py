@@ -50,7 +50,7 @@ def run(ctx: Context) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from gpu_checks import training
-    from protrain.runtime.models.gpt import GPT
+    from protrain_demo.gpt import GPT
 
     plan = Resume(
         model=dataclasses.replace(training.sizes(ctx).model, dropout=0.1),

@@ -31,11 +31,11 @@ def quiet_initialize(model: nn.Module, spec: dict[str, Any], **kwargs: Any) -> A
 
 def meta_model(build: Callable[[], nn.Module]) -> tuple[nn.Module, Any]:
     """``build()`` on the meta device, and the weights source that gives each parameter its
-    constructor's initial value as the engine fills its chunk (``runtime.weights.ModelInit``):
+    constructor's initial value as the engine fills its chunk (``runtime.model_io.weights.ModelInit``):
     the model never exists whole in host memory, let alone twice (DESIGN section 4)."""
     from accelerate import init_empty_weights
 
-    from protrain.runtime.weights import ModelInit
+    from protrain.runtime.model_io.weights import ModelInit
 
     with init_empty_weights():
         model = build()

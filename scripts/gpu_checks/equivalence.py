@@ -163,7 +163,7 @@ def run(ctx: Context) -> None:
 def _model(size: Sizes, cls: type[torch.nn.Module] | None = None) -> torch.nn.Module:
     """The GPT with the suite's seed-0 weights (built on the host: ``initialize`` chunks it from
     there, plain PyTorch moves it)."""
-    from protrain.runtime.models.gpt import GPT
+    from protrain_demo.gpt import GPT
 
     torch.manual_seed(0)
     return (cls or GPT)(size.model)
@@ -197,7 +197,7 @@ def _reference(ctx: Context, size: Sizes, *, clip: float) -> Reference:
 def _autocast_reference(ctx: Context, size: Sizes) -> Reference:
     """Plain PyTorch under autocast(bf16): fp32 parameters, bf16 matmuls, fp32 (fused) AdamW."""
     from gpu_checks.training import lm_data, on_device, to_cpu
-    from protrain.runtime.models.gpt import GPT
+    from protrain_demo.gpt import GPT
     from tests.helpers import train_reference
 
     class AutocastGPT(GPT):

@@ -46,7 +46,7 @@ def run(ctx: Context) -> None:
 
     from gpu_checks import training
     from protrain.runtime.hw import device_wall
-    from protrain.runtime.models.gpt import GPT, GPTConfig
+    from protrain_demo.gpt import GPT, GPTConfig
 
     config = GPTConfig(**(REHEARSAL_MODEL if ctx.rehearsal else GPU_MODEL), dropout=0.1)
     plan = checkpoint.Resume(model=config, before=2 if ctx.rehearsal else 4, after=2 if ctx.rehearsal else 3)
@@ -86,8 +86,8 @@ def export(ctx: Context, config: Any, root: Path, overrides: dict[str, Any], pla
     """A fresh engine resumes the fp32 case's save and exports; the file equals its state."""
     from gpu_checks.training import to_cpu, unequal
     from protrain import runtime
-    from protrain.runtime.export import load_safetensors_export
-    from protrain.runtime.models.gpt import GPT
+    from protrain.runtime.model_io import load_safetensors_export
+    from protrain_demo.gpt import GPT
     from tests.checkpointing import checkpoint_job
 
     saved = root / "ckpt" / f"step-{plan.before:08d}"

@@ -26,7 +26,7 @@ import torch
 from gpu_checks import equivalence
 from gpu_checks.common import Context, Section
 from gpu_checks.training import PoolReads, Sizes, chunk_bytes, sizes
-from protrain.runtime.models.gpt import GPTConfig
+from protrain_demo.gpt import GPTConfig
 
 MID_GPU = dict(vocab_size=256, seq_len=512, n_layer=8, n_head=12, d_model=768)
 MID_REHEARSAL = dict(vocab_size=256, seq_len=32, n_layer=2, n_head=2, d_model=96)

@@ -2,7 +2,7 @@
 overlap section), how busy the device is with every chunk offloaded, how much transfer and host
 time a step exposes, and the step time against keeping every chunk on the device.
 
-Model: ``runtime.models.gpt.GPT`` in bf16 built on the meta device and filled chunk by chunk
+Model: ``protrain_demo.gpt.GPT`` in bf16 built on the meta device and filled chunk by chunk
 (overlap.build); on the GPU GPT-2 medium's shape (24 blocks of width 1024, 16 heads, vocabulary
 50257, sequence 1024: 355M parameters), micro-batch 8, 2 micro-batches per update; in the
 rehearsal the overlap section's tiny GPT. Two engines in turn at that batch:
@@ -83,7 +83,7 @@ def traced_update(ctx: Context, run: Any, data: Any, update: int) -> tuple[dict[
     import gzip
     import json
 
-    from protrain.runtime.tracing.profiling import profile_every_thread
+    from protrain.runtime.observability.profiling import profile_every_thread
 
     with profile_every_thread(ctx.is_cuda) as prof:
         ctx.synchronize()

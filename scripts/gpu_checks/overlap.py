@@ -1,9 +1,9 @@
 """overlap (issue 17, item 3): how much of the transfer and CPU-optimizer time compute hides,
 every chunk offloaded (``n_persist=0``), on a GPT-2-XL-sized model in bf16; target >= 80%.
 
-Model: ``runtime.models.gpt.GPT`` with GPT-2 XL's shape (48 layers, width 1600, 25 heads, vocab
+Model: ``protrain_demo.gpt.GPT`` with GPT-2 XL's shape (48 layers, width 1600, 25 heads, vocab
 50257, seq 1024, tied embeddings: 1.56 B parameters), built on the meta device and filled chunk
-by chunk from ``runtime.weights.ModelInit`` (engine_runs.meta_model).
+by chunk from ``runtime.model_io.weights.ModelInit`` (engine_runs.meta_model).
 
 Batch, from the engine's own measurements (``choose_batch``):
 1. Probe: ``runtime.initialize`` at micro-batch ``probe_batch`` with ``n_persist=0`` (the rest
@@ -22,7 +22,7 @@ Batch, from the engine's own measurements (``choose_batch``):
 3. Run: ``runtime.initialize`` again at ``m`` and ``k`` (``n_persist=0``; buffers and activation
    modes planned for ``m``); one untimed update, then ``updates`` updates under
    ``torch.profiler`` (CPU and CUDA activities, every thread: the runtime labels its jobs,
-   runtime/chunks/trace_labels.py; ``runtime.tracing.profiling.profile_every_thread``, which
+   runtime/chunks/trace_labels.py; ``runtime.observability.profiling.profile_every_thread``, which
    logging.trace uses too); the Chrome trace is saved as ``overlap_trace.json.gz`` in
    the report directory.
 
@@ -74,7 +74,7 @@ from gpu_checks.engine_runs import free_memory, meta_model, quiet_initialize, up
 from gpu_checks.overlap_report import TRACE_FILE, report_chunks, report_labels, report_shares, report_waits
 from gpu_checks.trace_overlap import overlap as trace_overlap
 from gpu_checks.trace_overlap import parse_trace
-from protrain.runtime.tracing.profiling import profile_every_thread
+from protrain.runtime.observability.profiling import profile_every_thread
 
 TRANSFER_MARGIN = 1.25
 
@@ -178,7 +178,7 @@ def job(sizes: Sizes, scratch: Path, name: str, micro_batch: int, accumulation: 
 
 
 def batches(sizes: Sizes, micro_batch: int, accumulation: int) -> Any:
-    from protrain.runtime.data import LMBatches, stdlib_text_corpus
+    from protrain_demo.corpus import LMBatches, stdlib_text_corpus
 
     return LMBatches(
         tokens=stdlib_text_corpus(), seq_len=sizes.seq_len, micro_batch_size=micro_batch,
@@ -187,7 +187,7 @@ def batches(sizes: Sizes, micro_batch: int, accumulation: int) -> Any:
 
 
 def build(sizes: Sizes) -> tuple[Any, Any]:
-    from protrain.runtime.models.gpt import GPT, GPTConfig
+    from protrain_demo.gpt import GPT, GPTConfig
 
     config = GPTConfig(
         vocab_size=sizes.vocab, seq_len=sizes.seq_len, n_layer=sizes.layers, n_head=sizes.heads,

@@ -39,7 +39,7 @@ def sanitizer_enabled() -> bool:
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     from gpu_checks.training import Sizes, lm_data, to_cpu, train
     from protrain import runtime
-    from protrain.runtime.models.gpt import GPT, GPTConfig
+    from protrain_demo.gpt import GPT, GPTConfig
 
     size = Sizes(model=GPTConfig(**job["model"]), micro_batch=job["micro_batch"], steps=job["steps"])
     torch.manual_seed(0)

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from gpu_checks.common import Context
-from protrain.runtime.data import LMBatches
+from protrain_demo.corpus import LMBatches
 from protrain.runtime.hw.device import DeviceInfo
 from protrain.runtime.hw.memory_counter import PeakWindow
-from protrain.runtime.models.gpt import GPTConfig
+from protrain_demo.gpt import GPTConfig
 from tests.helpers import TINY_GPT, lm_batches
 
 GPU_GPT = GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=256)

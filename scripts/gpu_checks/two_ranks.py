@@ -118,7 +118,7 @@ def run(ctx: Context) -> None:
 
 
 def _model(size: Any, seed: int) -> torch.nn.Module:
-    from protrain.runtime.models.gpt import GPT
+    from protrain_demo.gpt import GPT
 
     torch.manual_seed(seed)
     return GPT(size.model)
@@ -272,7 +272,7 @@ def _train_case(job: dict[str, Any], case: dict[str, Any], rank: int) -> dict[st
 
     from gpu_checks import training
     from protrain import runtime
-    from protrain.runtime.models.gpt import GPTConfig
+    from protrain_demo.gpt import GPTConfig
 
     size = training.Sizes(model=GPTConfig(**job["model"]), micro_batch=job["micro_batch"], steps=job["steps"])
     out = Path(job["out"]) / f"case-{list(job['cases'].values()).index(case)}"

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from protrain.runtime.models.gpt import GPTConfig
+from protrain_demo.gpt import GPTConfig
 from tests.distributed.pool import RankPool
 from tests.helpers import (
     assert_matches_reference,

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from protrain.runtime.export import load_safetensors_export
+from protrain.runtime.model_io import load_safetensors_export
 from tests.checkpointing import Windows, checkpoint_job, checkpoint_tensors, train_until
 from tests.distributed.pool import RankPool
 from tests.helpers import TINY_GPT, assert_state_close, assert_state_equal, tiny_gpt

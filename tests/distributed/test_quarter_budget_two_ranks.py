@@ -22,7 +22,7 @@ def train_and_save(*, rank: int, root: str) -> dict[str, Any]:
     import torch
 
     from protrain import runtime
-    from protrain.runtime.safetensors_stream import ShardedWriter
+    from protrain.runtime.model_io.safetensors_stream import ShardedWriter
 
     writers: list[int] = []
     init = ShardedWriter.__init__
@@ -64,7 +64,7 @@ def train_and_save(*, rank: int, root: str) -> dict[str, Any]:
 def test_two_ranks_train_and_stream_every_save_within_a_quarter_of_the_model(
     rank_pool: RankPool, tmp_path: Path
 ) -> None:
-    from protrain.runtime.export import load_safetensors_export
+    from protrain.runtime.model_io import load_safetensors_export
 
     results = rank_pool.run(train_and_save, root=str(tmp_path))
     for result in results:

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from protrain.runtime.tracing.timeline_file import read_timeline, timeline_path, trace_path
+from protrain.runtime.observability.timeline_file import read_timeline, timeline_path, trace_path
 from tests.distributed.pool import RankPool
 from tests.helpers import lm_batches, tiny_gpt, train_engine
 

@@ -29,8 +29,8 @@ import os, sys, time
 from pathlib import Path
 import torch
 from protrain import runtime
-from protrain.runtime.data import LMBatches, stdlib_text_corpus
-from protrain.runtime.models.gpt import GPT, PRESETS
+from protrain_demo.corpus import LMBatches, stdlib_text_corpus
+from protrain_demo.gpt import GPT, PRESETS
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "train"
 spec = runtime.current_spec()
@@ -95,7 +95,7 @@ def clean_env() -> dict[str, str]:
     env = {
         k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "RANK", "WORLD_SIZE", "MASTER_"))
     }
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "scripts")])  # scripts/: the demo's model
     return env
 
 

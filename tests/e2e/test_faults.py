@@ -19,8 +19,8 @@ import os, signal, sys, time
 from pathlib import Path
 import torch
 from protrain import runtime
-from protrain.runtime.data import TokenWindows, stdlib_text_corpus
-from protrain.runtime.models.gpt import GPT, PRESETS
+from protrain_demo.corpus import TokenWindows, stdlib_text_corpus
+from protrain_demo.gpt import GPT, PRESETS
 
 mode, until = sys.argv[1], int(sys.argv[2])
 spec = runtime.current_spec()

@@ -64,7 +64,7 @@ def test_the_wheel_installs_one_package_named_protrain(installed: Path) -> None:
         "import protrain, protrain.runtime.entry, protrain.launcher.cli, protrain.profiler.plan\n"
         "print(protrain.__file__); print(protrain.runtime.entry.__file__); print(protrain.__version__)"
     )
-    env = {**clean_env(), "PYTHONPATH": str(ROOT)}
+    env = {**clean_env(), "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "scripts")])}
     shown = subprocess.run([python, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr
     init, entry, version = shown.stdout.split()

@@ -13,8 +13,8 @@ TWO_ENGINES_SCRIPT = """\
 from pathlib import Path
 import torch
 from protrain import runtime
-from protrain.runtime.data import LMBatches, stdlib_text_corpus
-from protrain.runtime.models.gpt import GPT, PRESETS
+from protrain_demo.corpus import LMBatches, stdlib_text_corpus
+from protrain_demo.gpt import GPT, PRESETS
 
 # The launcher's spec with a device budget set by hand: 64 MiB each, well under the machine.
 config = runtime.current_spec().model_dump(mode="json")

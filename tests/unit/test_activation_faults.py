@@ -22,7 +22,7 @@ import torch
 from protrain import runtime
 from protrain.runtime.activations.ssd_store import SsdIoError
 from protrain.runtime.hw import ssd_io
-from protrain.runtime.models.gpt import GPTConfig
+from protrain_demo.gpt import GPTConfig
 from tests.helpers import assert_state_equal, lm_batches, tiny_gpt
 
 FOUR_BLOCKS = GPTConfig(vocab_size=256, seq_len=32, n_layer=4, n_head=2, d_model=64)
@@ -65,9 +65,7 @@ def two_steps(config: dict[str, Any]) -> Any:
 @contextlib.contextmanager
 def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
     path.mkdir(parents=True)
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
-    )
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
     if result.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.decode().strip()}")
     try:
@@ -76,9 +74,7 @@ def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-def test_writes_still_in_flight_are_served_from_memory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_writes_still_in_flight_are_served_from_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A slow disk: backward starts before the last blocks' files are written, takes those bytes
     from memory (forwarding) and drops the files, and trains exactly as with a fast disk."""
     fast = two_steps(ssd_job(tmp_path / "a", tmp_path / "ssd-a"))
@@ -210,7 +206,7 @@ def test_a_file_that_cannot_be_read_back_raises_and_never_gives_zeros(tmp_path: 
 SCRIPT = """
 import sys, torch
 from protrain import runtime
-from protrain.runtime.models.gpt import GPT, GPTConfig
+from protrain_demo.gpt import GPT, GPTConfig
 from tests.helpers import lm_batches
 config = {{"seed": 3, "micro_batch_size": 2, "optimizer": {{"lr": 1e-3}},
           "memory": {{"ssd": {{"path": {ssd!r}, "n_offload": 4}}}}, "output_dir": {out!r}}}
@@ -234,7 +230,7 @@ while True:
 def test_no_activation_file_survives_a_failing_or_interrupted_script(tmp_path: Path, ending: str) -> None:
     ssd = tmp_path / "ssd"
     code = SCRIPT.format(ssd=str(ssd), out=str(tmp_path / "runs"), fail=ending)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "scripts")]), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-c", code],
         cwd=ROOT,

@@ -15,7 +15,7 @@ from torch import nn
 from protrain import runtime
 from protrain.runtime.activations.records import SavedTensorModifiedError
 from protrain.runtime.config.spec_io import SpecError
-from protrain.runtime.models.gpt import GPTConfig
+from protrain_demo.gpt import GPTConfig
 from tests.helpers import assert_state_close, assert_state_equal, lm_batches, tiny_gpt, train_reference
 
 STEPS = 4

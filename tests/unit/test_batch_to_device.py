@@ -1,5 +1,5 @@
 """The batch goes where the chunks are: ``Engine.forward`` moves every tensor of its arguments
-to the engine's device (``runtime.batches.to_device``), following dicts, lists and tuples, leaving
+to the engine's device (``runtime.data.batches.to_device``), following dicts, lists and tuples, leaving
 everything else the very same object, copying from pinned memory without blocking.
 
 On CPU the engine's device is where the batch already is, so the move itself is shown on the
@@ -17,7 +17,7 @@ import torch
 
 import protrain.runtime.training.engine
 from protrain import runtime
-from protrain.runtime.batches import to_device
+from protrain.runtime.data.batches import to_device
 from tests.helpers import lm_batches, tiny_gpt
 
 META = torch.device("meta")

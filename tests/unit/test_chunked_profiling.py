@@ -14,7 +14,7 @@ import torch
 from protrain import runtime
 from protrain.profiler.plan import BlockMode
 from protrain.profiler.profile import ModelProfile
-from protrain.runtime.batches import call_model
+from protrain.runtime.data.batches import call_model
 from protrain.runtime.blocks import find_blocks
 from protrain.runtime.chunks.residency_states import Residency
 from protrain.runtime.config.spec_io import SpecError

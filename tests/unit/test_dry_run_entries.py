@@ -18,7 +18,7 @@ import yaml
 
 from protrain import runtime
 from protrain.runtime.config.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, load_spec, write_resolved
-from protrain.runtime.models.gpt import GPT, GPTConfig
+from protrain_demo.gpt import GPT, GPTConfig
 from tests.helpers import lm_batches
 from tests.hf_trainer_runs import CausalWindows, tiny_model
 

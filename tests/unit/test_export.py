@@ -15,10 +15,10 @@ from safetensors import safe_open
 from torch import nn
 
 from protrain import runtime
-from protrain.runtime import safetensors_stream
+from protrain.runtime.model_io import safetensors_stream
 from protrain.runtime.chunks.released import ReleasedParameterError
-from protrain.runtime.export import TIED_METADATA_KEY, export_hf, export_safetensors, load_safetensors_export
-from protrain.runtime.models.gpt import GPT, PRESETS
+from protrain.runtime.model_io import TIED_METADATA_KEY, export_hf, export_safetensors, load_safetensors_export
+from protrain_demo.gpt import GPT, PRESETS
 from tests.helpers import TINY_LLAMA, assert_state_equal
 
 transformers = pytest.importorskip("transformers")

@@ -24,7 +24,7 @@ import torch
 
 from protrain import runtime
 from protrain.runtime.hw.host_memory import PAGE_BYTES, host_arena_bytes
-from protrain.runtime.models.gpt import GPTConfig
+from protrain_demo.gpt import GPTConfig
 from tests.helpers import lm_batches, tiny_gpt
 
 GPT_4X128 = GPTConfig(vocab_size=512, seq_len=32, n_layer=4, n_head=4, d_model=128)

@@ -131,7 +131,7 @@ def test_a_model_twice_the_device_budget_is_chunked_within_the_predicted_peak(
 def test_stand_ins_swap_the_data_and_put_it_back() -> None:
     """The forward that records first-use order on a GPU runs on stand-ins (no memory, NaN on
     a stray read); afterwards every parameter holds its own host data again, ties kept."""
-    from protrain.runtime.weights import stand_ins
+    from protrain.runtime.model_io.weights import stand_ins
 
     model = tiny_gpt()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -16,7 +16,7 @@ import torch
 
 import protrain.runtime.entry  # noqa: F401 - imported before the readings: initialize's imports are not the test's
 from protrain import runtime
-from protrain.runtime.models.gpt import GPT, GPTConfig
+from protrain_demo.gpt import GPT, GPTConfig
 from protrain.runtime.planning import budgets
 from tests.helpers import lm_batches, train_updates
 

@@ -182,19 +182,25 @@ def test_spec_and_launcher_cli_do_not_import_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
-# Inside runtime/, by folder (a top-level module such as runtime/entry.py is its own "folder"):
-# what each may not import. The spec stays free of the engine; the chunk and activation engines
-# know nothing of planning or training (the checkpointer reads its settings from config/);
-# planning never reaches up into the engine that runs the plan; nothing but the package itself
-# imports the composition root.
-RUNTIME_FORBIDDEN = {
-    "config": {"planning", "training", "chunks", "activations", "checkpoint", "entry"},
-    "chunks": {"config", "planning", "training", "activations", "checkpoint", "entry"},
-    "activations": {"config", "planning", "training", "checkpoint", "entry"},
-    "checkpoint": {"planning", "training", "activations", "entry"},
-    "planning": {"training", "entry"},
-    "training": {"entry"},
-}
+# Inside runtime/, every folder and loose module has a floor (docs/architecture.md draws them):
+# it may import only what stands on a lower floor, never its own floor's neighbours nor anything
+# above. The hardware layer and the optimizer rules are the ground; the composition root (entry)
+# and the package's own __init__ are the top.
+RUNTIME_FLOORS: list[set[str]] = [
+    {"hw", "optim"},
+    {"config", "data", "blocks"},
+    {"param_groups", "model_cache", "chunks"},
+    {"activations", "checkpoint", "model_io"},
+    {"planning"},
+    {"observability"},
+    {"training"},
+    {"integrations", "commands"},
+    {"dry_run"},
+    {"entry"},
+    {"__init__", "protrain_root"},
+]
+FLOOR_OF = {name: floor for floor, names in enumerate(RUNTIME_FLOORS) for name in names}
+MAX_LOOSE_MODULES = 5
 
 
 def runtime_folder(module: str) -> str | None:
@@ -202,13 +208,33 @@ def runtime_folder(module: str) -> str | None:
     return parts[2] if parts[:2] == ["protrain", "runtime"] and len(parts) > 2 else None
 
 
-@pytest.mark.parametrize("folder", sorted(RUNTIME_FORBIDDEN))
-def test_runtime_folders_import_one_way(folder: str) -> None:
+def runtime_rooms() -> set[str]:
+    """runtime/'s folders and loose modules, by the name an import sees."""
+    runtime = ROOT / "runtime"
+    folders = {path.name for path in runtime.iterdir() if path.is_dir() and (path / "__init__.py").exists()}
+    return folders | {path.stem for path in runtime.glob("*.py")}
+
+
+def test_every_runtime_room_has_a_floor_and_few_modules_are_loose() -> None:
+    """A new folder or loose module must be placed (and so checked); at most five modules sit
+    loose at the top of runtime/, the rest live in rooms."""
+    assert runtime_rooms() == set(FLOOR_OF), f"place these in RUNTIME_FLOORS: {runtime_rooms() ^ set(FLOOR_OF)}"
+    loose = sorted(path.name for path in (ROOT / "runtime").glob("*.py") if path.name != "__init__.py")
+    assert len(loose) <= MAX_LOOSE_MODULES, f"{len(loose)} loose modules in runtime/: {loose}"
+
+
+@pytest.mark.parametrize("room", sorted(FLOOR_OF))
+def test_runtime_rooms_import_only_lower_floors(room: str) -> None:
+    runtime = ROOT / "runtime"
+    paths = list((runtime / room).rglob("*.py")) if (runtime / room).is_dir() else [runtime / f"{room}.py"]
     offenders = [
-        f"{path.relative_to(ROOT)} imports {module}"
-        for path in (ROOT / "runtime" / folder).rglob("*.py")
+        f"{path.relative_to(ROOT)} imports {module} (floor {FLOOR_OF[target]}, not below {FLOOR_OF[room]})"
+        for path in paths
         for module in imported_modules(path)
-        if runtime_folder(module) in RUNTIME_FORBIDDEN[folder]
+        if (target := runtime_folder(module)) is not None
+        and target != room
+        and target in FLOOR_OF
+        and FLOOR_OF[target] >= FLOOR_OF[room]
     ]
     assert not offenders, "\n".join(offenders)
 

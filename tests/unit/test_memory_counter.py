@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import protrain.runtime.hw.memory_counter as memory_counter
-from protrain.runtime.batches import default_loss
+from protrain.runtime.data.batches import default_loss
 from protrain.runtime.hw.device import DeviceInfo
 from protrain.runtime.hw.memory_counter import PeakWindow, device_peak_since_last_sample, peak_reader
 from protrain.runtime.planning.memory_probe import PeakMemoryProbe

@@ -14,7 +14,7 @@ import pytest
 
 from protrain.launcher import cli, memory_picture
 from protrain.launcher.step_bars import step_bars
-from protrain.runtime.tracing.timeline_file import Sample, Span, Timeline
+from protrain.runtime.observability.timeline_file import Sample, Span, Timeline
 from tests.unit.test_trace_window import traced_run
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Each update's metrics (runtime/metrics/) in metrics.jsonl and the trackers, from real CPU runs:
+"""Each update's metrics (runtime/observability/) in metrics.jsonl and the trackers, from real CPU runs:
 TensorBoard's event file read back with TensorBoard's own loader, W&B through a fake module
 (wandb is never a dependency), the throughput figures against the FLOPs formula by hand, and what
 measuring may not do (wait for the device beyond the engine's one synchronisation per update)."""
@@ -18,7 +18,7 @@ import pytest
 from protrain import runtime
 from protrain.runtime.config.spec_io import SpecError
 from protrain.runtime.hw.device import synchronize
-from protrain.runtime.metrics.peak_flops import PEAK_TFLOPS_ENV
+from protrain.runtime.observability.peak_flops import PEAK_TFLOPS_ENV
 from protrain.runtime.planning.profilers import Profilers
 from tests.helpers import TINY_GPT, lm_batches, tiny_gpt
 

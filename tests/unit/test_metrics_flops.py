@@ -1,6 +1,6 @@
-"""Model FLOPs per token (runtime/metrics/flops.py) hand-checked against torchtitan's formula,
+"""Model FLOPs per token (runtime/observability/flops.py) hand-checked against torchtitan's formula,
 6 * (N - N_embedding) + 12 * L * H * Q * T, on the tiny GPT and a tiny Hugging Face Llama, with
-frozen parameters at 4; and the peak FLOPS table MFU divides by (runtime/metrics/peak_flops.py)."""
+frozen parameters at 4; and the peak FLOPS table MFU divides by (runtime/observability/peak_flops.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from protrain.runtime.blocks import find_blocks
 from protrain.runtime.chunks.layout import model_params
 from protrain.runtime.config.spec import Precision
 from protrain.runtime.hw.device import DeviceInfo
-from protrain.runtime.metrics.flops import ModelFlops, model_flops
-from protrain.runtime.metrics.peak_flops import PEAK_TFLOPS_ENV, compute_dtype_name, peak_flops, table_tflops
+from protrain.runtime.observability.flops import ModelFlops, model_flops
+from protrain.runtime.observability.peak_flops import PEAK_TFLOPS_ENV, compute_dtype_name, peak_flops, table_tflops
 from tests.helpers import TINY_GPT, TINY_LLAMA, tiny_gpt
 
 CPU = DeviceInfo(torch.device("cpu"), "gloo")

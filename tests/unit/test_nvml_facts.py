@@ -19,7 +19,7 @@ from protrain.profiler.profile import HardwareProfile
 from protrain.runtime.config.spec import Precision
 from protrain.runtime.hw.device import DeviceInfo
 from protrain.runtime.hw.nvml import describe_link, other_processes, pcie_link
-from protrain.runtime.metrics.peak_flops import peak_flops
+from protrain.runtime.observability.peak_flops import peak_flops
 from protrain.runtime.planning import budgets
 
 GIB = 1 << 30

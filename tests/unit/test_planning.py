@@ -13,7 +13,7 @@ import torch
 from protrain import runtime
 from protrain.profiler.plan import BlockMode, Plan
 from protrain.profiler.profile import ModelProfile
-from protrain.runtime.batches import call_model, default_loss
+from protrain.runtime.data.batches import call_model, default_loss
 from protrain.runtime.blocks import find_blocks
 from protrain.runtime.chunks.layout import model_params
 from protrain.runtime.config.spec_io import SpecError

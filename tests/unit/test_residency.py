@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from protrain import runtime
-from protrain.runtime.data import LMBatches
+from protrain_demo.corpus import LMBatches
 from protrain.runtime.hw.device import malloc_in_use_bytes
 from tests.helpers import lm_batches, tiny_gpt
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from protrain.runtime.sampler import ShardedSampler, epoch_order
+from protrain.runtime.data.sampler import ShardedSampler, epoch_order
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -46,7 +46,7 @@ print("fired" if SignalOnNumpyCore.fired else "not fired", "and torch imported",
 def _run(mode: str, signal_name: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", CHILD, mode, signal_name],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "scripts")])},
         capture_output=True,
         text=True,
         timeout=120,

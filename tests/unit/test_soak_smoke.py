@@ -29,7 +29,7 @@ def test_short_soak_grows_nothing(tmp_path: Path) -> None:
             str(tmp_path),
         ],  # fmt: skip
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "scripts")])},
         capture_output=True,
         text=True,
         timeout=170,

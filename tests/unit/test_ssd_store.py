@@ -576,7 +576,7 @@ def start_writer(root: Path, ending: str) -> tuple[subprocess.Popen[str], Path]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "scripts")])},
     )
     assert process.stdout is not None
     run_dir = Path(process.stdout.readline().strip())

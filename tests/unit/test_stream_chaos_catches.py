@@ -23,7 +23,7 @@ from protrain.runtime.chunks.side_stream import CollectiveQueue
 from protrain.runtime.chunks.staging import Staged
 from protrain.runtime.hw.device import DeviceEvent
 from protrain.runtime.hw.stream_chaos import StreamChaosError
-from protrain.runtime.models.gpt import GPTConfig
+from protrain_demo.gpt import GPTConfig
 from protrain.runtime.training.update import NonFiniteLossError
 from tests.helpers import assert_matches_reference, assert_state_equal, gpt_reference, lm_batches, tiny_gpt
 

@@ -17,8 +17,8 @@ import torch
 
 from protrain import runtime
 from protrain.runtime.chunks.readout import ChunkReadout
-from protrain.runtime.export import load_safetensors_export
-from protrain.runtime.models.gpt import GPT
+from protrain.runtime.model_io import load_safetensors_export
+from protrain_demo.gpt import GPT
 from tests.helpers import TINY_GPT, TINY_LLAMA, assert_matches_reference, assert_state_equal, gpt_reference, lm_batches
 
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""logging.trace (runtime/tracing/): a CPU run writes a Chrome trace of exactly the updates asked
+"""logging.trace (runtime/observability/): a CPU run writes a Chrome trace of exactly the updates asked
 for, holding every job label of the pipeline (chunk gathers, reductions, host adds, CPU Adam,
 swap out and in, SSD writes and reads, recomputation) on the threads that ran them, whether torch
 profiles every thread itself (2.7 and later) or the runtime times the worker threads' labels and
@@ -21,11 +21,11 @@ import pytest
 from protrain import runtime
 from protrain.runtime.chunks.trace_labels import job_label
 from protrain.runtime.config.settings import TraceSettings
-from protrain.runtime.models.gpt import GPTConfig
-from protrain.runtime.tracing import profiling
-from protrain.runtime.tracing.profiling import ThreadTrace
-from protrain.runtime.tracing.timeline_file import read_timeline, timeline_path, trace_path
-from protrain.runtime.tracing.trace_window import TraceWindow
+from protrain_demo.gpt import GPTConfig
+from protrain.runtime.observability import profiling
+from protrain.runtime.observability.profiling import ThreadTrace
+from protrain.runtime.observability.timeline_file import read_timeline, timeline_path, trace_path
+from protrain.runtime.observability.trace_window import TraceWindow
 from tests.helpers import lm_batches, tiny_gpt
 
 FOUR_BLOCKS = GPTConfig(vocab_size=256, seq_len=32, n_layer=4, n_head=2, d_model=64)

@@ -210,7 +210,7 @@ def test_closing_one_engine_leaves_ctrl_c_stopping_the_other(tmp_path: Path) -> 
 def test_a_second_engine_on_a_terminal_prints_named_lines_instead_of_a_second_bar() -> None:
     from rich.console import Console
 
-    from protrain.runtime.console import ProgressReporter, StepRecord
+    from protrain.runtime.observability.console import ProgressReporter, StepRecord
 
     first = ProgressReporter(total_steps=4, enabled=True)
     second = ProgressReporter(total_steps=4, enabled=True, name="engine 2")

@@ -152,7 +152,7 @@ def test_model_init_gives_each_parameter_its_constructors_init(arch: str) -> Non
     random state, and one source per seed."""
     from accelerate import init_empty_weights
 
-    from protrain.runtime.weights import ModelInit
+    from protrain.runtime.model_io.weights import ModelInit
 
     if arch == "gpt":
         torch.manual_seed(0)
@@ -187,7 +187,7 @@ def test_model_init_gives_each_parameter_its_constructors_init(arch: str) -> Non
 def test_model_init_refuses_a_parameter_nothing_initialises() -> None:
     from accelerate import init_empty_weights
 
-    from protrain.runtime.weights import ModelInit
+    from protrain.runtime.model_io.weights import ModelInit
 
     class Scaled(torch.nn.Module):
         def __init__(self) -> None:

@@ -1,7 +1,7 @@
 """What the engine tells about each update and each plan.
 
 One ``UpdateReports`` per engine: the progress display (rank 0), ``metrics.jsonl`` with each
-update's metrics (``runtime.metrics``: throughput, MFU, the step time's phases, memory), the
+update's metrics (``runtime.observability``: throughput, MFU, the step time's phases, memory), the
 trackers of the spec's ``logging`` section (TensorBoard, W&B; rank 0), and the plans and plan
 checks its PlanController (runtime/planning/controller.py) shows: this module only displays and
 records, it decides nothing.
@@ -17,14 +17,15 @@ from torch import nn
 
 from protrain.profiler.plan import Plan
 from protrain.runtime.config.settings import TrainingSettings
-from protrain.runtime.console import MetricsFile, ProgressReporter, StepRecord
 from protrain.runtime.hw.device import DeviceInfo
-from protrain.runtime.metrics.trackers import Trackers, open_trackers
-from protrain.runtime.metrics.update_metrics import MetricSources, UpdateMetrics, tracker_metrics
+from protrain.runtime.observability.console import MetricsFile, ProgressReporter, StepRecord
+from protrain.runtime.observability.observer import ObservedEngine, UpdateObserver
+from protrain.runtime.observability.trackers import Trackers, open_trackers
+from protrain.runtime.observability.update_metrics import MetricSources, UpdateMetrics, tracker_metrics
 from protrain.runtime.planning.plan_check import PlanCheckResult, describe
 
 
-class UpdateReports:
+class UpdateReports(UpdateObserver):
     """The display, the metrics file and the trackers of one engine (see the module docstring)."""
 
     def __init__(
@@ -46,6 +47,8 @@ class UpdateReports:
         self._every_steps = settings.logging.every_steps
         self._static_device_bytes = sources.chunks.device_state_bytes()
         self.measured: UpdateMetrics | None = None
+        self.compute_s: float | None = None
+        """The last reported update's forward and backward seconds (rank 0; None elsewhere)."""
         self.trackers = Trackers([], every_steps=settings.logging.every_steps)
         if metrics is not None:
             self.measured = UpdateMetrics(
@@ -58,7 +61,7 @@ class UpdateReports:
             )
             self.trackers = open_trackers(settings.logging, run_dir=metrics.path.parent, log=reporter.print)
 
-    def window_started(self) -> None:
+    def window_started(self, engine: ObservedEngine) -> None:
         """An accumulation window's first forward: the phases and memory of the update are
         measured from here."""
         if self.measured is not None:
@@ -78,7 +81,7 @@ class UpdateReports:
         if self.measured is not None:
             self.measured.phases.end_backward()
 
-    def logs(self, step: int) -> bool:
+    def reads_update_time(self, step: int) -> bool:
         """Whether the display and trackers log update ``step`` (update 1 and every
         ``logging.every_steps``): its time must be read, so the device must finish it first."""
         return step == 1 or step % self._every_steps == 0
@@ -88,19 +91,20 @@ class UpdateReports:
         if self.measured is not None:
             self.measured.phases.end_update()
 
-    def report(self, record: StepRecord, *, plan: Plan) -> float | None:
-        """Show and write ``record``; the seconds of its forward and backward phases, where
-        measured (rank 0; None elsewhere)."""
+    def update_reported(self, record: StepRecord, plan: Plan) -> None:
+        """Show and write ``record``; its forward and backward phases' seconds, where measured
+        (rank 0), become ``compute_s``."""
         started = time.thread_time()
         self.reporter.update(record)
+        self.compute_s = None
         if self.metrics is None or self.measured is None:
-            return None
+            return
         extra = self.measured.collect(record, plan=plan, static_device_bytes=self._static_device_bytes)
         self.metrics.write({**record.to_json(), **extra})
         if self.trackers.due(record.step):
             self.trackers.log(tracker_metrics(record, extra), record.step)
         self.measured.add_logging_time(time.thread_time() - started)
-        return extra["time_metrics/forward(s)"] + extra["time_metrics/backward(s)"]
+        self.compute_s = extra["time_metrics/forward(s)"] + extra["time_metrics/backward(s)"]
 
     def show_plan(self, plan: Plan, *, rebuilt: bool) -> None:
         """``plan`` is in force (``rebuilt``: with new managers, whose static device bytes the

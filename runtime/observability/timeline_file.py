@@ -1,7 +1,7 @@
 """The files ``logging.trace`` leaves in the run folder, and the memory timeline's format.
 
-- ``trace-rank{R}.json.gz``: the Chrome trace (``runtime.tracing.profiling``), for Perfetto;
-- ``memory-timeline-rank{R}.json``: one update's memory timeline (``runtime.tracing.memory_timeline``),
+- ``trace-rank{R}.json.gz``: the Chrome trace (``runtime.observability.profiling``), for Perfetto;
+- ``memory-timeline-rank{R}.json``: one update's memory timeline (``runtime.observability.memory_timeline``),
   which ``protrain-run --plot`` draws.
 
 The timeline is plain JSON: samples ``[t, device_bytes, host_bytes, ssd_bytes, phase]``, marks

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from protrain.runtime.config.spec_io import ResolvedSpec, SpecError
-from protrain.runtime.console import MetricsFile
+from protrain.runtime.observability.console import MetricsFile
 
 
 def open_metrics(resolved: ResolvedSpec, run_dir: Path | None, *, is_main: bool) -> MetricsFile | None:

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from protrain.runtime.chunks.manager import ChunkManager
-from protrain.runtime.export.from_engine import export_engine, save_kind
 from protrain.runtime.hw import device_wall
 from protrain.runtime.hw.distributed import DistContext
-from protrain.runtime.safetensors_stream import DEFAULT_MAX_SHARD_SIZE
+from protrain.runtime.model_io.from_engine import export_engine, save_kind
+from protrain.runtime.model_io.safetensors_stream import DEFAULT_MAX_SHARD_SIZE
 
 KIND_WORDS = {"adapter": "PEFT adapter directory", "hf": "Hugging Face directory", "safetensors": "safetensors"}
 
@@ -64,7 +64,7 @@ class ModelOutputs:
         """Write the trained weights for use without ProTrain, streamed out of the chunks (at
         most one chunk and one shard buffer more on the device, one chunk in host memory; every
         rank calls it, rank 0 writes): safetensors at ``path`` (tied weights stored once, see
-        ``runtime.export``; past ``max_shard_size``, Hugging Face's meaning, shards beside an
+        ``runtime.model_io``; past ``max_shard_size``, Hugging Face's meaning, shards beside an
         index ``<path>.index.json``), with ``hf=True`` a Hugging Face directory for a
         transformers model, with ``adapter_only=True`` the PEFT adapter directory of a
         ``peft.PeftModel`` (what ``PeftModel.from_pretrained(base, path)`` loads; only the

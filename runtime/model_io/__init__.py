@@ -6,12 +6,12 @@ once, on the device or in host memory); the functions here export a state dict t
 holds (``from_state_dict``). See each module's docstring.
 """
 
-from protrain.runtime.export.from_state_dict import (
+from protrain.runtime.model_io.from_state_dict import (
     export_adapter,
     export_hf,
     export_safetensors,
     load_safetensors_export,
 )
-from protrain.runtime.export.targets import TIED_METADATA_KEY
+from protrain.runtime.model_io.targets import TIED_METADATA_KEY
 
 __all__ = ["TIED_METADATA_KEY", "export_adapter", "export_hf", "export_safetensors", "load_safetensors_export"]

@@ -38,7 +38,7 @@ from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.chunks.residency_states import Residency
 from protrain.runtime.hw.device import DeviceInfo
 from protrain.runtime.hw.memory_counter import peak_reader, sample_at_hooks
-from protrain.runtime.tracing.timeline_file import Mark, Sample, Span, Timeline
+from protrain.runtime.observability.timeline_file import Mark, Sample, Span, Timeline
 
 
 class MemoryTimeline:

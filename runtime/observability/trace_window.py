@@ -1,11 +1,11 @@
 """``logging.trace: {start_step, steps}``: what the engine records around a few updates.
 
 - Updates ``start_step .. start_step + steps - 1`` run under torch's profiler on every thread
-  (``runtime.tracing.profiling``), written as ``trace-rank{R}.json.gz`` in the run folder when
+  (``runtime.observability.profiling``), written as ``trace-rank{R}.json.gz`` in the run folder when
   the last of them ends. The profiler starts at the end of the update before the window (at the
   first forward when the window starts at update 1), so its start-up cost lands outside it.
 - The update right after the window (``start_step + steps``) records the memory timeline
-  (``runtime.tracing.memory_timeline``) into ``memory-timeline-rank{R}.json``. Not inside the
+  (``runtime.observability.memory_timeline``) into ``memory-timeline-rank{R}.json``. Not inside the
   window: on CPU the device tier is the C heap, where the profiler keeps its own event buffers,
   and the profiler's overhead would stretch the time axis; next to it the pipeline is in the
   same steady state the trace shows. A run that ends before that update records none (it says so).
@@ -20,72 +20,25 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
-from torch import nn
-
-from protrain.profiler.plan import Plan
-from protrain.runtime.activations.manager import ActivationManager
-from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.config.settings import TraceSettings
-from protrain.runtime.console import MetricsFile
 from protrain.runtime.hw.device import DeviceInfo
 from protrain.runtime.hw.distributed import DistContext, broadcast_object
-from protrain.runtime.tracing.memory_timeline import MemoryTimeline
-from protrain.runtime.tracing.profiling import ThreadTrace
-from protrain.runtime.tracing.timeline_file import timeline_path, trace_path, write_timeline
+from protrain.runtime.observability.console import MetricsFile
+from protrain.runtime.observability.memory_timeline import MemoryTimeline
+from protrain.runtime.observability.observer import ObservedEngine, UpdateObserver
+from protrain.runtime.observability.profiling import ThreadTrace
+from protrain.runtime.observability.timeline_file import timeline_path, trace_path, write_timeline
 
 
-class TracedEngine(Protocol):
-    """What the window reads of the engine (read at each call: a plan switch replaces managers)."""
-
-    module: nn.Module
-    device_info: DeviceInfo
-
-    @property
-    def plan(self) -> Plan: ...
-
-    @property
-    def chunks(self) -> ChunkManager: ...
-
-    @property
-    def activations(self) -> ActivationManager: ...
-
-    @property
-    def global_step(self) -> int: ...
-
-    @property
-    def skipped_steps(self) -> int: ...
-
-
-class UpdateObserver(Protocol):
-    def window_started(self, engine: TracedEngine) -> None:
-        """An accumulation window's first training forward is about to run."""
-
-    def window_finished(self, engine: TracedEngine) -> None:
-        """The window's update is done (the device synchronized), before it is reported."""
-
-    def close(self) -> None:
-        """The engine closes."""
-
-
-class NoTrace:
-    """``logging.trace`` off."""
-
-    def window_started(self, engine: TracedEngine) -> None:
-        pass
-
-    def window_finished(self, engine: TracedEngine) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+class NoTrace(UpdateObserver):
+    """``logging.trace`` off: every hook does nothing."""
 
 
 NO_TRACE = NoTrace()
 
 
-class TraceWindow:
+class TraceWindow(UpdateObserver):
     """The trace and the memory timeline of one engine (see the module docstring)."""
 
     def __init__(
@@ -117,7 +70,7 @@ class TraceWindow:
     def instrumented(self) -> tuple[int, ...]:
         return (*range(self.first, self.last + 1), self.timeline_update)
 
-    def window_started(self, engine: TracedEngine) -> None:
+    def window_started(self, engine: ObservedEngine) -> None:
         update = engine.global_step + engine.skipped_steps + 1
         if update == self.first:
             self._start_trace()
@@ -133,7 +86,11 @@ class TraceWindow:
                 rank=self._rank,
             )
 
-    def window_finished(self, engine: TracedEngine) -> None:
+    def reads_update_time(self, step: int) -> bool:
+        """The trace's updates end synchronized (a trace's time axis is the device's)."""
+        return True
+
+    def window_finished(self, engine: ObservedEngine) -> None:
         update = engine.global_step + engine.skipped_steps
         if self._trace is not None and update >= self.last:
             self._finish_trace()

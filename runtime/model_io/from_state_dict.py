@@ -1,6 +1,6 @@
 """Exporting a state dict the caller holds (e.g. ``engine.state_dict()`` of a small model) in the
 forms people load elsewhere. The engine's own ``export`` streams from its chunks instead
-(``from_engine``); both write through ``runtime.safetensors_stream``.
+(``from_engine``); both write through ``runtime.model_io.safetensors_stream``.
 
 - ``export_safetensors``: one ``.safetensors`` file, or shards with an index past
   ``max_shard_size``. Each group of tied names is stored once, under its canonical name (the
@@ -36,7 +36,14 @@ import torch
 from torch import nn
 
 from protrain.runtime.chunks.released import released_name
-from protrain.runtime.export.targets import (
+from protrain.runtime.model_io.safetensors_stream import (
+    DEFAULT_MAX_SHARD_SIZE,
+    Entry,
+    ShardedWriter,
+    load_sharded,
+    remove_stale,
+)
+from protrain.runtime.model_io.targets import (
     TIED_METADATA_KEY,
     check_dtype,
     check_target,
@@ -50,7 +57,6 @@ from protrain.runtime.export.targets import (
     write_directory,
     write_hf_config,
 )
-from protrain.runtime.safetensors_stream import DEFAULT_MAX_SHARD_SIZE, Entry, ShardedWriter, load_sharded, remove_stale
 
 
 def export_safetensors(
@@ -244,7 +250,7 @@ def _refuse_placeholders(state_dict: Mapping[str, torch.Tensor]) -> None:
 
 
 def _is_placeholder(tensor: torch.Tensor) -> bool:
-    """The stand-ins of ``runtime.weights.install_placeholders_``: one NaN element in memory,
+    """The stand-ins of ``runtime.model_io.weights.install_placeholders_``: one NaN element in memory,
     seen through stride-0 views."""
     if released_name(tensor) is not None:
         return True

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from protrain.runtime.data.sampler import ShardedSampler
 from protrain.runtime.hw.distributed import DistContext
-from protrain.runtime.sampler import ShardedSampler
 
 
 class DataPosition:

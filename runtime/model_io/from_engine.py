@@ -2,7 +2,7 @@
 ``save_model``. Nothing is gathered whole: the chunks are read out one at a time
 (``runtime.chunks.readout``: at most one chunk and one shard buffer more on the device, one
 chunk in host memory) and each parameter goes to its file as its chunk arrives
-(``runtime.safetensors_stream``). Every rank takes part in the reads (they are collectives on
+(``runtime.model_io.safetensors_stream``). Every rank takes part in the reads (they are collectives on
 several ranks); rank 0 alone writes, and every rank learns how it did.
 
 - ``safetensors``: the model's parameters (tied ones once, under the first name; the aliases in
@@ -30,7 +30,10 @@ from torch import nn
 
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.chunks.readout import ChunkReadout
-from protrain.runtime.export.targets import (
+from protrain.runtime.hw import device_wall
+from protrain.runtime.hw.distributed import DistContext, broadcast_object
+from protrain.runtime.model_io.safetensors_stream import DEFAULT_MAX_SHARD_SIZE, Entry, ShardedWriter, remove_stale
+from protrain.runtime.model_io.targets import (
     TIED_METADATA_KEY,
     adapter_names,
     check_dtype,
@@ -46,9 +49,6 @@ from protrain.runtime.export.targets import (
     write_directory,
     write_hf_config,
 )
-from protrain.runtime.hw import device_wall
-from protrain.runtime.hw.distributed import DistContext, broadcast_object
-from protrain.runtime.safetensors_stream import DEFAULT_MAX_SHARD_SIZE, Entry, ShardedWriter, remove_stale
 
 KINDS = ("safetensors", "hf", "adapter")
 

@@ -4,17 +4,17 @@ Beside what ``StepRecord`` already holds (loss, lr, grad_norm, loss_scale, token
 ranks, step_time_s, the exposed waits), each update gets:
 
 - ``throughput(tps)``: tokens per second per device; ``tflops``: model TFLOPS per device
-  (``runtime.metrics.flops``); ``mfu(%)``: 100 * tflops / the device's peak
-  (``runtime.metrics.peak_flops``; absent when the peak is unknown). Absent for batches without
+  (``runtime.observability.flops``); ``mfu(%)``: 100 * tflops / the device's peak
+  (``runtime.observability.peak_flops``; absent when the peak is unknown). Absent for batches without
   token ids (nothing to count);
 - ``time_metrics/end_to_end(s)`` (the step time) split into ``forward(s)``, ``backward(s)``,
-  ``optimizer(s)`` and ``other(s)`` (``runtime.metrics.phases``), the exposed waits as
+  ``optimizer(s)`` and ``other(s)`` (``runtime.observability.phases``), the exposed waits as
   ``time_metrics/exposed_wait_<kind>(s)`` (inside forward and backward, not beside them), the
   plan's prediction as ``time_metrics/predicted_end_to_end(s)``, and what measuring and
   reporting the previous update cost, ``time_metrics/logging(s)``: the CPU time of the thread
   that ran it (``time.thread_time``; waiting for the GIL while the engine's own worker threads
   hold it is their work, not the logger's);
-- ``memory/*`` and ``ssd/*`` (``runtime.metrics.memory``), with the plan's predicted peaks as
+- ``memory/*`` and ``ssd/*`` (``runtime.observability.memory``), with the plan's predicted peaks as
   ``memory/predicted_max_active(GiB)`` and ``memory/predicted_host_peak(GiB)``.
 
 Trackers also get the loss as ``loss_metrics/global_avg_loss`` (the mean over ranks and
@@ -35,13 +35,13 @@ from protrain.profiler.plan import Plan
 from protrain.runtime.activations.manager import ActivationManager
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.config.settings import TrainingSettings
-from protrain.runtime.console import StepRecord
 from protrain.runtime.hw.device import DeviceInfo
 from protrain.runtime.hw.distributed import DistContext
-from protrain.runtime.metrics.flops import model_flops
-from protrain.runtime.metrics.memory import GIB, MemoryMeter
-from protrain.runtime.metrics.peak_flops import peak_flops
-from protrain.runtime.metrics.phases import PhaseClock
+from protrain.runtime.observability.console import StepRecord
+from protrain.runtime.observability.flops import model_flops
+from protrain.runtime.observability.memory import GIB, MemoryMeter
+from protrain.runtime.observability.peak_flops import peak_flops
+from protrain.runtime.observability.phases import PhaseClock
 
 
 class MetricSources(Protocol):

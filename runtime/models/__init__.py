@@ -1,1 +1,0 @@
-"""Small models that ship with ProTrain (no downloads)."""
