@@ -20,7 +20,6 @@ from protrain.runtime.config.settings import PlanningSettings
 from protrain.runtime.config.spec_io import ResolvedSpec, SpecError
 from protrain.runtime.data.batches import to_device
 from protrain.runtime.hw.device import select_device
-from protrain.runtime.model_io.weights import held_on
 from protrain.runtime.observability.console import plan_table
 from protrain.runtime.planning.budgets import host_parameter_bytes, process_rss_bytes, resolve_budgets
 from protrain.runtime.planning.first_plan import first_plan
@@ -48,7 +47,7 @@ def dry_run(
         model,
         planning,
         example_batch=example_batch,
-        whole=whole and held_on(model, device.device),
+        whole=whole and (profilers or Profilers()).holds_model(model, device.device),
         loss_fn=loss_fn,
         device=device,
         dist_ctx=None,

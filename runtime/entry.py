@@ -28,7 +28,6 @@ from protrain.runtime.hw.distributed import DistContext, broadcast_from_main_, e
 from protrain.runtime.model_io.weights import (
     WeightReader,
     WeightsSource,
-    held_on,
     install_placeholders_,
     move_buffers_,
     weight_reader,
@@ -164,7 +163,7 @@ def _build_engine(
         model,
         planning,
         example_batch=example_batch,
-        whole=reader is None and held_on(model, device.device),
+        whole=reader is None and measuring.holds_model(model, device.device),
         loss_fn=loss_fn,
         device=device,
         dist_ctx=dist_ctx,

@@ -69,6 +69,8 @@ class StreamChaos:
     lazy: bool
     seed: int
     rng: random.Random = field(init=False)
+    slept: list[tuple[str, float]] = field(init=False, default_factory=list)
+    """Every delay so far with the thread that slept it (a seed's draws, for tests to compare)."""
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -80,6 +82,7 @@ class StreamChaos:
             return
         with self._lock:
             seconds = draw_delay(self.rng)
+            self.slept.append((threading.current_thread().name, seconds))
         time.sleep(seconds)
 
 

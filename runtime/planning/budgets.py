@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import psutil
 import torch
 from torch import nn
@@ -44,12 +46,12 @@ def _cuda_free_for_us(device: DeviceInfo) -> int:
     return budget
 
 
-def auto_host_budget(ranks_on_host: int) -> int:
+def auto_host_budget(ranks_on_host: int, *, free_bytes: Callable[[], int] | None = None) -> int:
     """(what the node has free for the job - reserve) / ranks on this host, plus what this
     process holds already (the host budget is what a rank's process may hold in all): the free
     figure is the smallest of available RAM, the cgroup headroom and Slurm's allocation
-    (``runtime.hw.host_capacity``)."""
-    free, _ = free_host_bytes(ranks_on_host=ranks_on_host)
+    (``runtime.hw.host_capacity``), or ``free_bytes()`` where given (a test's)."""
+    free = free_host_bytes(ranks_on_host=ranks_on_host)[0] if free_bytes is None else free_bytes()
     share = max(0, free - HOST_RESERVE_BYTES) // max(1, ranks_on_host)
     return share + process_rss_bytes()
 

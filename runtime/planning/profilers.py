@@ -7,9 +7,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+from torch import nn
+
 from protrain.profiler.profile import HardwareProfile, ModelProfile
 from protrain.runtime.hw.device import DeviceInfo
 from protrain.runtime.hw.device import synchronize as wait_for_device
+from protrain.runtime.model_io.weights import held_on
 from protrain.runtime.planning.budgets import auto_device_budget
 from protrain.runtime.planning.hardware_probes import hardware_profile
 from protrain.runtime.planning.model_profiling import profile_model
@@ -30,6 +34,10 @@ class Profilers:
     timed on (on CUDA the phases are device events)."""
     synchronize: Callable[[DeviceInfo], None] = wait_for_device
     """Waits for the device, at the end of an update whose time is read."""
+    holds_model: Callable[[nn.Module, torch.device], bool] = held_on
+    """Whether the model's parameters are all on the device already, so that it is profiled
+    whole there (else through its chunks; a test gives False to run as on a GPU, the model in
+    host memory)."""
     device_capacity: Callable[[DeviceInfo, int], int] = auto_device_budget
     """What ``memory.device_budget: auto`` may take before other engines' claims (the device
     and the ranks on this host): free device memory less a reserve, on CPU a share of RAM."""

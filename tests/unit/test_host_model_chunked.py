@@ -21,10 +21,11 @@ import pytest
 import torch
 from torch import nn
 
-import protrain.runtime.entry
+import protrain.runtime.entry  # noqa: F401 - the engine's modules load before the heap is measured
 from protrain import runtime
 from protrain.runtime.chunks import store, store_build
 from protrain.runtime.hw.device import malloc_in_use_bytes
+from protrain.runtime.planning.profilers import Profilers
 from tests.helpers import TINY_GPT, assert_state_equal, lm_batches, tiny_gpt, train_reference, train_updates
 from tests.unit.test_planning import job
 from tests.unit.test_residency import warm_up_torch
@@ -88,8 +89,8 @@ def test_a_model_twice_the_device_budget_is_chunked_within_the_predicted_peak(
     data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
     expected, _ = train_reference(tiny_gpt(0, WIDE), data, steps=STEPS, lr=1e-3, weight_decay=0.1)
     warm_up_torch(data)
-    if not on_device:
-        monkeypatch.setattr(protrain.runtime.entry, "held_on", lambda model, device: False)
+    # Held away, the model sits in host memory as on a GPU: profiled through its chunks.
+    measuring = Profilers() if on_device else Profilers(holds_model=lambda model, device: False)
     model = tiny_gpt(0, WIDE)
     budget = 8 * sum(p.numel() for p in model.parameters())  # half the state: 16 bytes a parameter
     tier = DeviceTier()  # the model's own parameters are in the baseline
@@ -107,6 +108,7 @@ def test_a_model_twice_the_device_budget_is_chunked_within_the_predicted_peak(
         model,
         config=job(tmp_path, chunk_size="256KiB", device_budget=budget, n_swap=0, n_checkpoint=0),
         example_batch=data.batch(0, 0, 0),
+        profilers=measuring,
     )
     tier.sample()
     train_updates(engine, data, range(STEPS))

@@ -8,7 +8,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -86,23 +85,17 @@ def test_closing_a_lazy_stream_runs_what_is_queued(chaos: Callable[..., None]) -
     assert ran == [1]
 
 
-def test_random_mode_delays_every_job_by_its_seeds_draws(
-    monkeypatch: pytest.MonkeyPatch, chaos: Callable[..., None]
-) -> None:
+def test_random_mode_delays_every_job_by_its_seeds_draws(chaos: Callable[..., None]) -> None:
     """Each job sleeps a draw (0-5 ms, a few 25 ms more) from the worker's own generator before it runs: the same
     seed replays the same delays, another seed or worker draws others, and torch's generator is
     never touched."""
-    slept: list[tuple[str, float]] = []
-
-    def record(seconds: float) -> None:
-        slept.append((threading.current_thread().name, seconds))
-
-    monkeypatch.setattr(stream_chaos, "time", SimpleNamespace(sleep=record))
 
     def delays(seed: int, name: str = "test-chaos") -> list[float]:
         chaos("1", seed)
-        slept.clear()
         stream = SideStream(CPU, name=name)
+        worker_chaos = stream._worker._chaos
+        assert worker_chaos is not None
+        slept = worker_chaos.slept  # the delays the worker drew and slept, in order
         order: list[int] = []
         events = [stream.submit(lambda i=i: order.append(len(slept))) for i in range(20)]
         events[-1].wait()

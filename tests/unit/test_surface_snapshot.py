@@ -26,6 +26,10 @@ from protrain.launcher.plot_cli import build_parser as build_plot_parser
 from protrain.launcher.report_cli import build_parser as build_report_parser
 from protrain.launcher.what_if_cli import build_parser as build_what_if_parser
 from protrain.runtime.config.spec_doc import reference_rows
+from protrain.profiler.plan import UpdateMode
+from protrain.runtime.observability.observer import UpdateObserver
+from protrain.runtime.optim.registry import ADAMW, register
+from protrain.runtime.optim.rule import OptimizerHyper, OptimizerRule
 from protrain.runtime.planning.profilers import Profilers
 from protrain.runtime.training.delegation import Reads
 
@@ -85,7 +89,9 @@ def _signature(value: Any) -> str:
 
 def python_surface() -> dict[str, dict[str, str]]:
     """``protrain``'s exported names, with ``initialize``'s signature and, for the Engine, each
-    public method's signature (or ``property``), own or inherited from its facades."""
+    public method's signature (or ``property``); the seams tests and extensions use: the
+    measuring functions ``initialize`` takes, the optimizer rules, the plan's update modes and
+    the observer hooks."""
     names = {name: type(getattr(protrain, name)).__name__ for name in protrain.__all__ if name != "__version__"}
     engine = {
         name: _signature(member)
@@ -94,11 +100,20 @@ def python_surface() -> dict[str, dict[str, str]]:
         if not name.startswith("_") and (callable(member) or isinstance(member, property | Reads))
     }
     profilers = {item.name: str(item.type) for item in dataclasses.fields(Profilers)}
+    hooks = {name: _signature(member) for name, member in vars(UpdateObserver).items() if not name.startswith("_")}
     return {
         "protrain": {"__all__": ", ".join(sorted(protrain.__all__)), **names},
         "protrain.initialize": {"signature": _signature(protrain.initialize)},
         "protrain.Engine": dict(sorted(engine.items())),
         "Profilers (initialize's measuring functions)": profilers,
+        "optimizer rules (runtime/optim/)": {
+            "register": _signature(register),
+            "ADAMW.state_names": ", ".join(ADAMW.state_names),
+            **{f"OptimizerRule.{item.name}": str(item.type) for item in dataclasses.fields(OptimizerRule)},
+            **{f"OptimizerHyper.{item.name}": str(item.type) for item in dataclasses.fields(OptimizerHyper)},
+        },
+        "Plan.update_mode": {"values": ", ".join(mode.value for mode in UpdateMode)},
+        "UpdateObserver (runtime/observability/observer.py)": dict(sorted(hooks.items())),
     }
 
 
