@@ -26,8 +26,8 @@ demo: $(STAMP)
 # Unit tests on 2 workers that steal work from each other: a few long tests (the first-contact
 # rehearsal, mypy) no longer leave one worker idle at the end (about 30 s less on 2 cores).
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist worksteal -m "unit" tests
-	$(BIN)/python -m pytest -m "not unit" tests
+	$(BIN)/python -m pytest -n 2 --dist worksteal -m "unit" --durations=15 tests
+	$(BIN)/python -m pytest -m "not unit" --durations=15 tests
 	$(MAKE) --no-print-directory test-chaos
 
 test-unit: $(STAMP)

@@ -92,7 +92,8 @@ def test_a_users_profiler_py_and_runtime_py_beside_the_script_do_not_disturb_the
     job = Job(tmp_path)
     for name in ("profiler", "runtime", "protrain_launcher"):
         (tmp_path / f"{name}.py").write_text(f"raise ImportError('the user\\'s own {name}.py was imported')\n")
-    env = {k: v for k, v in clean_env().items() if k != "PYTHONPATH"}
+    # Only the demo's model on the path (scripts/protrain_demo): protrain itself is the wheel's.
+    env = {**clean_env(), "PYTHONPATH": str(ROOT / "scripts")}
     run = subprocess.run(
         [installed / "bin" / "protrain-run", "--nproc-per-node", "2", str(job.script), "--config", str(job.spec)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
