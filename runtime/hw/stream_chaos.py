@@ -49,6 +49,7 @@ import random
 import threading
 import time
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -60,6 +61,7 @@ MAX_DELAY_S = 0.005
 LONG_DELAY_S = 0.025
 LONG_DELAY_ODDS = 4
 MODES = ("0", "1", "lazy")
+SLEPT_KEPT = 4096
 
 
 @dataclass(slots=True)
@@ -69,8 +71,9 @@ class StreamChaos:
     lazy: bool
     seed: int
     rng: random.Random = field(init=False)
-    slept: list[tuple[str, float]] = field(init=False, default_factory=list)
-    """Every delay so far with the thread that slept it (a seed's draws, for tests to compare)."""
+    slept: deque[tuple[str, float]] = field(init=False, default_factory=lambda: deque(maxlen=SLEPT_KEPT))
+    """The latest delays with the thread that slept each (a seed's draws, for tests to compare;
+    bounded, so a long run under chaos does not grow)."""
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
