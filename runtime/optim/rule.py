@@ -14,8 +14,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-FP32_BYTES = 4
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OptimizerHyper:
@@ -43,11 +41,6 @@ class OptimizerRule:
     "module:function" path."""
     reference: str
     """The update it equals (a torch optimizer, or the published rule)."""
-
-    @property
-    def state_bytes_per_param(self) -> int:
-        """Host or device bytes of optimizer state per trainable parameter (fp32 each)."""
-        return FP32_BYTES * len(self.state_names)
 
     def build(
         self,
