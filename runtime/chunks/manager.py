@@ -394,9 +394,12 @@ class ChunkManager:
     def close(self) -> None:
         """Stop the workers (each runs what is queued first: the side stream before the host
         worker, whose jobs may wait on the side stream's, and whose own it may wait on), let the
-        device finish their copies, then free the hooks and the staging rings."""
+        device finish their copies, then free the hooks and the staging rings, and unlock the host
+        state (it stays readable: a plan switch copies from it)."""
         self.collectives.close()
         self.optimizer.close()
         synchronize(self.device)  # no copy may still read or write a staging buffer
+        if self.store.host_arena is not None:
+            self.store.host_arena.unpin()
         self.residency.close()
         self.reducer.close()

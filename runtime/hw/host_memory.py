@@ -8,9 +8,12 @@ tier allocates: tests measure the device tier independently of our bookkeeping.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import mmap
 import warnings
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -36,17 +39,26 @@ class MmapArena:
         self._base = torch.frombuffer(self._map, dtype=torch.uint8)
         self.used_bytes = 0
         self._pinned = False
+        self._unregister: Callable[[], None] | None = None
         if pin:
             error = _cuda_host_register(self._base)
             if error:
                 # Some virtualised hosts refuse to lock existing pages: take page-locked memory
                 # from torch's host allocator instead (rounded up to a power of two, whole).
+                _clear_cuda_error()
                 _warn_register_refused(error)
                 del self._base
                 self._map.close()
                 self._map = None
                 self._base = pinned_bytes(self.capacity_bytes)
                 self.held_bytes = 1 << (self.capacity_bytes - 1).bit_length()
+            else:
+                # An arena dropped without close() (its engine dropped) must not leave its pages
+                # registered: once the mmap is gone the kernel may hand the same addresses to the
+                # next arena, and CUDA refuses to register them again (error 712).
+                unregister = weakref.finalize(self, _cuda_host_unregister, self._base.data_ptr())
+                unregister.atexit = False  # at exit the process's mappings go with CUDA's
+                self._unregister = unregister
             self._pinned = True
         _live_arenas.add(self)
 
@@ -72,9 +84,7 @@ class MmapArena:
         kernel cannot drop locked pages), for good: nothing copies from it asynchronously again."""
         if self._map is None:
             return  # torch's pinned block: it cannot be returned a page at a time
-        if self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(self._base.data_ptr())
-            self._pinned = False
+        self.unpin()
         start = tensor.data_ptr() - self._base.data_ptr()
         end = start + tensor.numel() * tensor.element_size()
         first, last = _round_up(start, PAGE_BYTES), end - end % PAGE_BYTES
@@ -82,6 +92,15 @@ class MmapArena:
             # The region is a shared anonymous mapping (shmem): DONTNEED would unmap the pages
             # and keep their memory; REMOVE frees it.
             self._map.madvise(getattr(mmap, "MADV_REMOVE", mmap.MADV_DONTNEED), first, last - first)
+
+    def unpin(self) -> None:
+        """Unlock a region registered with CUDA (for good; the memory stays mapped and readable):
+        when nothing will copy from it asynchronously again (its engine closed). Page-locked
+        memory is scarce and the kernel cannot reclaim it."""
+        if self._unregister is not None:
+            self._unregister()  # a finalize runs once
+            self._unregister = None
+            self._pinned = False
 
     def close(self) -> None:
         """Release the region (once; again does nothing). Tensors from it must no longer be used."""
@@ -92,9 +111,7 @@ class MmapArena:
             del self._base
             _empty_host_cache()
             return
-        if self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(self._base.data_ptr())
-            self._pinned = False
+        self.unpin()
         del self._base
         self._map.close()
 
@@ -114,6 +131,36 @@ def host_arena_bytes() -> tuple[int, int]:
 def _cuda_host_register(region: torch.Tensor) -> int:
     """Page-lock ``region`` in place; CUDA's error code (0: done)."""
     return int(torch.cuda.cudart().cudaHostRegister(region.data_ptr(), region.numel(), 0))
+
+
+def _cuda_host_unregister(address: int) -> None:
+    if int(torch.cuda.cudart().cudaHostUnregister(address)):
+        _clear_cuda_error()  # not to be raised by the next kernel launch
+
+
+def _clear_cuda_error() -> None:
+    """Read off the thread's last CUDA error. A refused ``cudaHostRegister`` leaves it set, and
+    torch's next kernel-launch check would raise it as that kernel's failure (torch binds no
+    ``cudaGetLastError``: call it in the CUDA runtime library torch loaded)."""
+    library = _cuda_runtime()
+    if library is not None:
+        library.cudaGetLastError()
+
+
+@functools.cache
+def _cuda_runtime() -> ctypes.CDLL | None:
+    """The CUDA runtime library this process loaded (by its path in /proc/self/maps), if any."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line and "/" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
 
 
 def pinned_bytes(nbytes: int) -> torch.Tensor:

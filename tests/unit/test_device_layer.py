@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -183,10 +184,19 @@ def test_a_host_that_refuses_to_page_lock_a_region_gets_torchs_pinned_memory(
     import protrain.runtime.hw.host_memory as host_memory
 
     class RefusingCudart:
-        def cudaHostRegister(self, *_: object) -> int:  # noqa: N802 - CUDA's name
-            return 712  # cudaErrorHostMemoryAlreadyRegistered's neighbour: any refusal
+        last_error = 0
 
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: RefusingCudart())
+        def cudaHostRegister(self, *_: object) -> int:  # noqa: N802 - CUDA's name
+            self.last_error = 801  # cudaErrorNotSupported: any refusal
+            return self.last_error
+
+        def cudaGetLastError(self) -> int:  # noqa: N802
+            error, self.last_error = self.last_error, 0
+            return error
+
+    cudart = RefusingCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(host_memory, "_cuda_runtime", lambda: cudart)
     monkeypatch.setattr(host_memory, "pinned_bytes", lambda n: torch.zeros(n, dtype=torch.uint8))
     monkeypatch.setattr(host_memory, "_register_refusals", set())
     before = host_memory.host_arena_bytes()
@@ -197,10 +207,68 @@ def test_a_host_that_refuses_to_page_lock_a_region_gets_torchs_pinned_memory(
     assert arena.contains(tensor) and float(tensor.sum()) == 2.0 * (PAGE_BYTES // 4)
     held, pinned = host_memory.host_arena_bytes()
     assert (held - before[0], pinned - before[1]) == (4 * PAGE_BYTES, 4 * PAGE_BYTES)
+    # CUDA keeps a refusal as the thread's last error, which torch's next kernel launch would
+    # raise as its own failure (seen on an H100): it is read off.
+    assert cudart.last_error == 0
     arena.give_back(tensor)  # a pinned block cannot be returned a page at a time: nothing happens
     arena.close()
     arena.close()
     assert host_memory.host_arena_bytes() == before
+
+
+class RegistrationTable:
+    """CUDA's table of page-locked host ranges, as the driver keeps it: a range overlapping a
+    registered one is refused with error 712 (cudaErrorHostMemoryAlreadyRegistered), which also
+    becomes the thread's last error."""
+
+    def __init__(self) -> None:
+        self.ranges: dict[int, int] = {}
+        self.last_error = 0
+
+    def cudaHostRegister(self, address: int, nbytes: int, _flags: int) -> int:  # noqa: N802 - CUDA's name
+        if any(address < start + size and start < address + nbytes for start, size in self.ranges.items()):
+            self.last_error = 712
+            return 712
+        self.ranges[address] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, address: int) -> int:  # noqa: N802
+        if self.ranges.pop(address, None) is None:
+            self.last_error = 713  # cudaErrorHostMemoryNotRegistered
+            return 713
+        return 0
+
+    def cudaGetLastError(self) -> int:  # noqa: N802
+        error, self.last_error = self.last_error, 0
+        return error
+
+
+def test_a_dropped_or_unpinned_region_leaves_nothing_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A region dropped without ``close()`` (its engine dropped) is unregistered before its mmap
+    goes: else the kernel hands the same addresses to the next region and CUDA refuses them
+    (an H100 run's fourth engine in one process failed so). ``unpin()`` (a closed engine's host
+    state, which stays readable) unregisters at once, and only once."""
+    import protrain.runtime.hw.host_memory as host_memory
+
+    table = RegistrationTable()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: table)
+    monkeypatch.setattr(host_memory, "_cuda_runtime", lambda: table)
+    for _ in range(3):  # dropped, never closed: each next one may land on the same addresses
+        arena = MmapArena(64 * PAGE_BYTES, pin=True)
+        arena.allocate(PAGE_BYTES, torch.uint8).fill_(1)
+        assert len(table.ranges) == 1 and table.last_error == 0
+        del arena
+        gc.collect()
+        assert table.ranges == {}
+    arena = MmapArena(64 * PAGE_BYTES, pin=True)
+    kept = arena.allocate(PAGE_BYTES, torch.float32)
+    arena.unpin()
+    assert table.ranges == {} and host_memory.host_arena_bytes()[1] == 0
+    kept.fill_(3.0)  # still mapped and readable
+    assert float(kept[0]) == 3.0
+    arena.unpin()
+    arena.close()
+    assert table.last_error == 0, "unregistered twice"
 
 
 def test_cudas_sanitizer_sees_the_worker_threads_operators(monkeypatch: pytest.MonkeyPatch) -> None:
