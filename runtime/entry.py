@@ -77,6 +77,8 @@ def initialize(
     except ValueError as err:
         raise SpecError(str(err)) from None
     device = select_device(env_int("LOCAL_RANK", 0))
+    # The planning forwards read the batch where the model computes (a loader yields host tensors).
+    example_batch = to_device(example_batch, device.device)
     if reader is not None:
         install_placeholders_(model, device.device, reader)
     else:
@@ -156,7 +158,6 @@ def _build_engine(
     # Rank 0's buffers everywhere; its parameters follow chunk by chunk (runtime.chunks.store).
     broadcast_from_main_(model.buffers(), dist_ctx)
     _seed(training.seed, dist_ctx, claim, reseed=reseed)
-    example_batch = to_device(example_batch, device.device)
     # Profiled whole only where the model is whole on the device; else through the chunk engine
     # (on the example batch, by initialize, or on the first training batch: Engine.plan_on_batch).
     planned = first_plan(

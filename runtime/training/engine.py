@@ -174,7 +174,7 @@ class Engine:
     def plan_on_batch(self, batch: Any, *, asked: bool = True) -> None:
         """Profile on ``batch`` through the chunk engine and switch to the searched plan, once
         (no training happens): for a model ``initialize`` could not profile whole."""
-        self._plans.on_batch(batch, asked=asked)
+        self._plans.on_batch(to_device(batch, self.device_info.device), asked=asked)
 
     def _training(self) -> bool:
         return self.module.training and torch.is_grad_enabled()

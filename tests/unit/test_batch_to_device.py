@@ -103,3 +103,47 @@ def test_engine_forward_moves_the_batch_to_its_device(
     # The model's own forward got what to_device returned.
     assert seen[-2][1]["input_ids"] is moved_kwargs["input_ids"]
     assert seen[-1][0][0] is moved_args[0]
+
+
+def _transfer(batch: Any, device: torch.device) -> Any:
+    """What a move to another device gives: new tensors, equal values (on CPU, clones)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.clone()
+    if isinstance(batch, dict):
+        return {key: _transfer(value, device) for key, value in batch.items()}
+    return batch
+
+
+def test_planning_forwards_read_the_example_batch_where_the_model_computes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host batch given to ``initialize(example_batch=...)`` or ``plan_on_batch`` is moved to the
+    engine's device before any planning forward reads it (a GPU run with a loader's host batch
+    failed in the embedding: index on cpu, weights on cuda:0)."""
+    import protrain.runtime.entry
+    from protrain.runtime.planning.profilers import Profilers
+
+    moves: list[tuple[torch.device, Any]] = []
+
+    def spy(batch: Any, device: torch.device) -> Any:
+        moved = _transfer(batch, device)
+        moves.append((device, moved))
+        return moved
+
+    monkeypatch.setattr(protrain.runtime.entry, "to_device", spy)
+    monkeypatch.setattr(protrain.runtime.training.engine, "to_device", spy)
+    model = tiny_gpt()
+    read: list[torch.Tensor] = []
+    model.register_forward_pre_hook(lambda _, args, kwargs: read.append(kwargs["input_ids"]), with_kwargs=True)
+    batch = lm_batches(micro_batch_size=2, accumulation=1, world_size=1).batch(0, 0, 0)
+    spec = {"seed": 1, "micro_batch_size": 2, "output_dir": str(tmp_path)}
+    # As on a GPU: the model is in host memory, so it is planned on the batch through its chunks.
+    as_on_gpu = Profilers(holds_model=lambda model, device: False)
+    with runtime.initialize(model, config=spec, example_batch=batch, profilers=as_on_gpu) as engine:
+        assert read, "initialize planned without a forward on the example batch"
+        assert moves and all(device == engine.device_info.device for device, _ in moves)
+        moved = [m["input_ids"] for _, m in moves]
+        assert all(any(ids is m for m in moved) for ids in read), "a planning forward read the host batch"
+        moves.clear()
+        engine.plan_on_batch(batch)  # planned once already: no forward, but moved all the same
+        assert [device for device, _ in moves] == [engine.device_info.device]
