@@ -152,6 +152,8 @@ class Prediction:
     ssd_bytes: int = 0
     update_s: float = 0.0
     """The norm and zeroing passes after the optimizer."""
+    workspace_bytes: int = 0
+    """The math libraries' device workspaces (HardwareProfile.library_workspace_bytes)."""
 
 
 def chunk_costs(
@@ -350,7 +352,9 @@ def predict(
     # The peak falls where forward ends and backward starts: every saved activation is alive,
     # with backward's first temporaries (the loss's gradient: the profile's transient, measured
     # beyond the activations and gradients) while the first chunk's gradient buffer fills.
+    # The math libraries' workspaces stay allocated beside all of it (runtime/hw/math_workspaces.py).
     peak = persistent + buffers + activation_bytes + costs.transient_bytes + gradient_buffers
+    peak += hardware.library_workspace_bytes
     kept = Prediction(
         step_s=step,
         forward_s=forward,
@@ -368,6 +372,7 @@ def predict(
         activation_bytes=activation_bytes,
         transient_bytes=costs.transient_bytes,
         update_s=update,
+        workspace_bytes=hardware.library_workspace_bytes,
     )
     return kept if activations is None else with_activations(kept, activations, hardware)
 

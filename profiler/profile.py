@@ -67,6 +67,10 @@ class HardwareProfile:
     """Write rate of ``memory.ssd.path`` as activation files are written (O_DIRECT where the
     filesystem allows); 0 when no path was measured, and then no plan puts blocks on disk."""
     ssd_read_bytes_per_s: float = 0.0
+    library_workspace_bytes: int = 0
+    """Device memory the math libraries keep beside the model (cuBLAS's workspace for each
+    thread that runs matrix products; runtime/hw/math_workspaces.py): part of every plan's peak.
+    Measured at every planning (not read from the cache); 0 on CPU."""
 
     def host_rates(self) -> tuple[float, float, float]:
         """(copy, downcast, add) rates of host work: the host worker's, shared with the node's

@@ -350,8 +350,11 @@ def _nothing_fits(
             f"which saved activations {_size(p.activation_bytes)}, "
             f"transient peak {_size(p.transient_bytes)}, "
             f"chunk buffers {_size(p.buffer_bytes + p.gradient_buffer_bytes)}, persistent chunks "
-            f"{_size(p.persistent_bytes)}; lower micro_batch_size (activations grow with it) or raise "
-            "memory.device_budget" + ("; or let the hand-set knobs be auto" if hand_set else "")
+            f"{_size(p.persistent_bytes)}"
+            + (f", the math libraries' workspaces {_size(p.workspace_bytes)}" if p.workspace_bytes else "")
+            + "; lower micro_batch_size (activations grow with it) or raise "
+            + "memory.device_budget"
+            + ("; or let the hand-set knobs be auto" if hand_set else "")
         )
     besides = (
         f" beside the {_size(host_fixed)} the process holds outside it (at start: the interpreter, "

@@ -343,6 +343,8 @@ class Planner:
         shape = batch_shape(batch)
         path = settings.cache_dir / f"model-{self._cache_key(shape)}.json"
         self.origin.clear()
+        # First: the workspaces a step makes then must not be counted as the model's memory.
+        workspaces = self._library_workspaces()
         profile = read_agreed(path, ModelProfile.from_dict, dist_ctx)
         if profile is not None:
             self.origin.add(path)
@@ -367,6 +369,7 @@ class Planner:
             origin=self.origin,
             device_budget=self.budgets[0],
         )
+        hardware = dataclasses.replace(hardware, library_workspace_bytes=workspaces)
         ssd_path = self._ssd_path()
         if ssd_path is not None:
             try:
@@ -374,6 +377,11 @@ class Planner:
             except OSError as err:  # unwritable, full, or not a directory: say which, not a traceback
                 raise SpecError(f"memory.ssd.path: cannot measure the disk under {ssd_path}: {err}") from None
         return Profiles(profile, hardware)
+
+    def _library_workspaces(self) -> int:
+        """The math libraries' device workspaces, the most of any rank (the plans must match)."""
+        measured = self.profilers.library_workspaces(self.subject.device)
+        return measured if self.dist_ctx is None else int(all_reduce_max(float(measured), self.dist_ctx))
 
     def _cache_key(self, shape: tuple[int, ...]) -> str:
         subject = self.subject

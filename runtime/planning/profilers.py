@@ -13,6 +13,7 @@ from torch import nn
 from protrain.profiler.profile import HardwareProfile, ModelProfile
 from protrain.runtime.hw.device import DeviceInfo
 from protrain.runtime.hw.device import synchronize as wait_for_device
+from protrain.runtime.hw.math_workspaces import library_workspace_bytes
 from protrain.runtime.model_io.weights import held_on
 from protrain.runtime.planning.budgets import auto_device_budget
 from protrain.runtime.planning.hardware_probes import hardware_profile
@@ -38,6 +39,9 @@ class Profilers:
     """Whether the model's parameters are all on the device already, so that it is profiled
     whole there (else through its chunks; a test gives False to run as on a GPU, the model in
     host memory)."""
+    library_workspaces: Callable[[DeviceInfo], int] = library_workspace_bytes
+    """The math libraries' device workspaces (runtime/hw/math_workspaces.py: 0 on CPU, where a
+    test gives its own to plan as on a GPU)."""
     device_capacity: Callable[[DeviceInfo, int], int] = auto_device_budget
     """What ``memory.device_budget: auto`` may take before other engines' claims (the device
     and the ranks on this host): free device memory less a reserve, on CPU a share of RAM."""
