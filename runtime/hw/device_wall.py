@@ -52,11 +52,14 @@ class DeviceBudgetExceeded(torch.OutOfMemoryError):
     out-of-memory error on CPU, so that whatever handles one (a profiling step that does not
     fit) handles both."""
 
-    def __init__(self, *, account: str, operation: str, nbytes: int, total: int, budget: int) -> None:
+    def __init__(
+        self, *, account: str, operation: str, nbytes: int, total: int, budget: int, besides: str = ""
+    ) -> None:
         self.operation, self.nbytes, self.total, self.budget = operation, nbytes, total, budget
+        whose = "the device's live engines' memory.device_budget together" if besides else "its memory.device_budget"
         super().__init__(
-            f"{account}: {operation} allocated {nbytes:,} bytes on the device, which brings it to "
-            f"{total:,} bytes, over its memory.device_budget of {budget:,} bytes "
+            f"{account}: {operation} allocated {nbytes:,} bytes on the device, which brings "
+            f"{'the device' if besides else 'it'} to {total:,} bytes{besides}, over {whose} of {budget:,} bytes "
             f"({ENV}=1: on a GPU of that size this is an out-of-memory error; {TRACE_ENV}=1 "
             "lists what holds the memory)"
         )
@@ -77,14 +80,28 @@ class Account:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, nbytes: int, operation: str) -> DeviceBudgetExceeded | None:
-        """Count ``nbytes``; the error to raise when they pass the budget."""
+        """Count ``nbytes``; the error to raise when they pass the budget, or when the device as
+        a whole passes the live engines' budgets together (CUDA's cap): what a closed engine
+        left alive still counts there, as CUDA's allocator still holds it."""
         with self._lock:
             self.live_bytes += nbytes
             self.highest = max(self.highest, self.live_bytes)
             total = self.live_bytes
-        if total > self.budget and not self.closed:
+        if self.closed:
+            return None
+        if total > self.budget:
             return DeviceBudgetExceeded(
                 account=self.label, operation=operation, nbytes=nbytes, total=total, budget=self.budget
+            )
+        held, cap, left = _device_totals(self.device)
+        if held > cap:
+            return DeviceBudgetExceeded(
+                account=self.label,
+                operation=operation,
+                nbytes=nbytes,
+                total=held,
+                budget=cap,
+                besides=f"; of those, {left:,} bytes are still held by closed engines (their storages alive)",
             )
         return None
 
@@ -101,6 +118,18 @@ class Account:
 
 _accounts: list[Account] = []
 _accounts_lock = threading.Lock()
+_holding: weakref.WeakSet[Account] = weakref.WeakSet()
+"""Every account, open or closed, while it may still count live storages (each storage's
+finalizer holds its account)."""
+
+
+def _device_totals(device: torch.device) -> tuple[int, int, int]:
+    """(live bytes of every account on ``device``, the open ones' budgets together, the live
+    bytes of the closed ones)."""
+    accounts = list(_holding)
+    mine = [a for a in accounts if a.device == device]
+    closed = sum(a.live_bytes for a in mine if a.closed)
+    return sum(a.live_bytes for a in mine), sum(a.budget for a in mine if not a.closed), closed
 
 
 def open_account(label: str, budget: int, device: torch.device) -> Account | None:
@@ -111,6 +140,7 @@ def open_account(label: str, budget: int, device: torch.device) -> Account | Non
     account = Account(label=label, budget=budget, device=device)
     with _accounts_lock:
         _accounts.append(account)
+        _holding.add(account)
         _cap_cuda(device)
     return account
 

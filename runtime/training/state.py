@@ -90,13 +90,17 @@ class TrainingState:
     def close(self) -> None:
         """Give everything back, each part even if another fails: the observers, the stop
         handlers, an asynchronous save, the managers (threads, hooks, host regions, activation
-        files), the process group and the claim. Once; the first failure is raised after the
+        files), the device memory (the parameters then read as closed), the process group and
+        the claim. Once; the first failure is raised after the
         rest is closed."""
         if self.closed:
             return
         self.closed = True
         with contextlib.ExitStack() as closing:  # last in, first closed
             closing.callback(self._release_claims)
+            # Then the device memory, whoever still holds the engine: the next engine of the
+            # process needs it, and a closed engine's parameters read as closed, not stale.
+            closing.callback(self.chunks.release_device)
             closing.callback(self.chunks.close)
             closing.callback(self.activations.close)
             closing.callback(self.checkpointer.close)

@@ -156,3 +156,63 @@ def test_each_thread_counts_to_its_own_engine(strict: None) -> None:
     finally:
         device_wall.close_account(first)
         device_wall.close_account(second)
+
+
+def test_what_a_closed_engine_left_alive_counts_against_the_next(strict: None) -> None:
+    """CUDA's cap is the live engines' budgets together, over everything its allocator holds: a
+    storage a closed engine left alive still takes the device. On CPU it still counts, and the
+    error says so."""
+    gc.collect()  # what earlier tests' engines left in reference cycles
+    first = account(budget=10_000)
+    with device_wall.engine_call(first, "the first engine's training"):
+        left = torch.empty(1500)  # 6,000 bytes
+    device_wall.close_account(first)
+    second = account(budget=10_000)
+    try:
+        with device_wall.engine_call(second, "the second engine's training"):
+            kept = torch.empty(1000)  # 4,000 bytes of its own: 10,000 on the device
+            with pytest.raises(DeviceBudgetExceeded, match="6,000 bytes are still held by closed engines"):
+                torch.empty(1)
+            del left
+            more = torch.empty(1000)  # what the first engine held is gone: room again
+        assert second.live_bytes == 8000
+        del kept, more
+    finally:
+        device_wall.close_account(second)
+
+
+def test_a_closed_engine_gives_its_device_memory_back_while_still_referenced(
+    strict: None, tmp_path: Path
+) -> None:
+    """Engines one after another in a process (a save then a resume, train then evaluate): the
+    first is closed but still referenced (a ``with`` block's name, a result holding it). Its chunks,
+    optimizer state and buffers leave the device at close, so the second fits the same budget;
+    its parameters then say their engine was closed (an H100 run's second engine ran out of
+    memory beside the first's whole device state)."""
+    from protrain.runtime.chunks.released import ReleasedParameterError
+
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    budget = 11 << 18  # 2.75 MiB
+    config = {
+        "micro_batch_size": 2,
+        "memory": {"device_budget": budget, "chunk_size": "64KiB", "n_persist": 8, "n_buffer": 2},
+        "output_dir": str(tmp_path / "runs"),
+        "profiler": {"cache_dir": str(tmp_path / "cache")},
+    }
+    gc.collect()
+    first_model = tiny_gpt()
+    with runtime.initialize(first_model, config=config) as first:
+        train_updates(first, data, range(2))
+        held = first._state.claim.wall
+        # The second engine's peak will be the first's: with what the first holds now, too much.
+        assert held is not None and held.highest + held.live_bytes > budget
+    gc.disable()  # as a reference cycle would keep it: nothing is collected meanwhile
+    try:
+        assert held.live_bytes <= 64, f"{held.live_bytes:,} bytes still on the device after close"
+        with runtime.initialize(tiny_gpt(), config=config) as second:
+            train_updates(second, data, range(2))
+    finally:
+        gc.enable()
+    with pytest.raises(ReleasedParameterError, match="its engine was closed"):
+        first_model.wte.weight.sum()
+    assert first is not None
