@@ -61,6 +61,7 @@ from gpu_checks.engine_runs import (
     free_memory,
     meta_model,
     quiet_initialize,
+    where_time_goes,
 )
 
 H100_BF16_PEAK_FLOPS = 989e12
@@ -217,7 +218,8 @@ def protrain(ctx: Context, shape: LlamaShape, budget: str, sizes: Sizes) -> tupl
     free_memory(ctx.device)
     baseline = allocated_bytes(ctx.device)
     started = time.perf_counter()
-    engine = quiet_initialize(model, spec, example_batch=batch(0, 0), weights=weights)
+    with where_time_goes(f"ProTrain initialize, {shape.name}"):
+        engine = quiet_initialize(model, spec, example_batch=batch(0, 0), weights=weights)
     initialize_s = time.perf_counter() - started
 
     def micro_step(micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:

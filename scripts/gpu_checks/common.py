@@ -106,6 +106,9 @@ class Section:
     """Where the CPU suite checks the same thing (test paths), for the report and the docs."""
     needs_cuda: bool = False
     """Not run in a CPU rehearsal (the suite's counterpart covers its logic there)."""
+    record_memory: bool = False
+    """On CUDA, record every allocation's stack, so that an out-of-memory error says what held
+    the device (oom_breakdown.py; for small stages: it slows allocation)."""
 
 
 def write_json(path: Path, value: Any) -> None:

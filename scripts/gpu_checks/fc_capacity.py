@@ -77,7 +77,11 @@ def fsdp2(ctx: Context, shape: capacity.LlamaShape, sizes: capacity.Sizes) -> ca
         free_memory(ctx.device)
         baseline = allocated_bytes(ctx.device)
         torch.manual_seed(SEED)
-        model = shape.build(sizes.seq_len)  # on the host: the offload policy keeps the shards there
+        # Built and initialised on the device (the host's initialisation of 1.1B parameters outran the
+        # stage's timeout on the first GPU run); fully_shard's offload policy moves the shards to
+        # the host, pinned, and the full tensors are freed before anything is timed.
+        with torch.device(ctx.device):
+            model = shape.build(sizes.seq_len)
         mesh = init_device_mesh(ctx.device.type, (1,))
         policy = CPUOffloadPolicy(pin_memory=ctx.is_cuda)
         precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

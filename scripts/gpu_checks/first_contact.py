@@ -74,15 +74,15 @@ class Stage:
 
 STAGES = (
     Stage(name="calibration", title="copy, host and CPU Adam rates, counter cost, trace attribution",
-          target="calibration:SECTION", gpu_timeout_s=75, rehearsal_timeout_s=20, strict_device="0"),
+          target="calibration:SECTION", gpu_timeout_s=35, rehearsal_timeout_s=20, strict_device="0"),
     Stage(name="equivalence", title="training equals plain PyTorch on the device",
-          target="fc_equivalence:SECTION", gpu_timeout_s=110, rehearsal_timeout_s=45),
+          target="fc_equivalence:SECTION", gpu_timeout_s=85, rehearsal_timeout_s=45),
     Stage(name="checkpoint", title="save, resume and export under the strict device wall",
           target="fc_checkpoint:SECTION", gpu_timeout_s=40, rehearsal_timeout_s=35, strict_device="1"),
     Stage(name="overlap", title="one fixed batch: busy share, exposed time, offloaded vs persistent",
-          target="fc_overlap:SECTION", gpu_timeout_s=70, rehearsal_timeout_s=30, strict_device="0"),
+          target="fc_overlap:SECTION", gpu_timeout_s=100, rehearsal_timeout_s=30, strict_device="0"),
     Stage(name="capacity_peer", title="a 1B Llama at a 24 GiB cap, ProTrain beside FSDP2",
-          target="fc_capacity:SECTION", gpu_timeout_s=95, rehearsal_timeout_s=35, strict_device="0"),
+          target="fc_capacity:SECTION", gpu_timeout_s=135, rehearsal_timeout_s=35, strict_device="0"),
 )
 STAGE_NAMES = tuple(stage.name for stage in STAGES)
 FAULTS = {

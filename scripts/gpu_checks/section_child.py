@@ -22,6 +22,7 @@ import json
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ def run_job(job: dict[str, Any]) -> int:
 
     import torch
 
+    from gpu_checks import oom_breakdown
     from gpu_checks.common import Context, Section, SectionReport, machine_facts, short_traceback, write_json
 
     facts = machine_facts()
@@ -53,12 +55,16 @@ def run_job(job: dict[str, Any]) -> int:
     ctx.save()
     started = time.perf_counter()
     print(f"== {job['name']}: {section.title}", flush=True)
+    if device.type == "cuda":
+        oom_breakdown.watch(record=section.record_memory)
     try:
         section.run(ctx)
         report.finished = True
     except Exception as error:  # reported; the parent goes on with the next section
         report.error = short_traceback(error)
-        print(f"  [ERR ] {report.error}", flush=True)
+        print("  [ERR ] " + "".join(traceback.format_exception(error)), flush=True)  # all of it, in the log
+        if isinstance(error, torch.OutOfMemoryError) and device.type == "cuda":
+            print(oom_breakdown.at_first_error(), flush=True)
     finally:
         report.seconds = time.perf_counter() - started
         ctx.save()
