@@ -12,6 +12,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from protrain.runtime.hw import collective_counts
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DistContext:
@@ -131,6 +133,7 @@ def _all_reduce_(tensor: torch.Tensor, ctx: DistContext, op: dist.ReduceOp.RedOp
     if ctx.world_size == 1:
         return tensor
     staged = tensor if tensor.device == ctx.collective_device else tensor.to(ctx.collective_device)
+    collective_counts.count(ctx.group, "all_reduce", staged.numel() * staged.element_size())
     dist.all_reduce(staged, op=op, group=ctx.group)
     if staged is not tensor:
         tensor.copy_(staged)
@@ -159,6 +162,7 @@ def broadcast_from_main_(tensors: Iterable[torch.Tensor], ctx: DistContext) -> N
     for tensor in tensors:
         data = tensor.detach()
         staged = data if data.device == ctx.collective_device else data.to(ctx.collective_device)
+        collective_counts.count(ctx.group, "broadcast", staged.numel() * staged.element_size())
         dist.broadcast(staged, src=0, group=ctx.group)
         if staged is not data:
             data.copy_(staged)
@@ -167,6 +171,7 @@ def broadcast_from_main_(tensors: Iterable[torch.Tensor], ctx: DistContext) -> N
 def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
     """Every rank's ``shard`` concatenated into ``output`` (world size x shard elements), over
     ``group`` (an engine's own group over every rank; None: the default group)."""
+    collective_counts.count(group, "all_gather", output.numel() * output.element_size())
     if _is_gloo(group):
         # gloo's flat all-gather stages through temporaries allocated on its own threads, which
         # glibc keeps as per-thread free memory; one broadcast per rank straight into its slice
@@ -191,6 +196,7 @@ def reduce_scatter_flat_(flat: torch.Tensor, group: dist.ProcessGroup | None = N
     ``flat`` is scratch: its contents are undefined afterwards, and the result may view it."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     size = flat.numel() // world
+    collective_counts.count(group, "reduce_scatter", flat.numel() * flat.element_size())
     if _is_gloo(group):
         _check_flat(flat, flat, size * world)
         if flat.is_cuda:

@@ -15,7 +15,10 @@ ranks, step_time_s, the exposed waits), each update gets:
   that ran it (``time.thread_time``; waiting for the GIL while the engine's own worker threads
   hold it is their work, not the logger's);
 - ``memory/*`` and ``ssd/*`` (``runtime.observability.memory``), with the plan's predicted peaks as
-  ``memory/predicted_max_active(GiB)`` and ``memory/predicted_host_peak(GiB)``.
+  ``memory/predicted_max_active(GiB)`` and ``memory/predicted_host_peak(GiB)``;
+- on several ranks, ``collectives/<kind>`` and ``collectives/<kind>(MiB)``: the all-gathers,
+  reduce-scatters, all-reduces and broadcasts the engine issued in the update
+  (``runtime.hw.collective_counts``).
 
 Trackers also get the loss as ``loss_metrics/global_avg_loss`` (the mean over ranks and
 micro-batches), ``grad_norm``, ``lr`` and ``loss_scale``, which metrics.jsonl keeps under its
@@ -35,6 +38,7 @@ from protrain.profiler.plan import Plan
 from protrain.runtime.activations.manager import ActivationManager
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.config.settings import TrainingSettings
+from protrain.runtime.hw import collective_counts
 from protrain.runtime.hw.device import DeviceInfo
 from protrain.runtime.hw.distributed import DistContext
 from protrain.runtime.observability.console import StepRecord
@@ -42,6 +46,8 @@ from protrain.runtime.observability.flops import model_flops
 from protrain.runtime.observability.memory import GIB, MemoryMeter
 from protrain.runtime.observability.peak_flops import peak_flops
 from protrain.runtime.observability.phases import PhaseClock
+
+MIB = 1 << 20
 
 
 class MetricSources(Protocol):
@@ -86,6 +92,7 @@ class UpdateMetrics:
         started = time.thread_time()
         self.phases.start_window()
         self.memory.start_window()
+        collective_counts.take(self._sources.dist_ctx.group)  # what came before is not this update's
         self._own_s += time.thread_time() - started
 
     @contextlib.contextmanager
@@ -120,6 +127,18 @@ class UpdateMetrics:
             values["memory/predicted_max_active(GiB)"] = plan.predicted_peak_device_bytes / GIB
         if plan.predicted_peak_host_bytes is not None:
             values["memory/predicted_host_peak(GiB)"] = plan.predicted_peak_host_bytes / GIB
+        if self._sources.dist_ctx.world_size > 1:
+            values.update(self._collectives())
+        return values
+
+    def _collectives(self) -> dict[str, float]:
+        """The update's collectives by kind: calls, and MiB by the collective's definition."""
+        issued = collective_counts.take(self._sources.dist_ctx.group)
+        values: dict[str, float] = {}
+        for kind in collective_counts.KINDS:
+            calls, nbytes = issued.get(kind, (0, 0))
+            values[f"collectives/{kind}"] = calls
+            values[f"collectives/{kind}(MiB)"] = nbytes / MIB
         return values
 
     def _times(self, record: StepRecord, plan: Plan) -> dict[str, float]:

@@ -145,3 +145,57 @@ def test_backward_reuses_a_few_gradient_buffers(rank_pool: RankPool, tmp_path: P
         assert result["alive_after_backward"] == [0, 0, 0], "forward would carry gradient buffers"
     reference = gpt_reference(world_size=2, steps=3, lr=1e-3, weight_decay=0.1)
     assert_matches_reference(results[0]["state"], reference.fp32, reference.fp64)
+
+
+def collectives_per_update(*, rank: int, output_dir: str, memory: dict[str, Any]) -> dict[str, Any]:
+    """Three updates under ``memory``; each update's collectives from metrics.jsonl (rank 0's)
+    and the plan's chunk count and chunk bytes."""
+    import json
+
+    from protrain import runtime
+    from tests.helpers import train_updates
+
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=2)
+    config = {
+        "seed": 3,
+        "micro_batch_size": 2,
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.1},
+        "memory": {"chunk_size": "64KiB", "block_modes": ["keep", "keep"], **memory},
+        "output_dir": output_dir,
+    }
+    with runtime.initialize(tiny_gpt(0), config=config) as engine:
+        train_updates(engine, data, range(3), rank=rank)
+        plan, layout = engine.plan, engine.chunks.layout
+        chunk_bytes = layout.chunk_numel * 4
+    records = []
+    for path in Path(output_dir).glob("*/metrics.jsonl"):
+        records += [json.loads(line) for line in path.read_text().splitlines()]
+    counted = [
+        {k.removeprefix("collectives/"): v for k, v in record.items() if k.startswith("collectives/")}
+        for record in records
+        if "step" in record
+    ]
+    return {"updates": counted, "num_chunks": plan.num_chunks, "chunk_mib": chunk_bytes / (1 << 20)}
+
+
+@pytest.mark.parametrize("n_persist", ["all", 0], ids=["every-chunk-persistent", "every-chunk-offloaded"])
+def test_metrics_count_each_updates_collectives(rank_pool: RankPool, tmp_path: Path, n_persist: Any) -> None:
+    """metrics.jsonl says what each update communicated. Sharded chunks (ZeRO-3): each chunk's
+    gradient is reduce-scattered once per micro-batch; a persistent chunk is all-gathered once
+    after its update (its full copy refreshed), an offloaded one in forward and again in
+    backward, but for the last ``n_buffer`` of forward, still in their buffers when backward
+    starts (the cost model's count); the loss and the gradient header are all-reduced; nothing is
+    broadcast."""
+    memory: dict[str, Any] = {"n_persist": 0, "n_buffer": 2} if n_persist == 0 else {}
+    results = rank_pool.run(collectives_per_update, output_dir=str(tmp_path / str(n_persist)), memory=memory)
+    found = results[0]
+    chunks, chunk_mib = found["num_chunks"], found["chunk_mib"]
+    assert len(found["updates"]) == 3
+    for update in found["updates"][1:]:  # the first window also holds the plan's agreement
+        assert update["reduce_scatter"] == chunks
+        assert update["reduce_scatter(MiB)"] == pytest.approx(chunks * chunk_mib)
+        gathers = chunks if n_persist == "all" else 2 * chunks - min(2, chunks)
+        assert update["all_gather"] == gathers, update
+        assert update["all_gather(MiB)"] == pytest.approx(gathers * chunk_mib)
+        assert update["broadcast"] == 0
+        assert update["all_reduce"] >= 1
