@@ -15,7 +15,9 @@ its update) while the adds still run beside backward::
 
     step     = max(forward, cpu adam) + max(backward + device_adam, adds) + update
     device_adam = persistent shards' update (per element + per parameter segment)
-                  + (world > 1) the all-gather refreshing their full copy
+                  + (world > 1) the all-gather refreshing their full copy; a replicated chunk
+                  (the first ``n_replicate`` persistent ones) updates the whole chunk on every
+                  rank and refreshes its copy from its own master, no all-gather
     update   = the gradient norm's read and the zeroing write over every trainable shard
     forward  = sum over chunks: persistent  fwd(c)
                                 offloaded   max(fwd(c), fetch(c))   with a spare buffer to
@@ -26,7 +28,8 @@ its update) while the adds still run beside backward::
                                                               (serial: bwd(c) + fetch(c))
     fetch(c)  = shard bytes / host->device + (world > 1) all-gather of the chunk + latency
                 + (compute dtype not fp32) the downcast of the fp32 shard into a staging buffer
-    reduce(c) = (world > 1) reduce-scatter of the chunk's gradient + latency
+    reduce(c) = (world > 1) reduce-scatter of the chunk's gradient + latency; replicated: one
+                all-reduce (a ring's reduce-scatter and all-gather, one latency), as DDP's
     offload(c)= gradient shard bytes / device->host (into a staging buffer, in the compute dtype)
     add(c)    = the host worker's add of a staging buffer into the fp32 shard: reads the staged
                 and fp32 bytes, writes fp32 (none with direct gradients: one rank in fp32 on CPU)
@@ -44,7 +47,7 @@ Peak device memory (bytes per rank)::
     persistent chunks  full compute copy + fp32 master shard (shared with the copy for one rank
                        in fp32) + fp32 gradient shard + two fp32 Adam moments, the shards of
                        rank 0's real elements (no padding); frozen: the full copy alone (the
-                       shard is a view of it)
+                       shard is a view of it); replicated: as one rank's, the whole chunk
     + n_buffer x chunk + saved activations + the transient peak + one chunk's gradient buffer
       (none when every gradient goes straight into a persistent fp32 shard): the peak falls where
       forward ends and backward starts, the loss's gradient (the transient) beside the buffer
@@ -69,61 +72,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import accumulate
 
 from protrain.profiler import host_bytes
 from protrain.profiler.activation_cost import ActivationCost
-from protrain.profiler.chunking import Packing, min_buffers_by_persist, pack, persistent_chunk_bytes
+from protrain.profiler.chunk_costs import ChunkCosts, chunk_costs
 from protrain.profiler.profile import HardwareProfile, ModelProfile
 
-
-@dataclass(frozen=True, slots=True)
-class ChunkCosts:
-    """Everything about one chunk size that the formulas need, as prefix sums over the chunks
-    in execution order (index i holds the sum over chunks [0, i))."""
-
-    chunk_size: int
-    chunk_numel: int
-    shard_numel: int
-    num_chunks: int
-    world_size: int
-    element_size: int
-    optimizer_states: int
-    """fp32 state tensors per trainable element (the optimizer rule's; AdamW: 2)."""
-    need: tuple[int, ...]
-    """Fewest buffers for each n_persist in [0, num_chunks] (0 at num_chunks)."""
-    fwd: tuple[float, ...]
-    fwd_overlapped: tuple[float, ...]
-    fwd_serial: tuple[float, ...]
-    bwd_persistent: tuple[float, ...]
-    bwd_reused: tuple[float, ...]
-    bwd_fetched: tuple[float, ...]
-    bwd_fetched_serial: tuple[float, ...]
-    adam_params: tuple[float, ...]
-    adam_segments: tuple[float, ...]
-    host_adds: tuple[float, ...]
-    """The host worker's add of each reduced gradient into an offloaded fp32 shard."""
-    update_passes: tuple[float, ...]
-    """The gradient norm's read and the zeroing write over each trainable shard on the device."""
-    host_update_passes: tuple[float, ...]
-    """The same over each trainable shard in host memory (offloaded, gradients kept)."""
-    refresh: tuple[float, ...]
-    """All-gather that refreshes a persistent chunk's full copy after its shard is updated."""
-    host_widens: tuple[float, ...]
-    """Gradients applied as they arrive: the host worker's widening of each to fp32."""
-    persistent_bytes: tuple[int, ...]
-    host_fp32_tensor_bytes: tuple[int, ...]
-    """One fp32 state tensor of each trainable chunk's host shard (master, each moment, the
-    gradient when kept: each takes this), were the chunk offloaded."""
-    host_frozen_bytes: tuple[int, ...]
-    """A frozen chunk's host shard, were it offloaded."""
-    trainable_chunks: tuple[int, ...]
-    unattributed_forward_s: float
-    unattributed_backward_s: float
-    direct_grads_possible: bool
-    """One rank in fp32: persistent chunks' gradients need no chunk-sized buffer."""
-    activation_bytes: int
-    transient_bytes: int
+__all__ = ["ChunkCosts", "Prediction", "chunk_costs", "memory_with_activations", "predict", "with_activations"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -156,140 +111,6 @@ class Prediction:
     """The math libraries' device workspaces (HardwareProfile.library_workspace_bytes)."""
 
 
-def chunk_costs(
-    model: ModelProfile, hardware: HardwareProfile, chunk_size: int, *, optimizer_states: int = host_bytes.ADAMW_STATES
-) -> ChunkCosts:
-    """Pack the parameters at ``chunk_size`` bytes and precompute the per-chunk terms."""
-    e = model.element_size
-    world = hardware.world_size
-    packing = pack(model.param_sizes, max(1, chunk_size // e), world)
-    fwd_c, bwd_c, rest_f, rest_b = _compute_per_chunk(model, packing)
-    chunk_numel = packing.chunk_numel
-    shard = chunk_numel // world
-    chunk_bytes = chunk_numel * e
-    latency = hardware.collective_latency_s if world > 1 else 0.0
-    gather = chunk_bytes / hardware.all_gather_bytes_per_s + latency if world > 1 else 0.0
-    scatter = chunk_bytes / hardware.reduce_scatter_bytes_per_s + latency if world > 1 else 0.0
-    copy_rate, downcast_rate, add_rate = hardware.host_rates()
-    # fp32 masters are downcast into a staging buffer before upload (runtime/chunks/staging.py),
-    # on the host worker.
-    downcast = shard * (4 + e) / downcast_rate if e != 4 else 0.0
-    fetch = shard * e / hardware.h2d_bytes_per_s + gather + downcast
-    offload = shard * e / hardware.d2h_bytes_per_s
-    alias = world == 1 and e == 4
-    overlap = hardware.copies_overlap_compute
-    # On CPU one rank in fp32 accumulates straight into host shards: nothing to add.
-    add = 0.0 if alias and not overlap else shard * (e + 8) / add_rate
-    widen = shard * (e + 4) / downcast_rate if e != 4 else 0.0
-    rows: dict[str, list[float]] = {name: [] for name in _PREFIXED}
-    for index, chunk in enumerate(packing.chunks):
-        f, b = fwd_c[index], bwd_c[index]
-        reduce = scatter if chunk.trainable else 0.0
-        off = offload if chunk.trainable else 0.0
-        rows["fwd"].append(f)
-        rows["fwd_serial"].append(f + fetch)
-        if overlap:
-            rows["fwd_overlapped"].append(max(f, fetch))
-            rows["bwd_persistent"].append(max(b, reduce))
-            rows["bwd_reused"].append(max(b, reduce + off))
-            rows["bwd_fetched"].append(max(b, fetch + reduce + off))
-            rows["bwd_fetched_serial"].append(max(b + fetch, reduce + off))
-        else:  # the same cores do both: nothing hides
-            rows["fwd_overlapped"].append(f + fetch)
-            rows["bwd_persistent"].append(b + reduce)
-            rows["bwd_reused"].append(b + reduce + off)
-            rows["bwd_fetched"].append(b + fetch + reduce + off)
-            rows["bwd_fetched_serial"].append(b + fetch + reduce + off)
-        rows["adam_params"].append(chunk.used / world if chunk.trainable else 0.0)
-        rows["adam_segments"].append(float(len(chunk.members)) if chunk.trainable else 0.0)
-        rows["host_adds"].append(add if chunk.trainable else 0.0)
-        rows["host_widens"].append(widen if chunk.trainable else 0.0)
-        stored = host_bytes.rank_numel(chunk.used, shard, 0)  # rank 0 holds the most
-        rows["trainable_chunks"].append(1 if chunk.trainable else 0)
-        rows["update_passes"].append(2 * 4 * shard / hardware.memory_bytes_per_s if chunk.trainable else 0.0)
-        rows["host_update_passes"].append(2 * 4 * shard / copy_rate if chunk.trainable else 0.0)
-        rows["refresh"].append(gather if chunk.trainable else 0.0)
-        persistent = persistent_chunk_bytes(
-            chunk, chunk_numel=chunk_numel, world_size=world, element_size=e, optimizer_states=optimizer_states
-        )
-        rows["persistent_bytes"].append(persistent)
-        if chunk.trainable:
-            rows["host_fp32_tensor_bytes"].append(host_bytes.tensor_bytes(stored, 4))
-            rows["host_frozen_bytes"].append(0)
-        else:
-            rows["host_fp32_tensor_bytes"].append(0)
-            rows["host_frozen_bytes"].append(host_bytes.tensor_bytes(stored, e))
-    need = min_buffers_by_persist(packing, model.module_params)
-    prefixed = {name: tuple(accumulate(values, initial=0)) for name, values in rows.items()}
-    return ChunkCosts(
-        chunk_size=chunk_size,
-        chunk_numel=chunk_numel,
-        shard_numel=shard,
-        num_chunks=packing.num_chunks,
-        world_size=world,
-        element_size=e,
-        optimizer_states=optimizer_states,
-        need=need,
-        unattributed_forward_s=rest_f,
-        unattributed_backward_s=rest_b,
-        direct_grads_possible=alias,
-        activation_bytes=model.activation_bytes,
-        transient_bytes=model.transient_bytes,
-        **{k: tuple(int(v) for v in vs) if k.endswith(("bytes", "chunks")) else vs for k, vs in prefixed.items()},  # type: ignore[arg-type]
-    )
-
-
-_PREFIXED = (
-    "fwd",
-    "fwd_overlapped",
-    "fwd_serial",
-    "bwd_persistent",
-    "bwd_reused",
-    "bwd_fetched",
-    "bwd_fetched_serial",
-    "adam_params",
-    "adam_segments",
-    "host_adds",
-    "host_widens",
-    "update_passes",
-    "host_update_passes",
-    "refresh",
-    "persistent_bytes",
-    "host_fp32_tensor_bytes",
-    "host_frozen_bytes",
-    "trainable_chunks",
-)
-
-
-def _compute_per_chunk(model: ModelProfile, packing: Packing) -> tuple[list[float], list[float], float, float]:
-    """Forward and backward seconds per chunk; plus time no parameter can carry."""
-    block_numel = [0] * len(model.blocks)
-    other_numel = 0
-    for (numel, _), block in zip(model.param_sizes, model.param_block, strict=True):
-        if block >= 0:
-            block_numel[block] += numel
-        else:
-            other_numel += numel
-    fwd = [0.0] * packing.num_chunks
-    bwd = [0.0] * packing.num_chunks
-    for index, (numel, _) in enumerate(model.param_sizes):
-        chunk = packing.placement[index][0]
-        block = model.param_block[index]
-        if block >= 0:
-            share = numel / block_numel[block]
-            fwd[chunk] += model.blocks[block].forward_s * share
-            bwd[chunk] += model.blocks[block].backward_s * share
-        else:
-            fwd[chunk] += model.other_forward_s * numel / other_numel
-            bwd[chunk] += model.other_backward_s * numel / other_numel
-    rest_f = sum(b.forward_s for b, n in zip(model.blocks, block_numel, strict=True) if n == 0)
-    rest_b = sum(b.backward_s for b, n in zip(model.blocks, block_numel, strict=True) if n == 0)
-    if other_numel == 0:
-        rest_f += model.other_forward_s
-        rest_b += model.other_backward_s
-    return fwd, bwd, rest_f, rest_b
-
-
 def _span(prefix: Sequence[float], start: int, stop: int) -> float:
     return prefix[stop] - prefix[start]
 
@@ -304,24 +125,27 @@ def predict(
     activations: ActivationCost | None = None,
     updates_after_norm: bool = False,
     keeps_gradients: bool = True,
+    n_replicate: int = 0,
 ) -> Prediction:
-    """Step time and memory of the plan (``costs.chunk_size``, ``n_persist``, ``n_buffer``), with
-    the block modes' ``activations`` cost (profiler.activation_cost; None: every block keeps).
-    ``updates_after_norm``: clipping or fp16; ``keeps_gradients``: offloaded chunks keep a
-    gradient shard (clipping, fp16, accumulation; see the module docstring)."""
+    """Step time and memory of the plan (``costs.chunk_size``, ``n_persist``, ``n_buffer``,
+    ``n_replicate`` of the persistent chunks replicated), with the block modes' ``activations``
+    cost (profiler.activation_cost; None: every block keeps). ``updates_after_norm``: clipping or
+    fp16; ``keeps_gradients``: offloaded chunks keep a gradient shard (clipping, fp16,
+    accumulation; see the module docstring)."""
     n = costs.num_chunks
-    p = n_persist
+    p, r = n_persist, n_replicate
     if not 0 <= p <= n:
         raise ValueError(f"n_persist={p} is outside [0, {n}]")
+    if not 0 <= r <= p:
+        raise ValueError(f"n_replicate={r} is outside [0, n_persist={p}]")
     if p < n and n_buffer < costs.need[p]:
         raise ValueError(f"n_buffer={n_buffer} is below the {costs.need[p]} buffers n_persist={p} needs")
     prefetch = n_buffer >= 2
     reused = min(n_buffer, n - p)
     forward = _span(costs.fwd, 0, p) + _span(costs.fwd_overlapped if prefetch else costs.fwd_serial, p, n)
     fetched = costs.bwd_fetched if prefetch else costs.bwd_fetched_serial
-    backward = (
-        _span(costs.bwd_persistent, 0, p) + _span(fetched, p, n - reused) + _span(costs.bwd_reused, n - reused, n)
-    )
+    backward = _span(costs.bwd_replicated, 0, r) + _span(costs.bwd_persistent, r, p)
+    backward += _span(fetched, p, n - reused) + _span(costs.bwd_reused, n - reused, n)
     forward += costs.unattributed_forward_s
     backward += costs.unattributed_backward_s
     activation_bytes = costs.activation_bytes
@@ -332,19 +156,19 @@ def predict(
         # place. Two measurements of it differ by noise alone, and a host rate above the
         # device's would make offloading look faster than keeping chunks, which it never is.
         device_rate = host_rate = min(device_rate, host_rate)
-    device_adam = _span(costs.adam_params, 0, p) / device_rate
-    device_adam += _span(costs.adam_segments, 0, p) * segment + _span(costs.refresh, 0, p)
+    device_adam = _span(costs.adam_params, r, p) / device_rate + _span(costs.replicated_update, 0, r)
+    device_adam += _span(costs.adam_segments, 0, p) * segment + _span(costs.refresh, r, p)
     cpu_adam = _span(costs.adam_params, p, n) / host_rate
     cpu_adam += _span(costs.adam_segments, p, n) * segment
     host_adds = _span(costs.host_adds if keeps_gradients else costs.host_widens, p, n)
     cpu_adam += host_adds  # the same host worker, in order
     # Gradients applied as they arrive leave no offloaded shard to take a norm of or zero.
-    update = _span(costs.update_passes, 0, p) + (_span(costs.host_update_passes, p, n) if keeps_gradients else 0.0)
+    update = _span(costs.update_passes, r, p) + (_span(costs.host_update_passes, p, n) if keeps_gradients else 0.0)
     times = _Times(forward, backward, device_adam, cpu_adam, host_adds, update)
     step = _step_s(hardware, times, after_norm=updates_after_norm)
 
     chunk_bytes = costs.chunk_numel * costs.element_size
-    persistent = int(_span(costs.persistent_bytes, 0, p))
+    persistent = int(_span(costs.replicated_bytes, 0, r) + _span(costs.persistent_bytes, r, p))
     buffers = (n_buffer if p < n else 0) * chunk_bytes
     direct = costs.direct_grads_possible and p == n
     gradient_buffers = 0 if direct else chunk_bytes

@@ -80,6 +80,9 @@ class Plan:
     """The first n_persist chunks (execution order) stay on the device."""
     n_buffer: int
     """Device chunk buffers for the other chunks."""
+    n_replicate: int = 0
+    """Of the persistent chunks, the first n_replicate are replicated on every rank (their
+    gradients all-reduced, their whole state on each rank, as DDP) instead of sharded."""
     n_swap: int
     n_checkpoint: int
     n_offload: int
@@ -115,6 +118,8 @@ class Plan:
     def __post_init__(self) -> None:
         if self.n_persist > self.num_chunks:
             raise ValueError(f"n_persist ({self.n_persist}) exceeds the number of chunks ({self.num_chunks})")
+        if not 0 <= self.n_replicate <= self.n_persist:
+            raise ValueError(f"n_replicate ({self.n_replicate}) must be within [0, n_persist={self.n_persist}]")
         counted = {
             BlockMode.SWAP: self.n_swap,
             BlockMode.CHECKPOINT: self.n_checkpoint,
@@ -125,6 +130,12 @@ class Plan:
                 raise ValueError(
                     f"block_modes lists {self.block_modes.count(mode)} {mode.value} blocks, plan says {count}"
                 )
+
+    def _replicated_words(self) -> str:
+        """The plan table's n_replicate: "as DDP" when every chunk is replicated on several ranks."""
+        if self.world_size > 1 and self.n_replicate == self.num_chunks:
+            return f"{self.n_replicate} (all: as DDP)"
+        return str(self.n_replicate)
 
     @property
     def num_blocks(self) -> int:
@@ -177,6 +188,7 @@ class Plan:
             ("chunks", str(self.num_chunks), "model"),
             ("n_persist", str(self.n_persist), origin("memory.n_persist")),
             ("n_buffer", str(self.n_buffer), origin("memory.n_buffer")),
+            ("n_replicate", self._replicated_words(), origin("memory.n_replicate")),
             ("n_swap", str(self.n_swap), origin("memory.n_swap")),
             ("n_checkpoint", str(self.n_checkpoint), origin("memory.n_checkpoint")),
             ("ssd.n_offload", str(self.n_offload), origin("memory.ssd.n_offload")),

@@ -27,6 +27,7 @@ class KnobRequest:
     chunk_size: int | None = None
     n_persist: int | None = None
     n_buffer: int | None = None
+    n_replicate: int | None = None
     n_swap: int | None = None
     n_checkpoint: int | None = None
     n_offload: int | None = None
@@ -68,6 +69,7 @@ def resident_plan(
         raise ValueError(
             f"memory.n_persist={n_persist} exceeds the model's {num_chunks} chunks of {format_bytes(chunk_size)}"
         )
+    n_replicate = replicated_count(request, n_persist)
     n_buffer = request.n_buffer
     if n_buffer is None:
         need = min_buffers(packing, module_params, n_persist)
@@ -80,6 +82,7 @@ def resident_plan(
         num_chunks=num_chunks,
         n_persist=n_persist,
         n_buffer=n_buffer,
+        n_replicate=n_replicate,
         **mode_counts(modes),
         device_budget_bytes=device_budget_bytes,
         host_budget_bytes=host_budget_bytes,
@@ -88,6 +91,18 @@ def resident_plan(
         rule="resident: auto knobs keep every chunk persistent and every block kept"
         + ("" if all(m is BlockMode.KEEP for m in modes) else " (block modes as set by hand)"),
     )
+
+
+def replicated_count(request: KnobRequest, n_persist: int) -> int:
+    """The replicated chunks: hand-set, at most the persistent ones; "auto" replicates none (the
+    search does not choose it yet)."""
+    n_replicate = request.n_replicate or 0
+    if n_replicate > n_persist:
+        raise ValueError(
+            f"memory.n_replicate={n_replicate} exceeds the {n_persist} persistent chunks "
+            "(memory.n_persist): only persistent chunks are replicated"
+        )
+    return n_replicate
 
 
 def default_block_layout(num_blocks: int, *, n_offload: int, n_swap: int, n_checkpoint: int) -> tuple[BlockMode, ...]:
@@ -158,6 +173,8 @@ def searched_plan(
     chunks are updated, which the cost model times; ``optimizer_states``: the optimizer rule's
     fp32 state tensors per parameter). Raises NoPlanFitsError (a
     ValueError) saying what would fit."""
+    if request.n_persist is not None:
+        replicated_count(request, request.n_persist)  # refused before the search, by name
     layouts = None
     if activations_searchable(request) and len(model.blocks) == num_blocks:
         layouts = activation_options(
@@ -184,6 +201,7 @@ def searched_plan(
         keeps_gradients=update_mode.keeps_gradients,
         host_fixed=host_fixed_bytes,
         optimizer_states=optimizer_states,
+        n_replicate=request.n_replicate or 0,
     )
     best = result.best
     if fixed is not None:
@@ -200,6 +218,7 @@ def searched_plan(
         num_chunks=best.num_chunks,
         n_persist=best.n_persist,
         n_buffer=best.n_buffer,
+        n_replicate=replicated_count(request, best.n_persist),
         **mode_counts(modes),
         device_budget_bytes=device_budget_bytes,
         host_budget_bytes=host_budget_bytes,

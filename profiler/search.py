@@ -90,8 +90,10 @@ def search(
     keeps_gradients: bool = True,
     host_fixed: int = 0,
     optimizer_states: int = ADAMW_STATES,
+    n_replicate: int = 0,
 ) -> SearchResult:
     """The fastest plan that fits ``device_budget`` and ``host_budget`` (bytes per rank; the
+    first ``n_replicate`` chunks persistent and replicated, so every plan keeps that many; the
     host holds ``host_fixed`` beside what a plan places: the process's own memory at start, an
     asynchronous save's staging);
     ``chunk_size``/``n_persist``/``n_buffer``, when given, are fixed. ``extra_buffers`` caps the
@@ -156,6 +158,7 @@ def search(
             n_buffer=b,
             updates_after_norm=updates_after_norm,
             keeps_gradients=keeps_gradients,
+            n_replicate=n_replicate,
         )
 
     def layout_fits(kept: Prediction, cost: ActivationCost | None) -> bool:
@@ -198,7 +201,9 @@ def search(
         if n_persist is not None and n_persist > n:
             continue  # another chunk size may give enough chunks; none does: _nothing_fits says so
         most_saved = most_saved_by_persisting(costs)
-        for p in range(n + 1) if n_persist is None else [n_persist]:
+        if n_replicate > (n if n_persist is None else n_persist):
+            continue  # not that many persistent chunks at this size
+        for p in range(n_replicate, n + 1) if n_persist is None else [n_persist]:
             if p == n:
                 buffer_range: Iterable[int] = [0]
             elif n_buffer is not None:

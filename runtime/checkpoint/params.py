@@ -45,6 +45,7 @@ from protrain.runtime.checkpoint.staging import DeviceStaging, exact_alias
 from protrain.runtime.chunks.layout import ChunkLayout
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.chunks.store import Chunk, shard_segments
+from protrain.runtime.hw.distributed import all_gather_flat
 
 MODEL = "model."
 STEP = "optim.step."
@@ -143,7 +144,26 @@ class ParameterSpace:
         steps = {STEP + self.layout.params[i].name: torch.zeros((), dtype=torch.float32) for i in self._trainable()}
         state.state_dict.update(steps)
         state.after_load.append(lambda: self._set_step_counts(steps))
+        state.after_load.append(self._share_replicated)
         return state
+
+    @torch.no_grad()
+    def _share_replicated(self) -> None:
+        """After a load each rank has read its shard's part of a replicated chunk: every rank
+        gets the whole, by one all-gather per state tensor (padded to the collectives' size)."""
+        if self.world_size == 1:
+            return
+        shard = self.layout.shard_numel
+        start = self.rank * shard
+        for chunk in self.chunks.chunks:
+            if not chunk.is_replicated:
+                continue
+            for flat in chunk.state_tensors():
+                whole = torch.zeros(self.layout.chunk_numel, dtype=flat.dtype, device=flat.device)
+                mine = max(0, min(shard, flat.numel() - start))
+                whole[start : start + mine].copy_(flat[start : start + mine])
+                all_gather_flat(whole, whole[start : start + shard], self.chunks.dist_ctx.group)
+                flat.copy_(whole[: flat.numel()])
 
     def _staged(self) -> ParameterSpaceState:
         """The live state: host tensors as they are, device tensors as staging placeholders."""
@@ -175,13 +195,19 @@ class ParameterSpace:
         """``staging``: device tensors among ``flats`` become its placeholders."""
         states = tuple(f"optim.{name}." for name in self.chunks.optimizer_rule.state_names)
         prefixes = (MODEL, *states)[: len(flats)]
+        # A replicated chunk is saved as if sharded (each rank writes its shard's part of the whole
+        # it holds), so the checkpoint is the same whatever the plan replicates.
+        segments, base = chunk.segments, 0
+        if chunk.is_replicated and self.world_size > 1:
+            segments = shard_segments(self.layout, chunk.info, self.rank)
+            base = self.rank * self.layout.shard_numel
         for prefix, flat in zip(prefixes, flats, strict=True):
             stage = staging if staging is not None and not self.chunks.store.on_host(flat) else None
-            for segment in chunk.segments:
+            for segment in segments:
                 info = self.layout.params[segment.param]
                 if info.numel == 0:
                     continue
-                local = flat.narrow(0, segment.shard_offset, segment.numel)
+                local = flat.narrow(0, base + segment.shard_offset, segment.numel)
                 name = prefix + info.name
                 state_dict[name] = self._global_tensor(name, segment.param, local, flat.dtype, stage)
         # A parameter with no element in this rank's shard still needs its key on every rank

@@ -58,10 +58,10 @@ def _write_back(manager: ChunkManager, params: list[nn.Parameter]) -> None:
     store = manager.store
     layout = store.layout
     manager.drain()  # collectives from the main thread follow a drain; no update still reads a shard
-    start = store.dist_ctx.rank * layout.shard_numel
     for param in params:
         index = store.param_index(param)
         chunk = store.chunks[store.chunk_of_param[index]]
+        start = chunk.share_start(layout.shard_numel, store.dist_ctx.rank)
         full = chunk.full
         assert full is not None, "a gathered chunk is on the device"
         offset = layout.slots[index].offset

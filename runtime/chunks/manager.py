@@ -72,12 +72,14 @@ class ChunkManager:
         hyper: OptimizerHyper,
         read_param: Callable[[str], torch.Tensor] | None = None,
         update_mode: UpdateMode = UpdateMode.EARLY,
+        n_replicate: int = 0,
     ) -> None:
         """``read_param(name)``, when given, supplies each parameter's value while its chunk is
         built (the model holds only stand-ins: weights streamed from a file, one at a time).
         ``optimizer``: the rule every trainable shard is updated by, built with ``hyper``.
         ``update_mode``: how offloaded chunks are updated (the plan's; ``on_arrival``: they keep
-        no gradient shard and every backward must end its window)."""
+        no gradient shard and every backward must end its window). ``n_replicate``: of the
+        persistent chunks, the first ones replicated on every rank (store.py)."""
         self.model = model
         self.optimizer_rule = optimizer
         self.layout = layout
@@ -97,6 +99,7 @@ class ChunkManager:
             hyper=hyper,
             read_param=read_param,
             keeps_gradients=update_mode.keeps_gradients,
+            n_replicate=n_replicate,
         )
         self.collectives = CollectiveQueue(device)
         self._lazy_chaos = stream_chaos.mode() == "lazy"

@@ -339,6 +339,8 @@ class ChunkOptimizer:
             square = self._norm_squares.get(chunk.index)
             if square is None and not chunk.keeps_gradient:
                 continue  # applied on arrival, and no gradient arrived here this window
+            if chunk.is_replicated and dist_ctx.rank != 0:
+                continue  # every rank holds the whole gradient: rank 0's counts once
             if square is None:
                 square = torch.linalg.vector_norm(chunk.grad_shard).double().cpu().square()
             squares += square

@@ -7,7 +7,8 @@ for a 7B model, beyond any device that needs ProTrain. A readout instead goes ch
 in chunk order, on every rank together (the gathers are collectives):
 
 - one rank: an offloaded chunk's master already is in host memory (a view, no copy); a
-  persistent one's is copied into one chunk-sized host buffer, reused;
+  persistent one's is copied into one chunk-sized host buffer, reused (so is a replicated
+  chunk's on any number of ranks: every rank holds all of it);
 - several ranks: this rank's shard goes into one device buffer (padded to the collectives'
   shard size), is all-gathered into one chunk-sized device buffer, and the ranks that keep the
   values (``keep``) copy it into their host buffer.
@@ -52,7 +53,7 @@ class ChunkReadout:
         store = self.store
         chunk = store.chunks[index]
         master = chunk.master
-        if store.dist_ctx.world_size == 1:
+        if store.dist_ctx.world_size == 1 or chunk.is_replicated:  # the whole chunk is here
             if store.on_host(master):
                 return master  # the real elements, where the layout's offsets find them
             host = self._host_buffer(master.dtype)[: master.numel()]

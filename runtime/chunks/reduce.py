@@ -35,7 +35,7 @@ from protrain.runtime.chunks.staging import Staged, StagingRing
 from protrain.runtime.chunks.store import Chunk, ChunkStore
 from protrain.runtime.chunks.trace_labels import job_label
 from protrain.runtime.hw.device import DeviceEvent, used_on_this_stream
-from protrain.runtime.hw.distributed import reduce_scatter_flat_
+from protrain.runtime.hw.distributed import all_reduce_flat_, reduce_scatter_flat_
 
 
 class ReducedGradientSink(Protocol):
@@ -245,11 +245,13 @@ class GradientReducer:
         """The reduction's jobs; the event that fires once the gradient is in the shard."""
         if chunk.persistent:
             grad_shard = chunk.grad_shard
+            reduce = self._reduce_whole if chunk.is_replicated else self._reduce_part
 
             def add_on_device() -> None:
                 with job_label("reduce", chunk.index):
-                    # The shard holds this rank's real elements: a prefix of its part.
-                    grad_shard.add_(self._reduce_part(buffer)[: grad_shard.numel()])
+                    # The shard holds this rank's real elements: a prefix of its part (of the
+                    # whole chunk, replicated).
+                    grad_shard.add_(reduce(buffer)[: grad_shard.numel()])
 
             reduced = self.queue.submit(add_on_device)
             self.grad_pool.reducing(buffer, reduced)
@@ -278,6 +280,16 @@ class GradientReducer:
         reduced = self._reduce_part(buffer)
         staged.wait_until_free()
         staged.buffer[:numel].copy_(reduced[:numel], non_blocking=True)
+
+    @torch.no_grad()
+    def _reduce_whole(self, buffer: torch.Tensor) -> torch.Tensor:
+        """On the side stream: the whole buffer summed over ranks and divided by their number
+        (a replicated chunk: one all-reduce, as DDP's)."""
+        used_on_this_stream(buffer)  # allocated on the compute stream (grad_buffers.py)
+        world = self.store.dist_ctx.world_size
+        if world == 1:
+            return buffer
+        return all_reduce_flat_(buffer, self.store.dist_ctx.group).div_(world)
 
     @torch.no_grad()
     def _reduce_part(self, buffer: torch.Tensor) -> torch.Tensor:

@@ -278,8 +278,11 @@ class ChunkResidency:
             if chunk.persistent and (chunk.info.trainable or frozen_too):
                 full = chunk.full
                 assert full is not None
+                if chunk.is_replicated:  # its own master is the whole chunk: no collective
+                    if chunk.master.data_ptr() != full.data_ptr():
+                        full[: chunk.master.numel()].copy_(chunk.master)
                 # One rank whose shard is its full copy (fp32, or a frozen chunk) has nothing to do.
-                if self.store.dist_ctx.world_size > 1 or chunk.master.data_ptr() != full.data_ptr():
+                elif self.store.dist_ctx.world_size > 1 or chunk.master.data_ptr() != full.data_ptr():
                     self.gather_shard(chunk.master, full)
             elif chunk.residency is Residency.FETCHING:
                 self.ensure_resident(chunk.index)

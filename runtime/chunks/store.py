@@ -60,7 +60,12 @@ class Segment:
 
 def shard_segments(layout: ChunkLayout, chunk: ChunkInfo, rank: int) -> list[Segment]:
     shard = layout.shard_numel
-    lo, hi = rank * shard, (rank + 1) * shard
+    return range_segments(layout, chunk, rank * shard, (rank + 1) * shard)
+
+
+def range_segments(layout: ChunkLayout, chunk: ChunkInfo, lo: int, hi: int) -> list[Segment]:
+    """The parts of the chunk's parameters in its elements [lo, hi): a rank's shard, or the whole
+    chunk (a replicated one)."""
     segments = []
     for index in chunk.params:
         start = layout.slots[index].offset
@@ -110,6 +115,16 @@ class Chunk:
         return self.residency is Residency.PERSISTENT
 
     @property
+    def is_replicated(self) -> bool:
+        """Every rank holds the whole chunk's state (a replicated persistent chunk)."""
+        return isinstance(self, PersistentChunk) and self.replicated
+
+    def share_start(self, shard_numel: int, rank: int) -> int:
+        """Where this rank's stored elements start in the chunk: its shard's start, or 0 for a
+        replicated chunk, which stores the whole chunk."""
+        return 0 if self.is_replicated else rank * shard_numel
+
+    @property
     def full(self) -> torch.Tensor | None:
         """The full compute copy while there is one on the device."""
         raise NotImplementedError
@@ -155,9 +170,13 @@ class Chunk:
 
 @dataclass(eq=False, slots=True)
 class PersistentChunk(Chunk):
-    """A chunk that stays on the device: its full copy exists for the whole run."""
+    """A chunk that stays on the device: its full copy exists for the whole run. A replicated
+    one holds the whole chunk's state on every rank (master, gradient, optimizer state: its
+    "shard" is the chunk), all-reduces its gradients and refreshes its full copy from its own
+    master, as DDP does; the others hold this rank's shard (ZeRO-3)."""
 
     device_full: torch.Tensor = field(kw_only=True)
+    replicated: bool = field(default=False, kw_only=True)
 
     @property
     def full(self) -> torch.Tensor:

@@ -22,6 +22,7 @@ from protrain.runtime.chunks.store import (
     PersistentChunk,
     Segment,
     ShardTraining,
+    range_segments,
     shard_segments,
 )
 from protrain.runtime.chunks.tiers import DeviceTier, HostTier, StateTiers
@@ -44,10 +45,14 @@ def build_store(
     hyper: OptimizerHyper,
     read_param: Callable[[str], torch.Tensor] | None,
     keeps_gradients: bool = True,
+    n_replicate: int = 0,
 ) -> ChunkStore:
-    """Copy each parameter into its chunk; keep this rank's shard; give up the originals (the
+    """Copy each parameter into its chunk; keep this rank's shard (the whole chunk for the first
+    ``n_replicate`` chunks, replicated: at most ``n_persist``); give up the originals (the
     parameters then view their chunk's full copy, or the placeholder). ``keeps_gradients``
     False: offloaded chunks get no gradient shard (their gradients are applied as they arrive)."""
+    if n_replicate > n_persist:
+        raise ValueError(f"n_replicate={n_replicate} exceeds n_persist={n_persist}: only persistent chunks replicate")
     arena = _build_host_arena(
         layout,
         n_persist,
@@ -71,7 +76,7 @@ def build_store(
     )
     chunks = []
     for info in layout.chunks:
-        chunks.append(builder.build(info, persistent=info.index < n_persist))
+        chunks.append(builder.build(info, persistent=info.index < n_persist, replicated=info.index < n_replicate))
         # Each chunk's originals go as soon as it holds them: the model and its chunks never
         # coexist whole in host memory (+1 copy of the model at setup before).
         _give_up_originals([params[index] for index in info.params])
@@ -141,7 +146,7 @@ class _ChunkBuilder:
     read_param: Callable[[str], torch.Tensor] | None
     keeps_gradients: bool
 
-    def build(self, info: ChunkInfo, *, persistent: bool) -> Chunk:
+    def build(self, info: ChunkInfo, *, persistent: bool, replicated: bool = False) -> Chunk:
         rank, shard = self.dist_ctx.rank, self.layout.shard_numel
         flat = self._flat(info)
         if self.read_param is None:
@@ -150,17 +155,22 @@ class _ChunkBuilder:
             # everywhere.
             broadcast_from_main_([flat], self.dist_ctx)
         # Every shard holds this rank's real elements only (a prefix of its part of the chunk):
-        # padding exists in the full copies and the collectives alone.
-        stored = rank_numel(info.used, shard, rank)
-        mine = flat[rank * shard : rank * shard + stored]
-        segments = shard_segments(self.layout, info, rank)
+        # padding exists in the full copies and the collectives alone. A replicated chunk's
+        # "shard" is the whole chunk, on every rank.
+        if replicated:
+            stored, start = info.used, 0
+            segments = range_segments(self.layout, info, 0, self.layout.chunk_numel)
+        else:
+            stored, start = rank_numel(info.used, shard, rank), rank * shard
+            segments = shard_segments(self.layout, info, rank)
+        mine = flat[start : start + stored]
         full = None
         if persistent:
             numel = persistent_full_numel(
                 info.used,
                 trainable=info.trainable,
                 chunk_numel=self.layout.chunk_numel,
-                world_size=self.dist_ctx.world_size,
+                world_size=1 if replicated else self.dist_ctx.world_size,  # no all-gather refills it
             )
             full = torch.empty(numel, dtype=self.compute_dtype, device=self.device.device)
             full.copy_(flat[:numel])
@@ -168,23 +178,21 @@ class _ChunkBuilder:
         if not info.trainable:
             # A frozen persistent chunk is stored once: its shard is a view of its full copy.
             master = (
-                self._view_of(full, stored) if full is not None else self._place(mine.to(self.compute_dtype), False)
+                full[start : start + stored] if full is not None else self._place(mine.to(self.compute_dtype), False)
             )
         else:
-            if full is not None and self.dist_ctx.world_size == 1 and self.compute_dtype == torch.float32:
-                master = full[:stored]  # one rank, fp32 compute: the full copy is the fp32 shard
+            whole = self.dist_ctx.world_size == 1 or replicated
+            if full is not None and whole and self.compute_dtype == torch.float32:
+                master = full[:stored]  # fp32 compute over the whole chunk: the full copy is the master
             else:
                 master = self._place(mine, persistent)
             training = self._training(master, segments, persistent)
         del flat, mine
         if full is not None:
-            return PersistentChunk(info, segments, master, training, Residency.PERSISTENT, device_full=full)
+            return PersistentChunk(
+                info, segments, master, training, Residency.PERSISTENT, device_full=full, replicated=replicated
+            )
         return OffloadedChunk(info, segments, master, training, Residency.HOST)
-
-    def _view_of(self, full: torch.Tensor, stored: int) -> torch.Tensor:
-        """This rank's stored elements, in place in ``full``."""
-        start = self.dist_ctx.rank * self.layout.shard_numel
-        return full[start : start + stored]
 
     def _flat(self, info: ChunkInfo) -> torch.Tensor:
         """The whole chunk in fp32 in host memory, from the parameters (wherever they are: a

@@ -253,6 +253,7 @@ def knob_request(memory: MemorySpec) -> KnobRequest:
         chunk_size=knob(memory.chunk_size),
         n_persist=knob(memory.n_persist),
         n_buffer=knob(memory.n_buffer),
+        n_replicate=knob(memory.n_replicate),
         n_swap=knob(memory.n_swap),
         n_checkpoint=knob(memory.n_checkpoint),
         n_offload=knob(memory.ssd.n_offload),

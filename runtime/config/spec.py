@@ -186,6 +186,9 @@ class MemorySpec(SpecModel):
     """Chunks kept on the device for the whole step (the first ones in execution order)."""
     n_buffer: AutoNonNegInt = AUTO
     """Device chunk buffers that the non-persistent chunks pass through."""
+    n_replicate: AutoNonNegInt = AUTO
+    """Of the persistent chunks, how many (the first ones) are replicated on every rank, their
+    gradients all-reduced as DDP's, instead of sharded. auto: none yet."""
     n_swap: AutoNonNegInt = AUTO
     """Transformer blocks whose activations are copied to host memory."""
     n_checkpoint: AutoNonNegInt = AUTO

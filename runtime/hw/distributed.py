@@ -212,6 +212,14 @@ def reduce_scatter_flat_(flat: torch.Tensor, group: dist.ProcessGroup | None = N
     return output
 
 
+def all_reduce_flat_(flat: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``flat`` summed over the ranks, in place (a replicated chunk's gradients, as DDP's
+    buckets); returns it."""
+    collective_counts.count(group, "all_reduce", flat.numel() * flat.element_size())
+    dist.all_reduce(flat, group=group)
+    return flat
+
+
 def reduce_scatter_by_all_reduce_(flat: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``reduce_scatter_flat_`` through one all-reduce of the whole of ``flat``: this rank's slice
     of the sum (a view of ``flat``, which is scratch).

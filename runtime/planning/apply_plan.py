@@ -97,6 +97,7 @@ def _build_chunks(
             layout=layout,
             n_persist=plan.n_persist,
             n_buffer=plan.n_buffer,
+            n_replicate=plan.n_replicate,
             compute_dtype=COMPUTE_DTYPES[settings.precision],
             device=target.device,
             dist_ctx=target.dist_ctx,

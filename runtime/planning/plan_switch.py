@@ -41,6 +41,8 @@ class HeldChunk:
     """The master shard, then (trainable) the two moments: this rank's stored elements."""
     steps: torch.Tensor | None
     """Per segment, the updates it has had (trainable chunks)."""
+    replicated: bool = False
+    """``state`` holds the whole chunk (a replicated chunk), not this rank's shard."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +64,7 @@ def hold_on_host(old: ChunkManager) -> HeldState:
     for chunk in old.chunks:
         state = [t if old.store.on_host(t) else _host_copy(t) for t in chunk.state_tensors()]
         steps = None if chunk.training is None else _host_copy(chunk.optimizer.steps)
-        chunks.append(HeldChunk(chunk.info, chunk.segments, state, steps))
+        chunks.append(HeldChunk(chunk.info, chunk.segments, state, steps, replicated=chunk.is_replicated))
     old.release_device()
     return HeldState(layout=old.layout, chunks=chunks, device=old.device, arena=old.store.host_arena)
 
@@ -72,6 +74,12 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
         out = torch.empty(tensor.shape, dtype=tensor.dtype)
     out.copy_(tensor)
     return out
+
+
+def _whole(stored: torch.Tensor, old: HeldState) -> torch.Tensor:
+    """A replicated chunk's held state (its real elements) padded to the whole chunk, on the host."""
+    with device_wall.host_allocations():
+        return padded_shard(stored, old.layout.chunk_numel, torch.device("cpu")).clone()
 
 
 def _full(shard: torch.Tensor, old: HeldState, dist_ctx: DistContext) -> torch.Tensor:
@@ -102,7 +110,7 @@ def move_state(old: HeldState, new: ChunkManager, dist_ctx: DistContext) -> None
                 (chunk, segment.shard_offset, segment.param_offset, segment.numel)
             )
     for held in old.chunks:
-        fulls = [_full(tensor, old, dist_ctx) for tensor in held.state]
+        fulls = [_whole(tensor, old) if held.replicated else _full(tensor, old, dist_ctx) for tensor in held.state]
         for index in held.info.params:
             start = old.layout.slots[index].offset
             for chunk, shard_offset, param_offset, numel in targets.get(index, []):

@@ -196,7 +196,7 @@ class Replanner:
 
 def same_layout(plan: Plan, other: Plan) -> bool:
     """Whether two plans have the same knobs (then the managers in place carry out either)."""
-    knobs = ("chunk_size", "n_persist", "n_buffer", "block_modes", "update_mode")
+    knobs = ("chunk_size", "n_persist", "n_buffer", "n_replicate", "block_modes", "update_mode")
     return all(getattr(plan, knob) == getattr(other, knob) for knob in knobs)
 
 

@@ -112,6 +112,33 @@ def test_two_ranks_add_collectives_and_shard_the_state() -> None:
     assert resident.device_adam_s == pytest.approx(4 * (1 << 19) / 1e10 + 4 * gather)
 
 
+def test_replicated_chunks_trade_memory_for_the_refresh_all_gathers() -> None:
+    """On two ranks, a replicated chunk holds the whole chunk's state (one rank's bytes), all-
+    reduces its gradient (a reduce-scatter and an all-gather, one latency) in backward, and its
+    update refreshes its copy without an all-gather; sharded, the refresh all-gathers."""
+    model = four_blocks()
+    two = hardware(2, memory_bytes_per_s=1e12)
+    costs = chunk_costs(model, two, 4 * MIB)
+    sharded = predict(model, two, costs, n_persist=4, n_buffer=0)
+    replicated = predict(model, two, costs, n_persist=4, n_buffer=0, n_replicate=4)
+    mixed = predict(model, two, costs, n_persist=4, n_buffer=0, n_replicate=1)
+    chunk = 4 * MIB
+    # Sharded: the fp32 full copy, and a half-chunk fp32 master, gradient and two moments each.
+    # Replicated: the full copy is the master (as one rank), then a whole gradient and moments.
+    assert sharded.persistent_bytes == 4 * (chunk + 4 * chunk // 2)
+    assert replicated.persistent_bytes == 4 * (chunk + 3 * chunk)
+    assert mixed.persistent_bytes == (chunk + 3 * chunk) + 3 * (chunk + 4 * chunk // 2)
+    all_reduce = 2 * chunk / 1e9 + 1e-3
+    assert replicated.backward_s == pytest.approx(4 * max(2e-3, all_reduce) + 0.5e-3)
+    gather = chunk / 1e9 + 1e-3
+    assert sharded.device_adam_s == pytest.approx(4 * (1 << 19) / 1e10 + 4 * gather)
+    whole = (1 << 20) / 1e10 + 2 * 4 * (1 << 20) / 1e12  # Adam over the chunk, norm and zeroing
+    assert replicated.device_adam_s == pytest.approx(4 * whole)
+    assert replicated.update_s == 0.0  # counted in its update
+    with pytest.raises(ValueError, match="n_replicate=3 is outside"):
+        predict(model, two, costs, n_persist=2, n_buffer=2, n_replicate=3)
+
+
 def test_profiles_round_trip_through_json() -> None:
     model, hw = four_blocks(), hardware(2)
     assert ModelProfile.from_dict(json.loads(json.dumps(model.to_dict()))) == model
