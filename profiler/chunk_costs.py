@@ -127,9 +127,11 @@ def chunk_costs(
             chunk, chunk_numel=chunk_numel, world_size=world, element_size=e, optimizer_states=optimizer_states
         )
         rows["persistent_bytes"].append(persistent)
-        # Replicated: one all-reduce (a ring's reduce-scatter and all-gather) per gradient, every
-        # rank updating the whole chunk, its copy refreshed locally; the state of one rank.
-        all_reduce = (scatter + gather - latency if world > 1 else 0.0) if chunk.trainable else 0.0
+        # Replicated: one all-reduce per gradient (at its measured rate), every rank updating
+        # the whole chunk, its copy refreshed locally; the state of one rank.
+        all_reduce = (chunk_bytes / hardware.all_reduce_bytes_per_s + latency if world > 1 else 0.0) * (
+            1.0 if chunk.trainable else 0.0
+        )
         rows["bwd_replicated"].append(max(b, all_reduce) if overlap else b + all_reduce)
         whole_update = (
             chunk.used / hardware.device_adam_params_per_s + 2 * 4 * chunk_numel / hardware.memory_bytes_per_s

@@ -94,8 +94,8 @@ def resident_plan(
 
 
 def replicated_count(request: KnobRequest, n_persist: int) -> int:
-    """The replicated chunks: hand-set, at most the persistent ones; "auto" replicates none (the
-    search does not choose it yet)."""
+    """The replicated chunks of a plan made without a profile: hand-set, at most the persistent
+    ones; "auto" replicates none (the search chooses it once a batch is profiled)."""
     n_replicate = request.n_replicate or 0
     if n_replicate > n_persist:
         raise ValueError(
@@ -201,7 +201,7 @@ def searched_plan(
         keeps_gradients=update_mode.keeps_gradients,
         host_fixed=host_fixed_bytes,
         optimizer_states=optimizer_states,
-        n_replicate=request.n_replicate or 0,
+        n_replicate=request.n_replicate,
     )
     best = result.best
     if fixed is not None:
@@ -218,7 +218,7 @@ def searched_plan(
         num_chunks=best.num_chunks,
         n_persist=best.n_persist,
         n_buffer=best.n_buffer,
-        n_replicate=replicated_count(request, best.n_persist),
+        n_replicate=best.n_replicate,
         **mode_counts(modes),
         device_budget_bytes=device_budget_bytes,
         host_budget_bytes=host_budget_bytes,

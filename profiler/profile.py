@@ -16,7 +16,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeVar
 
-PROFILE_VERSION = 5
+PROFILE_VERSION = 6
 
 T = TypeVar("T")
 
@@ -39,6 +39,9 @@ class HardwareProfile:
     """Output bytes (the whole chunk) per second at this world size; inf for one rank."""
     reduce_scatter_bytes_per_s: float
     """Input bytes (the whole chunk) per second at this world size; inf for one rank."""
+    all_reduce_bytes_per_s: float = float("inf")
+    """Bytes (the whole chunk) per second of an all-reduce at this world size (a replicated
+    chunk's gradients); inf for one rank."""
     collective_latency_s: float
     """Fixed cost of one collective call (0 for one rank)."""
     adam_segment_s: float = 0.0

@@ -32,6 +32,7 @@ from protrain.profiler.feasibility import chunk_knob_conflict
 from protrain.profiler.host_bytes import ADAMW_STATES
 from protrain.profiler.profile import HardwareProfile, ModelProfile
 from protrain.profiler.search_pruning import buffer_candidates, most_saved_by_persisting
+from protrain.profiler.search_words import binding, hand_set, layout_words, managed, nothing_fits
 
 SAME_SPEED = 0.02
 """Relative step-time difference below which two plans count as equally fast: the cost model is
@@ -48,6 +49,7 @@ class Candidate:
     n_persist: int
     n_buffer: int
     prediction: Prediction
+    n_replicate: int = 0
     block_modes: tuple[str, ...] | None = None
     """The activation layout this plan runs (None: every block keeps, no activation cost)."""
     activations: ActivationCost | None = None
@@ -90,10 +92,11 @@ def search(
     keeps_gradients: bool = True,
     host_fixed: int = 0,
     optimizer_states: int = ADAMW_STATES,
-    n_replicate: int = 0,
+    n_replicate: int | None = 0,
 ) -> SearchResult:
-    """The fastest plan that fits ``device_budget`` and ``host_budget`` (bytes per rank; the
-    first ``n_replicate`` chunks persistent and replicated, so every plan keeps that many; the
+    """The fastest plan that fits ``device_budget`` and ``host_budget`` (bytes per rank;
+    ``n_replicate`` of the persistent chunks replicated, so every plan keeps that many, or None:
+    on several ranks, as many as fit when that is faster; the
     host holds ``host_fixed`` beside what a plan places: the process's own memory at start, an
     asynchronous save's staging);
     ``chunk_size``/``n_persist``/``n_buffer``, when given, are fixed. ``extra_buffers`` caps the
@@ -137,19 +140,20 @@ def search(
     )
     leanest = min(layouts, key=lambda layout: layout[1].peak_bytes if layout[1] else 0)
 
-    def with_layout(costs: ChunkCosts, p: int, b: int, kept: Prediction, layout: Layout) -> Candidate:
+    def with_layout(costs: ChunkCosts, p: int, b: int, r: int, kept: Prediction, layout: Layout) -> Candidate:
         modes, cost = layout
         return Candidate(
             chunk_size=costs.chunk_size,
             num_chunks=costs.num_chunks,
             n_persist=p,
             n_buffer=b,
+            n_replicate=r,
             prediction=kept if cost is None else with_activations(kept, cost, hardware),
             block_modes=modes,
             activations=cost,
         )
 
-    def kept_prediction(costs: ChunkCosts, p: int, b: int) -> Prediction:
+    def kept_prediction(costs: ChunkCosts, p: int, b: int, r: int | None = None) -> Prediction:
         return predict(
             model,
             hardware,
@@ -158,8 +162,22 @@ def search(
             n_buffer=b,
             updates_after_norm=updates_after_norm,
             keeps_gradients=keeps_gradients,
-            n_replicate=n_replicate,
+            n_replicate=(n_replicate or 0) if r is None else r,
         )
+
+    def replicate_options(costs: ChunkCosts, p: int, b: int) -> list[int]:
+        """The replicated counts worth predicting at (p, b): the hand-set one; else none, and on
+        several ranks the most that fit with the leanest layout (it only adds device memory)."""
+        if n_replicate is not None or costs.world_size == 1 or p == 0:
+            return [n_replicate or 0]
+        low, high = 0, p
+        while low < high:
+            middle = (low + high + 1) // 2
+            if layout_fits(kept_prediction(costs, p, b, middle), leanest[1]):
+                low = middle
+            else:
+                high = middle - 1
+        return [0] if low == 0 else [0, low]
 
     def layout_fits(kept: Prediction, cost: ActivationCost | None) -> bool:
         if cost is None:
@@ -168,27 +186,29 @@ def search(
         return peak * (1 + margin) <= device_budget and host <= host_room
 
     def evaluate(costs: ChunkCosts, p: int, b: int) -> tuple[Candidate, bool]:
-        """The fastest layout that fits at (p, b), True; or, when none fits, the one with the
-        least device memory, False."""
+        """The fastest layout and replicated count that fit at (p, b), True; or, when none
+        fits, the one with the least device memory, False."""
         nonlocal evaluated
-        evaluated += 1
-        kept = kept_prediction(costs, p, b)
         fastest: Candidate | None = None
-        for layout in by_forward:
-            cost = layout[1]
-            if fastest is not None and cost is not None:
-                if kept.step_s + cost.forward_extra_s >= fastest.prediction.step_s:
-                    break
-            if not layout_fits(kept, cost):
-                continue
-            if cost is not None:
-                evaluated += 1
-            option = with_layout(costs, p, b, kept, layout)
-            if fastest is None or option.prediction.step_s < fastest.prediction.step_s:
-                fastest = option
+        options = replicate_options(costs, p, b)
+        for r in options:
+            evaluated += 1
+            kept = kept_prediction(costs, p, b, r)
+            for layout in by_forward:
+                cost = layout[1]
+                if fastest is not None and cost is not None:
+                    if kept.step_s + cost.forward_extra_s >= fastest.prediction.step_s:
+                        break
+                if not layout_fits(kept, cost):
+                    continue
+                if cost is not None:
+                    evaluated += 1
+                option = with_layout(costs, p, b, r, kept, layout)
+                if fastest is None or option.prediction.step_s < fastest.prediction.step_s:
+                    fastest = option
         if fastest is not None:
             return fastest, True
-        return with_layout(costs, p, b, kept, leanest), False
+        return with_layout(costs, p, b, options[0], kept_prediction(costs, p, b, options[0]), leanest), False
 
     def fits_at(costs: ChunkCosts, p: int, b: int) -> bool:
         nonlocal evaluated
@@ -199,11 +219,12 @@ def search(
     for costs in all_costs:
         n = costs.num_chunks
         if n_persist is not None and n_persist > n:
-            continue  # another chunk size may give enough chunks; none does: _nothing_fits says so
+            continue  # another chunk size may give enough chunks; none does: nothing_fits says so
         most_saved = most_saved_by_persisting(costs)
-        if n_replicate > (n if n_persist is None else n_persist):
+        fewest = n_replicate or 0
+        if fewest > (n if n_persist is None else n_persist):
             continue  # not that many persistent chunks at this size
-        for p in range(n_replicate, n + 1) if n_persist is None else [n_persist]:
+        for p in range(fewest, n + 1) if n_persist is None else [n_persist]:
             if p == n:
                 buffer_range: Iterable[int] = [0]
             elif n_buffer is not None:
@@ -248,15 +269,15 @@ def search(
             raise NoPlanFitsError(
                 conflict
                 or "no plan can be formed with the hand-set knobs "
-                + ", ".join(_hand_set(chunk_size, n_persist, n_buffer))
+                + ", ".join(hand_set(chunk_size, n_persist, n_buffer))
             )
         raise NoPlanFitsError(
-            _nothing_fits(
+            nothing_fits(
                 smallest,
                 device_budget,
                 host_budget,
                 margin,
-                hand_set=_hand_set(chunk_size, n_persist, n_buffer),
+                hand_set=hand_set(chunk_size, n_persist, n_buffer),
                 host_fixed=host_fixed,
             )
         )
@@ -265,8 +286,8 @@ def search(
     return SearchResult(
         best=best,
         runners_up=tuple(ranked[1 : 1 + keep]),
-        binding=_binding_with_layout(best)
-        + _binding(
+        binding=layout_words(best)
+        + binding(
             best,
             all_costs,
             model,
@@ -311,7 +332,7 @@ def _ranked(candidates: list[Candidate]) -> list[Candidate]:
     tied.sort(
         key=lambda c: (
             -c.n_persist / c.num_chunks,
-            _managed(c),
+            managed(c),
             c.prediction.peak_device_bytes,
             -c.chunk_size,
         )
@@ -320,115 +341,5 @@ def _ranked(candidates: list[Candidate]) -> list[Candidate]:
     return tied + rest
 
 
-def _managed(candidate: Candidate) -> int:
-    """Blocks whose activations leave the device or are recomputed."""
-    modes = candidate.block_modes or ()
-    return sum(1 for mode in modes if mode != "keep")
-
-
 def _memory(candidate: Candidate) -> int:
     return candidate.prediction.peak_device_bytes
-
-
-def _hand_set(chunk_size: int | None, n_persist: int | None, n_buffer: int | None) -> list[str]:
-    named = {"memory.chunk_size": chunk_size, "memory.n_persist": n_persist, "memory.n_buffer": n_buffer}
-    return [name for name, value in named.items() if value is not None]
-
-
-def _nothing_fits(
-    smallest: Candidate,
-    device_budget: int,
-    host_budget: int,
-    margin: float,
-    *,
-    hand_set: list[str],
-    host_fixed: int = 0,
-) -> str:
-    p = smallest.prediction
-    needed = int(p.peak_device_bytes * (1 + margin))
-    fixed = f" (with hand-set {', '.join(hand_set)})" if hand_set else ""
-    if needed > device_budget:
-        return (
-            f"no plan fits the device budget of {_size(device_budget)} per rank{fixed}: the smallest, "
-            f"chunk_size {_size(smallest.chunk_size)} with n_persist={smallest.n_persist} and "
-            f"n_buffer={smallest.n_buffer}, needs {_size(needed)} ({_size(needed - device_budget)} more), of "
-            f"which saved activations {_size(p.activation_bytes)}, "
-            f"transient peak {_size(p.transient_bytes)}, "
-            f"chunk buffers {_size(p.buffer_bytes + p.gradient_buffer_bytes)}, persistent chunks "
-            f"{_size(p.persistent_bytes)}"
-            + (f", the math libraries' workspaces {_size(p.workspace_bytes)}" if p.workspace_bytes else "")
-            + "; lower micro_batch_size (activations grow with it) or raise "
-            + "memory.device_budget"
-            + ("; or let the hand-set knobs be auto" if hand_set else "")
-        )
-    besides = (
-        f" beside the {_size(host_fixed)} the process holds outside it (at start: the interpreter, "
-        "torch, what the caller holds besides the model's parameters; an async save's staging)"
-        if host_fixed
-        else ""
-    )
-    return (
-        f"no plan fits the host budget of {_size(host_budget)} per rank{fixed}: the offloaded model "
-        f"state needs {_size(p.host_bytes)}{besides} ({_size(p.host_bytes + host_fixed - host_budget)} "
-        "more); raise memory.host_budget or use more ranks (each holds 1/world of it)"
-    )
-
-
-def _binding_with_layout(best: Candidate) -> str:
-    """The activation layout the plan chose, when it manages any block."""
-    managed = _managed(best)
-    if managed == 0 or best.block_modes is None:
-        return ""
-    counts = ", ".join(
-        f"{best.block_modes.count(mode)} {mode}" for mode in ("ssd", "swap", "checkpoint") if mode in best.block_modes
-    )
-    return f"activations of {managed} of {len(best.block_modes)} blocks managed ({counts}); "
-
-
-def _binding(
-    best: Candidate,
-    all_costs: list[ChunkCosts],
-    model: ModelProfile,
-    hardware: HardwareProfile,
-    device_budget: int,
-    host_budget: int,
-    margin: float,
-    n_persist: int | None,
-    n_buffer: int | None,
-    activations: ActivationCost | None,
-) -> str:
-    if best.n_persist == best.num_chunks:
-        return "nothing binds: every chunk stays on the device"
-    if n_persist is not None:
-        return f"memory.n_persist={n_persist} is set by hand"
-    costs = next(c for c in all_costs if c.chunk_size == best.chunk_size)
-    more = best.n_persist + 1
-    buffers = costs.need[more] if more < costs.num_chunks else 0
-    if n_buffer is not None and more < costs.num_chunks:
-        buffers = n_buffer
-    grown = predict(
-        model,
-        hardware,
-        costs,
-        n_persist=more,
-        n_buffer=buffers,
-        activations=activations,
-        updates_after_norm=best.prediction.updates_after_norm,
-        keeps_gradients=best.prediction.keeps_gradients,
-    )
-    needed = int(grown.peak_device_bytes * (1 + margin))
-    if needed > device_budget:
-        return (
-            f"device memory: keeping one more chunk on the device (n_persist={more}) would need "
-            f"{_size(needed)} of the {_size(device_budget)} budget"
-        )
-    return f"speed: more persistent chunks would not be faster (n_persist={more} predicts {grown.step_s:.3f} s)"
-
-
-def _size(num_bytes: int | float) -> str:
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.2f} {unit}" if unit != "B" else f"{int(value)} B"
-        value /= 1024
-    return f"{value:.2f} TiB"

@@ -188,7 +188,8 @@ class MemorySpec(SpecModel):
     """Device chunk buffers that the non-persistent chunks pass through."""
     n_replicate: AutoNonNegInt = AUTO
     """Of the persistent chunks, how many (the first ones) are replicated on every rank, their
-    gradients all-reduced as DDP's, instead of sharded. auto: none yet."""
+    gradients all-reduced as DDP's, instead of sharded. auto: on several ranks, as many as fit
+    when the cost model finds that faster (none until a batch is profiled)."""
     n_swap: AutoNonNegInt = AUTO
     """Transformer blocks whose activations are copied to host memory."""
     n_checkpoint: AutoNonNegInt = AUTO

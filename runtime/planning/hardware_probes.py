@@ -34,6 +34,7 @@ from protrain.runtime.hw.device import (
 from protrain.runtime.hw.distributed import (
     DistContext,
     all_gather_flat,
+    all_reduce_flat_,
     all_reduce_min_,
     all_reduce_sum_,
     reduce_scatter_flat_,
@@ -98,15 +99,19 @@ def measure_hardware(
     device_adam, device_segment = _adam_rate(device.device, adam_numel, threads=None)
     host = measure_host_rates(threads)
     if world_size == 1:
-        gather = scatter = float("inf")
+        gather = scatter = reduce_all = float("inf")
         latency = 0.0
     elif dist_ctx is None:
         # A dry run has no process group: loopback collectives move each byte through a socket,
-        # at about a quarter of the copy rate (docs/decisions/0008-dry-run-collective-rates.md).
+        # at about a quarter of the copy rate (docs/decisions/0008-dry-run-collective-rates.md);
+        # an all-reduce moves it twice (a ring's reduce-scatter, then its all-gather).
         gather = scatter = h2d / 4
+        reduce_all = h2d / 8
         latency = 1e-4
     else:
-        gather, scatter, latency = _collective_rates(device, dist_ctx, _fit(COLLECTIVE_PROBE_BYTES, room) // 2)
+        gather, scatter, reduce_all, latency = _collective_rates(
+            device, dist_ctx, _fit(COLLECTIVE_PROBE_BYTES, room) // 2
+        )
     return HardwareProfile(
         device_kind=_device_kind(device),
         world_size=world_size,
@@ -115,6 +120,7 @@ def measure_hardware(
         cpu_adam_params_per_s=cpu_adam,
         device_adam_params_per_s=device_adam,
         all_gather_bytes_per_s=gather,
+        all_reduce_bytes_per_s=reduce_all,
         reduce_scatter_bytes_per_s=scatter,
         collective_latency_s=latency,
         adam_segment_s=max(cpu_segment, device_segment),
@@ -187,7 +193,11 @@ def _adam_rate(where: torch.device, numel: int, *, threads: int | None) -> tuple
     return numel / one_segment, per_segment
 
 
-def _collective_rates(device: DeviceInfo, dist_ctx: DistContext, nbytes: int) -> tuple[float, float, float]:
+def _collective_rates(device: DeviceInfo, dist_ctx: DistContext, nbytes: int) -> tuple[float, float, float, float]:
+    """(all-gather, reduce-scatter, all-reduce) bytes per second of a chunk-sized collective as
+    the engine issues them, and the latency of a tiny one. The all-reduce is measured, not
+    derived from the other two: gloo's ring all-reduce and the engine's broadcast and reduce
+    forms of the others differ (a replicated chunk's gradient goes by all-reduce)."""
     world = dist_ctx.world_size
     numel = max(world, nbytes // 4 // world * world)
     dtype = torch.float32
@@ -196,9 +206,12 @@ def _collective_rates(device: DeviceInfo, dist_ctx: DistContext, nbytes: int) ->
     tiny = torch.zeros(1, dtype=dtype, device=device.device)
     gather_s = _best_time(lambda: all_gather_flat(full, shard, dist_ctx.group), device)
     scatter_s = _best_time(lambda: reduce_scatter_flat_(full, dist_ctx.group), device)
+    reduce_s = _best_time(lambda: all_reduce_flat_(full, dist_ctx.group), device)
     latency = _best_time(lambda: all_reduce_sum_(tiny, dist_ctx), device)
     size = numel * 4
-    return size / max(gather_s - latency, 1e-9), size / max(scatter_s - latency, 1e-9), latency
+    rates = (gather_s, scatter_s, reduce_s)
+    gather, scatter, reduce_all = (size / max(seconds - latency, 1e-9) for seconds in rates)
+    return gather, scatter, reduce_all, latency
 
 
 def _best_time(work: Callable[[], Any], device: DeviceInfo, repeats: int = 3) -> float:

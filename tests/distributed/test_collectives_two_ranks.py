@@ -81,6 +81,7 @@ def train_counting_gradient_buffers(*, rank: int, output_dir: str) -> dict[str, 
                 "n_buffer": 0 if n_persist else 2,
                 "n_swap": 0,
                 "n_checkpoint": 0,
+                "n_replicate": 0,  # sharded: each reduction through the pool of buffers
             },
             "output_dir": output_dir,
         }
@@ -186,7 +187,7 @@ def test_metrics_count_each_updates_collectives(rank_pool: RankPool, tmp_path: P
     backward, but for the last ``n_buffer`` of forward, still in their buffers when backward
     starts (the cost model's count); the loss and the gradient header are all-reduced; nothing is
     broadcast."""
-    memory: dict[str, Any] = {"n_persist": 0, "n_buffer": 2} if n_persist == 0 else {}
+    memory: dict[str, Any] = {"n_persist": 0, "n_buffer": 2} if n_persist == 0 else {"n_replicate": 0}
     results = rank_pool.run(collectives_per_update, output_dir=str(tmp_path / str(n_persist)), memory=memory)
     found = results[0]
     chunks, chunk_mib = found["num_chunks"], found["chunk_mib"]

@@ -114,10 +114,10 @@ def test_two_ranks_add_collectives_and_shard_the_state() -> None:
 
 def test_replicated_chunks_trade_memory_for_the_refresh_all_gathers() -> None:
     """On two ranks, a replicated chunk holds the whole chunk's state (one rank's bytes), all-
-    reduces its gradient (a reduce-scatter and an all-gather, one latency) in backward, and its
-    update refreshes its copy without an all-gather; sharded, the refresh all-gathers."""
+    reduces its gradient (at the measured all-reduce rate) in backward, and its update refreshes
+    its copy without an all-gather; sharded, the refresh all-gathers."""
     model = four_blocks()
-    two = hardware(2, memory_bytes_per_s=1e12)
+    two = hardware(2, memory_bytes_per_s=1e12, all_reduce_bytes_per_s=5e8)
     costs = chunk_costs(model, two, 4 * MIB)
     sharded = predict(model, two, costs, n_persist=4, n_buffer=0)
     replicated = predict(model, two, costs, n_persist=4, n_buffer=0, n_replicate=4)
@@ -128,7 +128,7 @@ def test_replicated_chunks_trade_memory_for_the_refresh_all_gathers() -> None:
     assert sharded.persistent_bytes == 4 * (chunk + 4 * chunk // 2)
     assert replicated.persistent_bytes == 4 * (chunk + 3 * chunk)
     assert mixed.persistent_bytes == (chunk + 3 * chunk) + 3 * (chunk + 4 * chunk // 2)
-    all_reduce = 2 * chunk / 1e9 + 1e-3
+    all_reduce = chunk / 5e8 + 1e-3
     assert replicated.backward_s == pytest.approx(4 * max(2e-3, all_reduce) + 0.5e-3)
     gather = chunk / 1e9 + 1e-3
     assert sharded.device_adam_s == pytest.approx(4 * (1 << 19) / 1e10 + 4 * gather)
@@ -137,6 +137,31 @@ def test_replicated_chunks_trade_memory_for_the_refresh_all_gathers() -> None:
     assert replicated.update_s == 0.0  # counted in its update
     with pytest.raises(ValueError, match="n_replicate=3 is outside"):
         predict(model, two, costs, n_persist=2, n_buffer=2, n_replicate=3)
+
+
+def test_the_search_replicates_as_many_chunks_as_fit_when_that_is_faster() -> None:
+    """n_replicate left auto: on two ranks the search replicates every persistent chunk when the
+    memory allows and replication is faster (the refresh all-gathers exposed, the all-reduce
+    hidden by backward); under a budget that fits one replicated chunk and no more, one; never on
+    one rank; a hand-set count stays."""
+    model = four_blocks()
+    two = hardware(2, memory_bytes_per_s=1e12, all_reduce_bytes_per_s=5e9)
+    roomy = search(model, two, device_budget=1 << 40, host_budget=1 << 40, chunk_size=4 * MIB, n_replicate=None)
+    assert (roomy.best.n_persist, roomy.best.n_replicate) == (4, 4)
+    costs = chunk_costs(model, two, 4 * MIB)
+    sharded = predict(model, two, costs, n_persist=4, n_buffer=0)
+    one_more = predict(model, two, costs, n_persist=4, n_buffer=0, n_replicate=1)
+    budget = int(one_more.peak_device_bytes * 1.06)  # the search keeps a 5% margin
+    tight = search(
+        model, two, device_budget=budget, host_budget=1 << 40, chunk_size=4 * MIB, n_persist=4, n_replicate=None
+    )
+    assert tight.best.n_replicate == 1 and sharded.peak_device_bytes < one_more.peak_device_bytes
+    one = search(
+        model, hardware(1), device_budget=1 << 40, host_budget=1 << 40, chunk_size=4 * MIB, n_replicate=None
+    )
+    assert one.best.n_replicate == 0
+    fixed = search(model, two, device_budget=1 << 40, host_budget=1 << 40, chunk_size=4 * MIB, n_replicate=2)
+    assert fixed.best.n_replicate == 2
 
 
 def test_profiles_round_trip_through_json() -> None:
