@@ -23,7 +23,10 @@ own share of the same batches, so their final losses should agree, all but the f
   one buffer per chunk: each chunk is then gathered once per step (forward's copies serve
   backward), so the collectives move what DDP's all-reduce moves (an all-gather and a
   reduce-scatter) instead of a second all-gather in backward, while the optimizer state and its
-  update stay sharded and in the host tier.
+  update stay sharded and in the host tier;
+- ProTrain auto: every memory knob but the budget and chunk size left to the planner, which may
+  keep chunks on the device and replicate them (``n_replicate``: all-reduced gradients, as DDP;
+  issue 29's target: at most 1.02x DDP's step time).
 
 How it is measured (two separate phases, so that neither disturbs the other):
 
@@ -120,9 +123,10 @@ class Kind(Enum):
     PROTRAIN_MIN = "protrain-min"
     PROTRAIN_MORE = "protrain-more"
     PROTRAIN_ALL = "protrain-all"
+    PROTRAIN_AUTO = "protrain-auto"
 
 
-PROTRAIN_KINDS = (Kind.PROTRAIN_MIN, Kind.PROTRAIN_MORE, Kind.PROTRAIN_ALL)
+PROTRAIN_KINDS = (Kind.PROTRAIN_MIN, Kind.PROTRAIN_MORE, Kind.PROTRAIN_ALL, Kind.PROTRAIN_AUTO)
 PEER_LABELS = {
     Kind.ALONE: "PyTorch alone: no comms (floor)",
     Kind.DDP: "DDP + AdamW(fused)",
@@ -265,8 +269,9 @@ def torch_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Call
     return train_step
 
 
-def protrain_spec(args: argparse.Namespace, job: Job, n_buffer: int) -> dict[str, Any]:
-    """The update the torch peers make: AdamW with torch's defaults but lr, decay on everything."""
+def protrain_spec(args: argparse.Namespace, job: Job, n_buffer: int | None) -> dict[str, Any]:
+    """The update the torch peers make: AdamW with torch's defaults but lr, decay on everything.
+    ``n_buffer`` None: every knob but the budget and chunk size left to the planner (auto)."""
     return {
         "seed": SEED,
         "micro_batch_size": args.batch,
@@ -280,18 +285,14 @@ def protrain_spec(args: argparse.Namespace, job: Job, n_buffer: int) -> dict[str
         },
         # A set budget, not auto: the timing phase keeps three engines alive in one process, and
         # only one engine of a process may plan for the whole device.
-        "memory": {
-            "device_budget": args.device_budget,
-            "chunk_size": args.chunk_size,
-            "n_persist": 0,
-            "n_buffer": n_buffer,
-        },
+        "memory": {"device_budget": args.device_budget, "chunk_size": args.chunk_size}
+        | ({} if n_buffer is None else {"n_persist": 0, "n_buffer": n_buffer}),
         "profiler": {"cache_dir": job.profile_cache_dir},
         "output_dir": job.output_dir,
     }
 
 
-def build_protrain(kind: Kind, job: Job, example: Batch, *, first_n_buffer: int, exact: bool) -> Trainer:
+def build_protrain(kind: Kind, job: Job, example: Batch, *, first_n_buffer: int | None, exact: bool) -> Trainer:
     """``n_persist=0`` with ``first_n_buffer`` buffers, or (``exact`` False) the fewest from there
     up that ``initialize`` accepts, jumping to the minimum its refusal names. Every rank gets the
     same refusal at the same point, so the collectives stay in step."""
@@ -325,6 +326,8 @@ def build_protrain(kind: Kind, job: Job, example: Batch, *, first_n_buffer: int,
     plan = engine.plan
     suffix = {Kind.PROTRAIN_MIN: " (min)", Kind.PROTRAIN_ALL: " (all)"}.get(kind, "")
     label = f"ProTrain n_persist=0 n_buffer={plan.n_buffer}{suffix}"
+    if kind is Kind.PROTRAIN_AUTO:
+        label = f"ProTrain auto: n_persist {plan.n_persist}/{plan.num_chunks}, n_replicate {plan.n_replicate}"
     plan_info = {"n_buffer": plan.n_buffer, "num_chunks": plan.num_chunks, "chunk_bytes": plan.chunk_size}
     return Trainer(kind, label, train_step, close=engine.close, plan_info=plan_info)
 
@@ -338,6 +341,8 @@ def build(kind: Kind, job: Job, batches: Sequence[Batch], min_plan: dict[str, in
         return build_fsdp2(job.args)
     if kind is Kind.DEEPSPEED:
         return build_deepspeed(job.args)
+    if kind is Kind.PROTRAIN_AUTO:  # the planner's own choice, every knob but the budget auto
+        return build_protrain(kind, job, batches[0], first_n_buffer=None, exact=True)
     if kind in job.n_buffer:
         first, exact = job.n_buffer[kind], True
     elif kind is Kind.PROTRAIN_MIN:
@@ -662,6 +667,18 @@ def print_table(
             f"target (issue 3) for {rows[kind]['label']}: step time {step_s / fsdp_s:.2f}x FSDP2 "
             f"(<= {TARGET_VS_FSDP2:.1f}x: {fast}); peak memory {mib / ddp_mib:.2f}x DDP (<= 1.00x: {lean})"
         )
+    if ddp_s is not None and ddp_mib is not None:
+        targets = [(Kind.PROTRAIN_AUTO, 1.02, None)] + [(kind, 1.05, 1.10) for kind in PROTRAIN_KINDS[:3]]
+        for kind, most_s, most_mib in targets:
+            step_s, mib = median(kind), peak(kind)
+            if step_s is None or mib is None:
+                continue
+            met = "met" if step_s <= most_s * ddp_s else "NOT met"
+            words = f"step time {step_s / ddp_s:.3f}x DDP (<= {most_s:.2f}x: {met})"
+            if most_mib is not None:
+                met = "met" if mib <= most_mib * ddp_mib else "NOT met"
+                words += f"; peak memory {mib / ddp_mib:.2f}x DDP (<= {most_mib:.2f}x: {met})"
+            print(f"target (issue 29) for {rows[kind]['label']}: {words}")
     print(
         f"s/step: median over {args.repeats} interleaved repeats of {args.steps} timed steps per candidate "
         f"(after {args.warmup} warm-up steps), the slower rank's time; ratios are of the medians.\n"

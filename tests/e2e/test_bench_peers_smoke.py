@@ -23,5 +23,7 @@ def test_bench_peers_smoke() -> None:
     assert any(line.startswith("floor: with no communication") for line in lines), stdout
     # ProTrain's memory figures include its profiling: each memory run started with an empty cache.
     assert "each memory run started from an empty profile cache" in stdout
-    assert "(profiled in 3 of 3 runs)" in stdout, stdout
+    assert "(profiled in 4 of 4 runs)" in stdout, stdout
+    assert any(line.startswith("ProTrain auto: n_persist") for line in lines), stdout
+    assert any(line.startswith("target (issue 29) for ProTrain auto") for line in lines), stdout
     assert "CPU figures" in stdout
