@@ -104,7 +104,10 @@ def update_records(output_dir: Path) -> list[dict[str, Any]]:
 def where_time_goes(label: str, every_s: float = 0.25, top: int = 12) -> Iterator[None]:
     """Sample the calling thread's stack every ``every_s`` while the block runs, then print where
     it was: the innermost function, and the innermost of ProTrain's own (a breakdown of a long
-    call: initialize on a 1B model took 58 s on the first GPU run) at no cost to it."""
+    call: initialize on a 1B model took 58 s on the first GPU run) at almost no cost to it. The
+    sampler holds the caller's frames for a moment, and with them their tensors: under a device
+    wall measured to the byte (the CPU rehearsal) that can count, so use it where the budget is
+    not that tight."""
     import collections
     import sys
     import threading
