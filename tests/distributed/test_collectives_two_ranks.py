@@ -8,6 +8,7 @@ offloaded chunks keeps only a few alive, counted here from the live tensors them
 from __future__ import annotations
 
 import gc
+import json
 import time
 import weakref
 from pathlib import Path
@@ -151,8 +152,6 @@ def test_backward_reuses_a_few_gradient_buffers(rank_pool: RankPool, tmp_path: P
 def collectives_per_update(*, rank: int, output_dir: str, memory: dict[str, Any]) -> dict[str, Any]:
     """Three updates under ``memory``; each update's collectives from metrics.jsonl (rank 0's)
     and the plan's chunk count and chunk bytes."""
-    import json
-
     from protrain import runtime
     from tests.helpers import train_updates
 
@@ -168,15 +167,24 @@ def collectives_per_update(*, rank: int, output_dir: str, memory: dict[str, Any]
         train_updates(engine, data, range(3), rank=rank)
         plan, layout = engine.plan, engine.chunks.layout
         chunk_bytes = layout.chunk_numel * 4
+    return {
+        "updates": update_collectives(output_dir),
+        "num_chunks": plan.num_chunks,
+        "chunk_mib": chunk_bytes / (1 << 20),
+    }
+
+
+def update_collectives(output_dir: str) -> list[dict[str, float]]:
+    """Each update's ``collectives/*`` figures from the metrics.jsonl under ``output_dir`` (one
+    engine's), by kind: calls and ``<kind>(MiB)``."""
     records = []
     for path in Path(output_dir).glob("*/metrics.jsonl"):
         records += [json.loads(line) for line in path.read_text().splitlines()]
-    counted = [
+    return [
         {k.removeprefix("collectives/"): v for k, v in record.items() if k.startswith("collectives/")}
         for record in records
         if "step" in record
     ]
-    return {"updates": counted, "num_chunks": plan.num_chunks, "chunk_mib": chunk_bytes / (1 << 20)}
 
 
 @pytest.mark.parametrize("n_persist", ["all", 0], ids=["every-chunk-persistent", "every-chunk-offloaded"])

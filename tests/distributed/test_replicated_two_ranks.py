@@ -7,7 +7,6 @@ are the same whatever the plan replicates, in both directions."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 from tests.checkpointing import checkpoint_job, train_until
 from tests.distributed.pool import RankPool
 from tests.distributed.test_checkpoint_two_ranks import assert_same_checkpoint
+from tests.distributed.test_collectives_two_ranks import update_collectives
 from tests.helpers import assert_matches_reference, assert_state_equal, gpt_reference, lm_batches, tiny_gpt
 
 pytestmark = pytest.mark.timeout(300)
@@ -61,9 +61,7 @@ def test_a_mixed_plan_trains_as_plain_pytorch(
 ) -> None:
     """Replicated, sharded and offloaded chunks in one plan; with clipping the global norm counts
     each replicated gradient once (every rank holds all of it)."""
-    results = rank_pool.run(
-        train, output_dir=str(tmp_path), memory=MIXED, accumulation=accumulation, clip=clip
-    )
+    results = rank_pool.run(train, output_dir=str(tmp_path), memory=MIXED, accumulation=accumulation, clip=clip)
     assert results[0]["replicated"] == results[1]["replicated"] == 4
     plan = results[0]["plan"]
     assert (plan.n_replicate, plan.n_persist) == (4, 8) and plan.num_chunks > plan.n_persist
@@ -109,14 +107,7 @@ def ddp_and_protrain_collectives(*, rank: int, output_dir: str) -> dict[str, Any
         train_updates(engine, data, range(3), rank=rank)
         plan = engine.plan
         table = "\n".join(" ".join(row) for row in plan.rows())
-    records = []
-    for path in Path(output_dir).glob("*/metrics.jsonl"):
-        records += [json.loads(line) for line in path.read_text().splitlines()]
-    ours = [
-        {k.removeprefix("collectives/"): v for k, v in r.items() if k.startswith("collectives/")}
-        for r in records
-        if "step" in r
-    ]
+    ours = update_collectives(output_dir)
     calls: list[int] = []
 
     def counting(bucket: Any) -> Any:
