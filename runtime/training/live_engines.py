@@ -24,6 +24,7 @@ rank decides alike (before any collective).
 
 from __future__ import annotations
 
+import gc
 import threading
 import traceback
 from collections.abc import Callable
@@ -84,8 +85,25 @@ class EngineClaim:
 
 
 _LIVE: list[EngineClaim] = []
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()
+"""Reentrant: a collection that runs while it is held (any allocation may start one) may
+finalize a dropped engine, whose release takes it again on the same thread."""
 _COUNTER = [0]
+
+
+def collect_earlier_engines() -> None:
+    """Collect the garbage earlier engines may have left: a dropped engine caught in a reference
+    cycle (an exception's traceback holding a forward's outputs, whose graph holds the engine)
+    keeps its device memory until Python's collector runs, and neither CUDA's allocator nor a
+    full device runs it. Called before the second and later engines of a process measure and
+    claim the device (an engine's initialize takes seconds; a collection, milliseconds)."""
+    with _LOCK:
+        earlier = _COUNTER[0] > 0
+    # Outside the lock: a collected engine's finalizer releases its claim. Twice at least: the
+    # finalizer held the engine's state, which only the next collection finds unreachable.
+    for _ in range(3 if earlier else 0):
+        if not gc.collect():
+            break
 
 
 def others_alive() -> bool:
@@ -106,7 +124,7 @@ def claim(
     becomes ``measured_auto_bytes`` (the device's capacity) less what the live engines hold.
     Raises ``SpecError`` naming what to do when the new engine would collide with a live one."""
     with _LOCK:
-        for other in _LIVE:
+        for other in list(_LIVE):
             if checkpoint_dir is not None and other.checkpoint_dir == checkpoint_dir:
                 raise SpecError(
                     f"checkpoint.dir: {checkpoint_dir} is used by engine {other.label} of this process; "
@@ -154,6 +172,7 @@ def claim_for(
     """This engine's device budget and checkpoint directory, registered against the other engines
     alive in this process (an auto budget is what they left of ``capacity(device, ranks_on_host)``)."""
     auto = request.device_budget is None
+    collect_earlier_engines()
     return claim(
         device_budget=request.device_budget,
         measured_auto_bytes=capacity(device, ranks_on_host) if auto else 0,

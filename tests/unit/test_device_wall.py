@@ -216,3 +216,38 @@ def test_a_closed_engine_gives_its_device_memory_back_while_still_referenced(
     with pytest.raises(ReleasedParameterError, match="its engine was closed"):
         first_model.wte.weight.sum()
     assert first is not None
+
+
+def test_an_engine_dropped_in_a_reference_cycle_gives_the_next_its_device_memory(
+    strict: None, tmp_path: Path
+) -> None:
+    """A sweep's first engine ended inside an exception (its traceback holding the forward's
+    activations, a cycle the collector alone frees). Neither CUDA's allocator nor a full device
+    runs Python's collector: the next engine does, before it claims the device, so it trains in
+    the same budget as the first (CI once failed here, engines' leftovers counting against a
+    test's tiny budget)."""
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    config = {
+        "micro_batch_size": 2,
+        "memory": {"device_budget": 11 << 18, "chunk_size": "64KiB", "n_persist": 8, "n_buffer": 2},
+        "output_dir": str(tmp_path / "runs"),
+        "profiler": {"cache_dir": str(tmp_path / "cache")},
+    }
+    gc.collect()
+    gc.disable()  # nothing collected but what the engines collect
+    try:
+        first = runtime.initialize(tiny_gpt(), config=config)
+        held = first._state.claim.wall
+        trap: list[object] = []
+        try:
+            out = first(**data.batch(0, 0, 0))
+            raise RuntimeError("the loss was NaN")
+        except RuntimeError as err:
+            trap.extend([err, trap, out])  # the traceback holds the forward's frames, the cycle the error
+        del out, first, trap
+        assert held is not None and held.live_bytes > 0, "the forward left nothing alive: no test"
+        with runtime.initialize(tiny_gpt(), config=config) as second:
+            assert held.live_bytes == 0, f"{held.live_bytes:,} bytes of the dropped engine still on the device"
+            train_updates(second, data, range(2))
+    finally:
+        gc.enable()
