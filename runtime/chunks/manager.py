@@ -313,7 +313,7 @@ class ChunkManager:
         """AdamW on every trainable shard at ``lr`` (one per parameter group, or one for all;
         ``active``: per parameter, whether any rank produced a gradient this window; gradients
         multiplied by ``grad_factors`` first), then refresh the device copies."""
-        self.optimizer.step(lr=lr, active=active, grad_factors=grad_factors)
+        self.optimizer.step(lr=lr, active=active, grad_factors=grad_factors, then=self.residency.refresh_early)
         self.refresh_full_copies()
 
     def zero_grad(self) -> None:

@@ -91,6 +91,8 @@ class ChunkOptimizer:
         self._last_job: DeviceEvent | None = None
         """The last job queued on the host worker (every job runs in order)."""
         self._speculated: dict[int, Speculation] = {}
+        self._zeroed: set[int] = set()
+        """Chunks whose gradient the step zeroed right after their update (``zero_grads`` skips them)."""
         """The early updates of this window, by chunk index."""
         self.num_speculations = 0
         self.applies_on_arrival = any(c.training is not None and not c.keeps_gradient for c in store.trainable_chunks())
@@ -352,32 +354,47 @@ class ChunkOptimizer:
         for chunk in self.trainable_chunks():
             chunk.grad_shard.mul_(factor)
 
-    def step(self, *, lr: GroupValues, active: torch.Tensor, grad_factors: tuple[float, ...] = ()) -> None:
+    def step(
+        self,
+        *,
+        lr: GroupValues,
+        active: torch.Tensor,
+        grad_factors: tuple[float, ...] = (),
+        then: Callable[[int], None] = lambda _: None,
+    ) -> None:
         """AdamW on every trainable shard (``active``: per parameter, whether any rank produced a
         gradient this window), each gradient multiplied by ``grad_factors`` first (unscale,
         clip), in that order. A chunk updated early is updated here only in the segments another
         rank's gradient made active. Two-phase: offloaded chunks
-        are updated (and their gradients zeroed) on the host worker, in forward order."""
+        are updated (and their gradients zeroed) on the host worker, in forward order.
+        ``then(chunk index)`` follows each trainable chunk's turn, updated or not."""
         self.finish_speculation()
         for chunk in self.trainable_chunks():
-            wanted = [bool(active[s.param]) for s in chunk.segments]
-            speculation = self._speculated.pop(chunk.index, None)
-            if speculation is not None:
-                # Only another rank's gradient can make a segment active that was not active
-                # here; such a segment was left untouched early, so update just those now.
-                wanted = [want and not done for want, done in zip(wanted, speculation.active, strict=True)]
-                if not any(wanted):
-                    continue
-            if not chunk.keeps_gradient:
-                if any(wanted):
-                    self._apply_held(chunk, wanted, lr)
-                continue
-            if self.mode is UpdateMode.TWO_PHASE and not chunk.persistent:
-                job = self._updater(chunk, wanted, lr, grad_factors, zero=True)
-                self._pending_updates[chunk.index] = self._submit(job)
-            else:
-                self._updater(chunk, wanted, lr, grad_factors, zero=False)()
+            self._step_chunk(chunk, lr=lr, active=active, grad_factors=grad_factors)
+            then(chunk.index)
         self._norm_squares.clear()
+
+    def _step_chunk(
+        self, chunk: Chunk, *, lr: GroupValues, active: torch.Tensor, grad_factors: tuple[float, ...]
+    ) -> None:
+        wanted = [bool(active[s.param]) for s in chunk.segments]
+        speculation = self._speculated.pop(chunk.index, None)
+        if speculation is not None:
+            # Only another rank's gradient can make a segment active that was not active
+            # here; such a segment was left untouched early, so update just those now.
+            wanted = [want and not done for want, done in zip(wanted, speculation.active, strict=True)]
+            if not any(wanted):
+                return
+        if not chunk.keeps_gradient:
+            if any(wanted):
+                self._apply_held(chunk, wanted, lr)
+            return
+        if self.mode is UpdateMode.TWO_PHASE and not chunk.persistent:
+            job = self._updater(chunk, wanted, lr, grad_factors, zero=True)
+            self._pending_updates[chunk.index] = self._submit(job)
+        else:  # its gradient zeroed at once, still in cache (and under the early refreshes)
+            self._updater(chunk, wanted, lr, grad_factors, zero=True)()
+            self._zeroed.add(chunk.index)
 
     @staticmethod
     def _updater(
@@ -400,8 +417,9 @@ class ChunkOptimizer:
             self.drain()  # no add into a shard may still be running
         self._norm_squares.clear()
         self._held.clear()
+        zeroed, self._zeroed = self._zeroed, set()
         for chunk in self.trainable_chunks():
-            if chunk.index not in self._pending_updates and chunk.keeps_gradient:
+            if chunk.index not in self._pending_updates and chunk.keeps_gradient and chunk.index not in zeroed:
                 chunk.grad_shard.zero_()
 
     def close(self) -> None:

@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from protrain.runtime.chunks.gather import gather_shard
 from protrain.runtime.chunks.residency_states import IllegalTransition, Residency
 from protrain.runtime.chunks.staging import Staged, StagingRing
 from protrain.runtime.chunks.trace_labels import job_label
 from protrain.runtime.hw import stream_chaos
 from protrain.runtime.hw.device import DeviceEvent, HostWorker, host_worker_threads, synchronize
-from protrain.runtime.hw.distributed import all_gather_flat
 
 if TYPE_CHECKING:  # store.py imports the states from here; the chunks come in as values
     from protrain.runtime.chunks.side_stream import CollectiveQueue
@@ -95,6 +95,8 @@ class ChunkResidency:
         self._slot_storage = {slot.untyped_storage().data_ptr(): i for i, slot in enumerate(self.slots)}
         self._pinned: set[int] = set()
         self._held: dict[int, int] = {}
+        self._refreshed_early: set[int] = set()
+        """Persistent chunks whose refresh the step queued early (``refresh_early``)."""
         """Chunks held on the device by ``hold`` (engine.gathered), with how many holds each:
         pinned whatever modules run, until let go."""
         self._recomputing = False
@@ -243,38 +245,35 @@ class ChunkResidency:
         self.store.point_params(chunk)
 
     def gather_shard(self, master: torch.Tensor, out: torch.Tensor, *, staged: Staged | None = None) -> None:
-        """This rank's shard (its stored elements) into its place in ``out`` in the compute
-        dtype, then (several ranks) the all-gather of the others' in place. A host shard goes up
-        from pinned memory, ``non_blocking``; one in fp32 from the ``staged`` buffer it was
-        downcast into (``_downcast``, before this runs), so the upload sends the compute dtype's
-        bytes and makes no fp32 temporary on the device. Runs on the side stream (the one thread
+        """``gather.gather_shard`` for this engine's chunks: on the side stream (the one thread
         that issues collectives) or, for persistent chunks, after the stream has drained."""
-        store = self.store
-        world = store.dist_ctx.world_size
-        shard = store.layout.shard_numel
-        whole = out
-        if world > 1 and out.numel() < store.layout.chunk_numel:
-            # A frozen persistent copy holds its used elements only (refreshed after a load or a
-            # plan switch): the collective needs the padded chunk, for this call alone.
-            whole = torch.zeros(store.layout.chunk_numel, dtype=out.dtype, device=out.device)
-        mine = whole if world == 1 else whole[store.dist_ctx.rank * shard :][:shard]
-        # A host shard holds the real elements only (a prefix): the rest of ``mine`` is padding,
-        # which nothing reads.
-        stored = master.numel()
-        if staged is not None:
-            mine[:stored].copy_(staged.buffer[:stored], non_blocking=True)
-        else:
-            mine[:stored].copy_(master, non_blocking=True)
-        if world > 1:
-            all_gather_flat(whole, mine, store.dist_ctx.group)
-            if whole is not out:
-                out.copy_(whole[: out.numel()])
+        gather_shard(self.store, master, out, staged=staged)
+
+    def refresh_early(self, chunk_index: int) -> None:
+        """In the step, right after a sharded persistent chunk's update (every rank calls it
+        for the same chunks in the same order): its all-gather goes to the side stream, under
+        the next chunks' updates instead of after all of them; ``refresh`` leaves it alone."""
+        chunk = self.chunks[chunk_index]
+        sharded = chunk.persistent and chunk.info.trainable and not chunk.is_replicated
+        if sharded and self.store.dist_ctx.world_size > 1:
+            master, full = chunk.master, chunk.full
+            self.queue.submit(lambda: self._labelled_gather(chunk_index, master, full))
+            self._refreshed_early.add(chunk_index)
+
+    def _labelled_gather(self, chunk_index: int, master: torch.Tensor, full: torch.Tensor | None) -> None:
+        assert full is not None
+        with job_label("gather", chunk_index):
+            self.gather_shard(master, full)
 
     @torch.no_grad()
     def refresh(self, *, frozen_too: bool) -> None:
-        """After an update (the queue drained): re-gather persistent chunks; drop every buffered
-        copy of the others (including prefetches that arrived with pre-update data)."""
+        """After an update (the queue drained): re-gather persistent chunks (those not gathered
+        early); drop every buffered copy of the others (including prefetches that arrived with
+        pre-update data)."""
+        early, self._refreshed_early = self._refreshed_early, set()
         for chunk in self.chunks:
+            if chunk.index in early:
+                continue
             if chunk.persistent and (chunk.info.trainable or frozen_too):
                 full = chunk.full
                 assert full is not None
