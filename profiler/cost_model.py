@@ -15,9 +15,12 @@ its update) while the adds still run beside backward::
 
     step     = max(forward, cpu adam) + max(backward + device_adam, adds) + update
     device_adam = persistent shards' update (per element + per parameter segment)
-                  + (world > 1) the all-gather refreshing their full copy; a replicated chunk
-                  (the first ``n_replicate`` persistent ones) updates the whole chunk on every
-                  rank and refreshes its copy from its own master, no all-gather
+                  + (world > 1) the all-gather refreshing their full copy, each on the side
+                  stream right after its chunk's update: with k sharded chunks, updates U and
+                  gathers G in all, max(U + G/k, U/k + G) (the last gather, or the first update,
+                  is never hidden); a replicated chunk (the first ``n_replicate`` persistent
+                  ones) updates the whole chunk on every rank and refreshes its copy from its
+                  own master, no all-gather
     update   = the gradient norm's read and the zeroing write over every trainable shard
     forward  = sum over chunks: persistent  fwd(c)
                                 offloaded   max(fwd(c), fetch(c))   with a spare buffer to
@@ -111,6 +114,14 @@ class Prediction:
     """The math libraries' device workspaces (HardwareProfile.library_workspace_bytes)."""
 
 
+def _refreshed(updates: float, gathers: float, chunks: int, *, overlap: bool) -> float:
+    """Sharded persistent chunks' updates and their refresh all-gathers, each gather queued on
+    the side stream after its chunk's update (runtime/chunks/residency.py ``refresh_early``)."""
+    if not overlap or chunks <= 0:
+        return updates + gathers
+    return max(updates + gathers / chunks, updates / chunks + gathers)
+
+
 def _span(prefix: Sequence[float], start: int, stop: int) -> float:
     return prefix[stop] - prefix[start]
 
@@ -156,8 +167,10 @@ def predict(
         # place. Two measurements of it differ by noise alone, and a host rate above the
         # device's would make offloading look faster than keeping chunks, which it never is.
         device_rate = host_rate = min(device_rate, host_rate)
-    device_adam = _span(costs.adam_params, r, p) / device_rate + _span(costs.replicated_update, 0, r)
-    device_adam += _span(costs.adam_segments, 0, p) * segment + _span(costs.refresh, r, p)
+    sharded_updates = _span(costs.adam_params, r, p) / device_rate + _span(costs.adam_segments, r, p) * segment
+    device_adam = _span(costs.replicated_update, 0, r) + _span(costs.adam_segments, 0, r) * segment
+    gathers = _span(costs.refresh, r, p)
+    device_adam += _refreshed(sharded_updates, gathers, p - r, overlap=hardware.copies_overlap_compute)
     cpu_adam = _span(costs.adam_params, p, n) / host_rate
     cpu_adam += _span(costs.adam_segments, p, n) * segment
     host_adds = _span(costs.host_adds if keeps_gradients else costs.host_widens, p, n)
