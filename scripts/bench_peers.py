@@ -46,8 +46,10 @@ How it is measured (two separate phases, so that neither disturbs the other):
   activations), the figure the target uses; "live" is ``VmRSS`` after the warm-up once glibc has
   returned freed pages (``malloc_trim``), what the candidate holds between steps; "steps" is
   ``VmHWM`` over the later steps, after resetting the mark (``echo 5 > /proc/self/clear_refs``;
-  "n/a" where not permitted). The resident set is everything the process touched: on CPU the "device" and "host" tiers are the
-  same RAM, so offloading moves state without shrinking it. Linux only (``/proc/self/status``).
+  "n/a" where not permitted). The resident set is everything the process touched: on CPU the
+  "device" and "host" tiers are the same RAM, so offloading moves state without shrinking it.
+  Linux only (``/proc/self/status``). For the all-offloaded plans, the peak's parts: the host
+  arena, the device tier's chunk buffers, and the rest.
 - Profiles: ProTrain profiles the model on its first run and caches the profile. Every ProTrain
   memory run gets an empty ``profiler.cache_dir`` of its own, so its peak includes profiling, as a
   user's first run does (a cache warmed by the timing phase would hide it); the footnote says how
@@ -173,6 +175,8 @@ class Trainer:
     close: Callable[[], None] = lambda: None
     plan_info: dict[str, int] | None = None
     """ProTrain only: the plan's n_buffer, num_chunks and chunk size in bytes."""
+    state_bytes: Callable[[], dict[str, int]] | None = None
+    """ProTrain only: the bytes its host arena and its device tier hold now (the RSS breakdown)."""
     seconds: list[float] = field(default_factory=list)
     steps_taken: int = 0
     last_loss: float = float("nan")
@@ -329,7 +333,15 @@ def build_protrain(kind: Kind, job: Job, example: Batch, *, first_n_buffer: int 
     if kind is Kind.PROTRAIN_AUTO:
         label = f"ProTrain auto: n_persist {plan.n_persist}/{plan.num_chunks}, n_replicate {plan.n_replicate}"
     plan_info = {"n_buffer": plan.n_buffer, "num_chunks": plan.num_chunks, "chunk_bytes": plan.chunk_size}
-    return Trainer(kind, label, train_step, close=engine.close, plan_info=plan_info)
+
+    def state_bytes() -> dict[str, int]:
+        from protrain.runtime.hw.host_memory import host_arena_bytes
+
+        # On CPU the device tier is RAM too: its chunk buffers and persistent chunks, as planned.
+        persistent = plan.n_persist * plan.chunk_size
+        return {"arena": host_arena_bytes()[0], "device_tier": plan.n_buffer * plan.chunk_size + persistent}
+
+    return Trainer(kind, label, train_step, close=engine.close, plan_info=plan_info, state_bytes=state_bytes)
 
 
 def build(kind: Kind, job: Job, batches: Sequence[Batch], min_plan: dict[str, int] | None) -> Trainer:
@@ -479,8 +491,11 @@ def memory_phase(job: Job, rank: int) -> dict[str, Any]:
     can_reset = reset_peak_rss()
     built.run(batches, args.memory_steps)
     end_hwm_kib = read_status_kib("VmHWM")
+    state = built.state_bytes() if built.state_bytes is not None else {}
     built.close()
     return {
+        "baseline_mib": baseline_kib / 1024,
+        **{f"{name}_mib": value / 2**20 for name, value in state.items()},
         # A model profile in a cache that started empty was measured inside this peak.
         "profiled": cache_was_empty and any(cache.glob("model-*.json")) if kind in PROTRAIN_KINDS else None,
         "peak_mib": (max(setup_hwm_kib, end_hwm_kib) - baseline_kib) / 1024,
@@ -569,9 +584,7 @@ def run_ranks(job: Job, timeout_s: float) -> list[dict[str, Any]]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
     parser.add_argument("--chunk-size", default="8MiB", help="ProTrain memory.chunk_size (e.g. 8MiB)")
     parser.add_argument(
@@ -667,6 +680,17 @@ def print_table(
             f"target (issue 3) for {rows[kind]['label']}: step time {step_s / fsdp_s:.2f}x FSDP2 "
             f"(<= {TARGET_VS_FSDP2:.1f}x: {fast}); peak memory {mib / ddp_mib:.2f}x DDP (<= 1.00x: {lean})"
         )
+    for kind in PROTRAIN_KINDS[:3]:
+        mib = memory.get(kind, {})
+        if "arena_mib" in mib:
+            rest = mib["peak_mib"] - mib["arena_mib"] - mib["device_tier_mib"]
+            print(
+                f"RSS of {rows[kind]['label']} (rank max): baseline {mib['baseline_mib']:.0f} MiB before the "
+                f"model (interpreter, torch, gloo, batches); peak growth {mib['peak_mib']:.0f} = host arena "
+                f"{mib['arena_mib']:.0f} (fp32 masters, moments, gradients, staging) + device tier "
+                f"{mib['device_tier_mib']:.0f} (chunk buffers) + {rest:.0f} else (activations, gradient "
+                "buffers in flight, the model as built before chunking, profiling, allocator slack)"
+            )
     if ddp_s is not None and ddp_mib is not None:
         targets = [(Kind.PROTRAIN_AUTO, 1.02, None)] + [(kind, 1.05, 1.10) for kind in PROTRAIN_KINDS[:3]]
         for kind, most_s, most_mib in targets:
@@ -737,6 +761,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                 for key in ("peak_mib", "live_mib", "steps_mib")
             }
             memory[kind]["profiled"] = all(r["profiled"] for r in per_rank)
+            # The breakdown is one rank's, the one with the higher peak, so that its parts add up.
+            worst = max(per_rank, key=lambda r: r["peak_mib"])
+            parts = ("baseline_mib", "arena_mib", "device_tier_mib")
+            memory[kind].update({k: v for k, v in worst.items() if k in parts})
     num_params = sum(p.numel() for p in build_gpt(gpt_config(args)).parameters())
     protrain = plans.get(Kind.PROTRAIN_MIN, {})
     # Whole parameters per chunk leave gaps; the padding is sharded and offloaded like the rest,
