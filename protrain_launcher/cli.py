@@ -25,12 +25,14 @@ ranks while planning: hand-set knobs no plan can honour); 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from protrain.launcher.launch import launch
 from protrain.launcher.preflight import check_master_addr, check_output_dir, key_source
 from protrain.launcher.request import EXIT_BAD_INPUT, EXIT_OK, LaunchRequest
+from protrain.launcher.slurm import SlurmError, SlurmJob, read_slurm_job, under_srun
 from protrain.runtime.config.spec import Spec
 from protrain.runtime.config.spec_io import SpecError, load_spec, parse_override
 
@@ -182,7 +184,12 @@ def parse_command_line(argv: list[str]) -> LaunchRequest:
                 continue
             launcher_overrides.append(parse_override(f"launcher.{key}={value}", source="command line --standalone"))
     script = Path(args.script)
+    try:
+        slurm = read_slurm_job(os.environ) if under_srun(os.environ) else None
+    except SlurmError as err:
+        raise UsageError(f"Slurm: {err}") from None
     return LaunchRequest(
+        slurm=slurm,
         script=script,
         script_args=tuple(args.script_args) + tuple(tail),
         config=Path(config) if config is not None else None,
@@ -264,6 +271,8 @@ def resolve_spec(request: LaunchRequest) -> Spec:
     """The spec file, then ``--set`` overrides in order, then launcher options (which win), all
     validated together; a checkpoint to resume from must exist before any rank starts."""
     spec = load_spec(request.config, [*request.overrides, *request.launcher_overrides])
+    if request.slurm is not None:
+        spec = _with_slurm(request, spec, request.slurm)
     resume = spec.checkpoint.resume
     if resume not in ("auto", "never") and not Path(resume).expanduser().exists():
         source = str(request.config) if request.config else "(defaults)"
@@ -272,6 +281,26 @@ def resolve_spec(request: LaunchRequest) -> Spec:
             "directory (one step-NNNNNNNN directory, or a checkpoint.dir to take its latest)"
         )
     return spec
+
+
+def _with_slurm(request: LaunchRequest, spec: Spec, slurm: SlurmJob) -> Spec:
+    """Slurm's node count, node rank, master and port under ``srun``; a node count or rank set
+    otherwise elsewhere is refused, a master address or (nonzero) port set by hand is kept."""
+    sources = {o.key_path: o.source for o in (*request.overrides, *request.launcher_overrides)}
+    given = set(spec.launcher.model_fields_set)
+    if spec.launcher.master_port == 0:
+        given.discard("master_port")  # "any free port" cannot serve several nodes: Slurm's port
+    decided = []
+    for key, value in slurm.launcher_values().items():
+        if key not in given:
+            decided.append(parse_override(f"launcher.{key}={value}", source=slurm.source(key)))
+        elif key in ("nnodes", "node_rank") and str(getattr(spec.launcher, key)) != value:
+            where = key_source(request.config, sources, ("launcher", key))
+            raise UsageError(
+                f"{where}: launcher.{key} is {getattr(spec.launcher, key)}, but {slurm.source(key)} says "
+                f"{value}: drop one of them"
+            )
+    return load_spec(request.config, [*request.overrides, *decided, *request.launcher_overrides])
 
 
 def _check_machine(request: LaunchRequest, spec: Spec) -> None:

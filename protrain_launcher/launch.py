@@ -141,7 +141,7 @@ def _elastic_run(request: LaunchRequest, spec: Spec, nproc: int, spec_path: Path
         min_nodes=launcher.nnodes,
         max_nodes=launcher.nnodes,
         nproc_per_node=nproc,
-        run_id=f"protrain-{launcher.master_addr}-{port}",
+        run_id=f"slurm-{request.slurm.job_id}" if request.slurm else f"protrain-{launcher.master_addr}-{port}",
         role="protrain",
         rdzv_endpoint=f"{launcher.master_addr}:{port}",
         rdzv_backend="static" if static else "c10d",

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from protrain.launcher.slurm import SlurmJob
     from protrain.runtime.config.spec_io import Override
 
 EXIT_OK = 0
@@ -38,3 +39,5 @@ class LaunchRequest:
     launcher_overrides: tuple[Override, ...]
     """Launcher options (``--nproc-per-node`` ...) as overrides of the launcher section; they win."""
     dry_run: bool
+    slurm: SlurmJob | None = None
+    """The ``srun`` job this task belongs to (``slurm.py``): its nodes, this node, the job id."""

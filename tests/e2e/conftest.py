@@ -48,6 +48,7 @@ while True:
     out = engine(**data.batch(update, 0, rank))
     engine.backward(out.loss)
     engine.step()
+    Path(f"rank{rank}.loss").write_text(repr(float(out.loss)))
     update += 1
     if mode == "train" and update == 3:
         break
@@ -80,20 +81,21 @@ class Job:
             env=clean_env(),
         )
 
-    def start(self, *args: str) -> subprocess.Popen[str]:
+    def start(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+        """``env``: variables added to the clean environment."""
         return subprocess.Popen(
             self.command(*args),
             cwd=self.workdir,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=clean_env(),
+            env={**clean_env(), **(env or {})},
         )
 
 
 def clean_env() -> dict[str, str]:
     env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "RANK", "WORLD_SIZE", "MASTER_"))
+        k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "RANK", "WORLD_SIZE", "MASTER_", "SLURM_"))
     }
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "scripts")])  # scripts/: the demo's model
     return env

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from protrain.launcher.slurm import PORT_BASE, PORT_SPAN
 from tests.e2e.conftest import ROOT, Job, clean_env, pid_alive, wait_for
 
 
@@ -41,10 +42,7 @@ def test_failing_rank_ends_the_job_and_the_other_rank(job: Job) -> None:
     result = job.run("--nproc-per-node", "2", str(job.script), "fail", "--config", str(job.spec), timeout=120)
     assert result.returncode == 1
     assert "rank one fails on purpose" in result.stderr
-    assert (
-        "protrain-run: rank 1 failed with exit code 1: RuntimeError: rank one fails on purpose"
-        in result.stderr
-    )
+    assert "protrain-run: rank 1 failed with exit code 1: RuntimeError: rank one fails on purpose" in result.stderr
     assert "rank 0 failed" not in result.stderr, "the rank stopped after the failure is not the cause"
     survivor = int((job.workdir / "rank0.pid").read_text())
     wait_for(lambda: not pid_alive(survivor), 10, "rank 0 to end")
@@ -53,9 +51,7 @@ def test_failing_rank_ends_the_job_and_the_other_rank(job: Job) -> None:
 def test_sigint_ends_every_rank_with_130(job: Job) -> None:
     proc = job.start("--nproc-per-node", "2", str(job.script), "forever", "--config", str(job.spec))
     try:
-        wait_for(
-            lambda: all((job.workdir / f"rank{r}.ready").exists() for r in range(2)), 90, "ranks to train"
-        )
+        wait_for(lambda: all((job.workdir / f"rank{r}.ready").exists() for r in range(2)), 90, "ranks to train")
         pids = [int((job.workdir / f"rank{r}.pid").read_text()) for r in range(2)]
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=30)
@@ -95,9 +91,7 @@ def test_ctrl_c_during_startup_exits_130_quietly(job: Job, delay_s: float) -> No
 def test_ranks_die_with_a_killed_launcher(job: Job) -> None:
     proc = job.start("--nproc-per-node", "2", str(job.script), "forever", "--config", str(job.spec))
     try:
-        wait_for(
-            lambda: all((job.workdir / f"rank{r}.ready").exists() for r in range(2)), 90, "ranks to train"
-        )
+        wait_for(lambda: all((job.workdir / f"rank{r}.ready").exists() for r in range(2)), 90, "ranks to train")
         pids = [int((job.workdir / f"rank{r}.pid").read_text()) for r in range(2)]
         proc.kill()
         proc.wait(timeout=10)
@@ -117,8 +111,7 @@ def test_two_nodes_on_loopback_form_one_job(job: Job) -> None:
     port = str(_free_port())
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
     nodes = [
-        job.start(*common, "--node-rank", str(rank), str(job.script), "--config", str(job.spec))
-        for rank in range(2)
+        job.start(*common, "--node-rank", str(rank), str(job.script), "--config", str(job.spec)) for rank in range(2)
     ]
     try:
         outputs = [node.communicate(timeout=150) for node in nodes]
@@ -129,6 +122,52 @@ def test_two_nodes_on_loopback_form_one_job(job: Job) -> None:
         assert node.returncode == 0, stderr
     done = sorted((job.workdir / f"rank{r}.done").read_text() for r in range(2))
     assert done == ["0 2 3", "1 2 3"]
+
+
+def test_two_slurm_nodes_on_loopback_train_as_one_node_with_two_ranks(job: Job) -> None:
+    """Two ``srun`` tasks, one per "node" (both this machine), told only what Slurm tells them:
+    they find each other (the first node of the list serves, on the port derived from the job
+    id) and train exactly as one node running both ranks."""
+    one_node = job.run("--nproc-per-node", "2", str(job.script), "--config", str(job.spec), timeout=150)
+    assert one_node.returncode == 0, one_node.stderr
+    expected = [(job.workdir / f"rank{r}.loss").read_text() for r in range(2)]
+    for stale in job.workdir.glob("rank*.*"):
+        stale.unlink()
+    port = _free_port_in(PORT_BASE, PORT_BASE + PORT_SPAN)
+    slurm = {
+        "SLURM_JOB_ID": str(port - PORT_BASE),
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_NODELIST": "localhost,localhost",
+        "SLURM_NNODES": "2",
+        "SLURM_NTASKS": "2",
+    }
+    nodes = [
+        job.start(
+            "--nproc-per-node", "1", str(job.script), "--config", str(job.spec),
+            env={**slurm, "SLURM_NODEID": str(node), "SLURM_PROCID": str(node), "SLURM_LOCALID": "0"},
+        )
+        for node in range(2)
+    ]  # fmt: skip
+    try:
+        outputs = [node.communicate(timeout=150) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, (_, stderr) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, stderr
+    assert sorted((job.workdir / f"rank{r}.done").read_text() for r in range(2)) == ["0 2 3", "1 2 3"]
+    assert [(job.workdir / f"rank{r}.loss").read_text() for r in range(2)] == expected
+
+
+def _free_port_in(low: int, high: int) -> int:
+    for port in range(low + os.getpid() % 997, high):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in [{low}, {high})")
 
 
 def test_dry_run_one_child_no_group_no_files(job: Job) -> None:
