@@ -25,19 +25,22 @@ demo: $(STAMP)
 
 # Unit tests on 2 workers that steal work from each other: a few long tests (the first-contact
 # rehearsal, mypy) no longer leave one worker idle at the end (about 30 s less on 2 cores).
+# The 2-rank and end-to-end tests also run on 2 workers, a file each at a time (each worker its
+# own rank pool): their processes wait on each other, on imports and on rendezvous often enough
+# that two files at once took 257 s where one at a time took 309 s on 2 cores.
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist worksteal -m "unit" --durations=15 tests
-	$(BIN)/python -m pytest -m "not unit" --durations=15 tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not unit" --durations=15 tests
 	$(MAKE) --no-print-directory test-chaos
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist worksteal -m unit tests
 
 test-dist: $(STAMP)
-	$(BIN)/python -m pytest -m dist tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m dist tests
 
 test-e2e: $(STAMP)
-	$(BIN)/python -m pytest -m e2e tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m e2e tests
 
 # Stream chaos (runtime/hw/stream_chaos.py): equivalence tests that cover every chunk plan
 # (offloaded, buffered, persistent), reductions on two ranks, every activation mode, fp32 and
@@ -67,8 +70,8 @@ CHAOS_RANDOM := PROTRAIN_STREAM_CHAOS=1 PROTRAIN_STREAM_CHAOS_SEED=$(CHAOS_SEED)
 
 test-chaos: $(STAMP)
 	$(CHAOS_RANDOM) $(BIN)/python -m pytest -n 2 $(CHAOS_RANDOM_UNIT)
-	$(CHAOS_RANDOM) $(BIN)/python -m pytest $(CHAOS_RANDOM_DIST)
-	PROTRAIN_STREAM_CHAOS=lazy $(BIN)/python -m pytest $(CHAOS_LAZY)
+	$(CHAOS_RANDOM) $(BIN)/python -m pytest -n 2 --dist loadfile $(CHAOS_RANDOM_DIST)
+	PROTRAIN_STREAM_CHAOS=lazy $(BIN)/python -m pytest -n 2 --dist loadfile $(CHAOS_LAZY)
 
 # The key table of docs/spec-reference.md, regenerated from the spec's pydantic models
 # (tests/unit/test_readme.py fails while it is stale).
