@@ -284,8 +284,9 @@ def resolve_spec(request: LaunchRequest) -> Spec:
 
 
 def _with_slurm(request: LaunchRequest, spec: Spec, slurm: SlurmJob) -> Spec:
-    """Slurm's node count, node rank, master and port under ``srun``; a node count or rank set
-    otherwise elsewhere is refused, a master address or (nonzero) port set by hand is kept."""
+    """Slurm's node count, node rank, master and port under ``srun`` (one task per GPU: ranks
+    per node 1, each task a "node"); a count or rank set otherwise elsewhere is refused, a master
+    address or (nonzero) port set by hand is kept."""
     sources = {o.key_path: o.source for o in (*request.overrides, *request.launcher_overrides)}
     given = set(spec.launcher.model_fields_set)
     if spec.launcher.master_port == 0:
@@ -294,7 +295,7 @@ def _with_slurm(request: LaunchRequest, spec: Spec, slurm: SlurmJob) -> Spec:
     for key, value in slurm.launcher_values().items():
         if key not in given:
             decided.append(parse_override(f"launcher.{key}={value}", source=slurm.source(key)))
-        elif key in ("nnodes", "node_rank") and str(getattr(spec.launcher, key)) != value:
+        elif key in ("nnodes", "node_rank", "nproc_per_node") and str(getattr(spec.launcher, key)) != value:
             where = key_source(request.config, sources, ("launcher", key))
             raise UsageError(
                 f"{where}: launcher.{key} is {getattr(spec.launcher, key)}, but {slurm.source(key)} says "

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from protrain.launcher.env_names import BAD_INPUT_PREFIX, LAUNCHER_PID_ENV
+from protrain.launcher.env_names import BAD_INPUT_PREFIX, LAUNCHER_PID_ENV, LOCAL_RANK_ENV, LOCAL_WORLD_SIZE_ENV
 from protrain.launcher.request import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
@@ -29,6 +29,7 @@ from protrain.launcher.request import (
     LaunchRequest,
 )
 from protrain.launcher.signal_hold import import_torch
+from protrain.launcher.slurm import SlurmJob
 from protrain.runtime.config.spec import AUTO, Spec, auto_fields
 from protrain.runtime.config.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, write_resolved
 
@@ -95,13 +96,17 @@ def _new_run_dir(base: Path, node_rank: int) -> Path:
     return run_dir
 
 
-def _child_env(spec_path: Path, nproc: int) -> dict[str, str]:
+def _child_env(spec_path: Path, nproc: int, slurm: SlurmJob | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _INHERITED_RENDEZVOUS_VARS}
     env[RESOLVED_SPEC_ENV] = str(spec_path.resolve())
     env[LAUNCHER_PID_ENV] = str(os.getpid())
+    ranks_here = nproc
+    if slurm is not None and slurm.per_task:  # this task is one of its node's ranks
+        env[LOCAL_RANK_ENV], env[LOCAL_WORLD_SIZE_ENV] = str(slurm.local_id), str(slurm.tasks_here)
+        ranks_here = slurm.tasks_here
     # Like torchrun: without a setting, ranks sharing a host split its cores instead of each
     # starting one thread per core.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks_here)))
     return env
 
 
@@ -156,7 +161,7 @@ def _elastic_run(request: LaunchRequest, spec: Spec, nproc: int, spec_path: Path
     )
     _quiet_torch_elastic_logs()
     saved_env = dict(os.environ)
-    os.environ.update(_child_env(spec_path, nproc))
+    os.environ.update(_child_env(spec_path, nproc, request.slurm))
     for name in _INHERITED_RENDEZVOUS_VARS:
         os.environ.pop(name, None)
     interrupt = _InterruptAsTerminate()

@@ -22,7 +22,13 @@ import sys
 import time
 from types import FrameType
 
-from protrain.launcher.env_names import BAD_INPUT_PREFIX, ERROR_FILE_ENV, LAUNCHER_PID_ENV
+from protrain.launcher.env_names import (
+    BAD_INPUT_PREFIX,
+    ERROR_FILE_ENV,
+    LAUNCHER_PID_ENV,
+    LOCAL_RANK_ENV,
+    LOCAL_WORLD_SIZE_ENV,
+)
 
 # standard library only: nothing heavy yet
 from protrain.launcher.request import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_RANK_FAILED
@@ -108,9 +114,17 @@ def report_bad_input(err: Exception) -> None:
         json.dump({"message": message}, file)
 
 
+def take_local_place() -> None:
+    """One Slurm task per GPU: this rank's place among its node's ranks is the task's."""
+    for ours, torchs in ((LOCAL_RANK_ENV, "LOCAL_RANK"), (LOCAL_WORLD_SIZE_ENV, "LOCAL_WORLD_SIZE")):
+        if os.environ.get(ours):
+            os.environ[torchs] = os.environ[ours]
+
+
 def main() -> None:
     try:
         die_with_parent()
+        take_local_place()
         signal.signal(signal.SIGTERM, _on_sigterm)
         if len(sys.argv) < 2:
             print("usage: python -m protrain.launcher.rank_entry SCRIPT [ARGS...]", file=sys.stderr)

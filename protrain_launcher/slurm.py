@@ -1,11 +1,15 @@
 """What Slurm tells a task started by ``srun``: the nodes, this node's place among them, the job.
 
-``protrain-run`` under ``srun`` with one task per node reads it instead of ``--nnodes``,
-``--node-rank`` and ``--master-addr``: the job's nodes are ``SLURM_JOB_NODELIST`` (expanded here,
-without ``scontrol``), this node is ``SLURM_NODEID``, the first node serves the rendezvous unless
-``launcher.master_addr`` is set, and the port is derived from ``SLURM_JOB_ID`` unless
-``launcher.master_port`` is set (every node derives the same one). A command line or spec that
-says otherwise about the node count or this node's rank is refused, naming both.
+``protrain-run`` under ``srun`` reads it instead of ``--nnodes``, ``--node-rank`` and
+``--master-addr``. The job's nodes are ``SLURM_JOB_NODELIST`` (expanded here, without
+``scontrol``); the first serves the rendezvous unless ``launcher.master_addr`` is set, on a port
+derived from ``SLURM_JOB_ID`` unless ``launcher.master_port`` is set (every task derives the
+same one). With one task per node, each task spawns its node's ranks and this node is
+``SLURM_NODEID``. With more tasks than nodes (one per GPU), each task is one rank: the job's
+"nodes" for the rendezvous are its tasks (``SLURM_NTASKS``, this one ``SLURM_PROCID``, one rank
+each), and the rank's place on its machine is ``SLURM_LOCALID`` among the node's tasks
+(``SLURM_TASKS_PER_NODE``). A command line or spec that says otherwise about the counts or this
+task's rank is refused, naming both.
 """
 
 from __future__ import annotations
@@ -87,6 +91,17 @@ def _expand_ranges(spec: str, text: str) -> list[str]:
     return values
 
 
+def expand_tasks_per_node(text: str) -> list[int]:
+    """``SLURM_TASKS_PER_NODE`` per node: ``2(x3),1`` is 2, 2, 2, 1."""
+    counts: list[int] = []
+    for part in text.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
+        if match is None:
+            raise SlurmError(f"{part!r} in {text!r} is not a task count (like 8 or 8(x4))")
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
+
+
 @dataclass(frozen=True, slots=True)
 class SlurmJob:
     """The job as ``srun`` describes it to one of its tasks."""
@@ -95,7 +110,16 @@ class SlurmJob:
     nodes: tuple[str, ...]
     node_id: int
     tasks: int
-    """``SLURM_NTASKS``: one per node, as protrain-run spawns each node's ranks itself."""
+    """``SLURM_NTASKS``: one per node (each spawns its node's ranks), or one per rank."""
+    proc_id: int = 0
+    local_id: int = 0
+    tasks_here: int = 1
+    """This node's tasks (one per node: 1)."""
+
+    @property
+    def per_task(self) -> bool:
+        """More tasks than nodes: each task is one rank (one per GPU)."""
+        return self.tasks > len(self.nodes)
 
     @property
     def master_port(self) -> int:
@@ -104,18 +128,24 @@ class SlurmJob:
 
     def launcher_values(self) -> dict[str, str]:
         """The spec's launcher keys Slurm decides, as override strings."""
-        return {
-            "nnodes": str(len(self.nodes)),
-            "node_rank": str(self.node_id),
+        values = {
+            "nnodes": str(self.tasks if self.per_task else len(self.nodes)),
+            "node_rank": str(self.proc_id if self.per_task else self.node_id),
             "master_addr": self.nodes[0],
             "master_port": str(self.master_port),
         }
+        if self.per_task:
+            values["nproc_per_node"] = "1"
+        return values
 
     def source(self, key: str) -> str:
         """Where a launcher value came from, for messages."""
         names = {
-            "nnodes": f"SLURM_JOB_NODELIST={','.join(self.nodes)}",
-            "node_rank": f"SLURM_NODEID={self.node_id}",
+            "nnodes": f"SLURM_NTASKS={self.tasks}, one rank each"
+            if self.per_task
+            else f"SLURM_JOB_NODELIST={','.join(self.nodes)}",
+            "node_rank": f"SLURM_PROCID={self.proc_id}" if self.per_task else f"SLURM_NODEID={self.node_id}",
+            "nproc_per_node": f"SLURM_NTASKS={self.tasks} on {len(self.nodes)} node(s): each task is one rank",
             "master_addr": "the first of SLURM_JOB_NODELIST",
             "master_port": f"derived from SLURM_JOB_ID={self.job_id}",
         }
@@ -153,9 +183,30 @@ def read_slurm_job(environ: Mapping[str, str]) -> SlurmJob:
         raise SlurmError(f"SLURM_NNODES={nnodes} but SLURM_JOB_NODELIST={nodelist} names {len(nodes)} node(s)")
     if node_id >= nnodes:
         raise SlurmError(f"SLURM_NODEID={node_id} is not below SLURM_NNODES={nnodes}")
-    if tasks != nnodes:
+    job_id = need("SLURM_JOB_ID")
+    if tasks < nnodes:
+        raise SlurmError(f"SLURM_NTASKS={tasks} is below SLURM_NNODES={nnodes}: give every node a task")
+    if tasks == nnodes:
+        return SlurmJob(job_id=job_id, nodes=nodes, node_id=node_id, tasks=tasks)
+    per_node = need("SLURM_TASKS_PER_NODE")
+    try:
+        counts = expand_tasks_per_node(per_node)
+    except SlurmError as err:
+        raise SlurmError(f"SLURM_TASKS_PER_NODE: {err}") from None
+    if len(counts) != nnodes or sum(counts) != tasks:
+        raise SlurmError(f"SLURM_TASKS_PER_NODE={per_node} does not give SLURM_NTASKS={tasks} over {nnodes} node(s)")
+    proc_id, local_id = number("SLURM_PROCID"), number("SLURM_LOCALID")
+    if proc_id >= tasks or local_id >= counts[node_id]:
         raise SlurmError(
-            f"SLURM_NTASKS={tasks} on SLURM_NNODES={nnodes}: protrain-run starts each node's ranks itself, "
-            "so run one task per node (srun --ntasks-per-node=1 protrain-run ...)"
+            f"SLURM_PROCID={proc_id}, SLURM_LOCALID={local_id} do not fit SLURM_NTASKS={tasks} with "
+            f"{counts[node_id]} task(s) on this node"
         )
-    return SlurmJob(job_id=need("SLURM_JOB_ID"), nodes=nodes, node_id=node_id, tasks=tasks)
+    return SlurmJob(
+        job_id=job_id,
+        nodes=nodes,
+        node_id=node_id,
+        tasks=tasks,
+        proc_id=proc_id,
+        local_id=local_id,
+        tasks_here=counts[node_id],
+    )

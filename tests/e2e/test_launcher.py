@@ -124,39 +124,40 @@ def test_two_nodes_on_loopback_form_one_job(job: Job) -> None:
     assert done == ["0 2 3", "1 2 3"]
 
 
-def test_two_slurm_nodes_on_loopback_train_as_one_node_with_two_ranks(job: Job) -> None:
-    """Two ``srun`` tasks, one per "node" (both this machine), told only what Slurm tells them:
-    they find each other (the first node of the list serves, on the port derived from the job
-    id) and train exactly as one node running both ranks."""
+def test_slurm_tasks_on_loopback_train_as_one_node_with_two_ranks(job: Job) -> None:
+    """``srun`` tasks told only what Slurm tells them, on this one machine: two "nodes" with a
+    task each (each spawning its rank), then one node with a task per rank. Either way they find
+    each other (the first node of the list serves, on the port derived from the job id) and train
+    exactly as one node running both ranks."""
     one_node = job.run("--nproc-per-node", "2", str(job.script), "--config", str(job.spec), timeout=150)
     assert one_node.returncode == 0, one_node.stderr
     expected = [(job.workdir / f"rank{r}.loss").read_text() for r in range(2)]
-    for stale in job.workdir.glob("rank*.*"):
-        stale.unlink()
-    port = _free_port_in(PORT_BASE, PORT_BASE + PORT_SPAN)
-    slurm = {
-        "SLURM_JOB_ID": str(port - PORT_BASE),
-        "SLURM_STEP_ID": "0",
-        "SLURM_JOB_NODELIST": "localhost,localhost",
-        "SLURM_NNODES": "2",
-        "SLURM_NTASKS": "2",
-    }
-    nodes = [
-        job.start(
-            "--nproc-per-node", "1", str(job.script), "--config", str(job.spec),
-            env={**slurm, "SLURM_NODEID": str(node), "SLURM_PROCID": str(node), "SLURM_LOCALID": "0"},
-        )
-        for node in range(2)
-    ]  # fmt: skip
-    try:
-        outputs = [node.communicate(timeout=150) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    for node, (_, stderr) in zip(nodes, outputs, strict=True):
-        assert node.returncode == 0, stderr
-    assert sorted((job.workdir / f"rank{r}.done").read_text() for r in range(2)) == ["0 2 3", "1 2 3"]
-    assert [(job.workdir / f"rank{r}.loss").read_text() for r in range(2)] == expected
+    per_node = {"SLURM_JOB_NODELIST": "localhost,localhost", "SLURM_NNODES": "2", "SLURM_NTASKS": "2"}
+    per_gpu = {"SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1", "SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "2"}
+    for layout in (per_node, per_gpu):
+        for stale in job.workdir.glob("rank*.*"):
+            stale.unlink()
+        port = _free_port_in(PORT_BASE, PORT_BASE + PORT_SPAN)
+        slurm = {"SLURM_JOB_ID": str(port - PORT_BASE), "SLURM_STEP_ID": "0", **layout}
+        tasks = [
+            {"SLURM_NODEID": str(task), "SLURM_PROCID": str(task), "SLURM_LOCALID": "0"}
+            if layout is per_node
+            else {"SLURM_NODEID": "0", "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)}
+            for task in range(2)
+        ]
+        started = [
+            job.start("--nproc-per-node", "1", str(job.script), "--config", str(job.spec), env={**slurm, **task})
+            for task in tasks
+        ]
+        try:
+            outputs = [proc.communicate(timeout=150) for proc in started]
+        finally:
+            for proc in started:
+                proc.kill()
+        for proc, (_, stderr) in zip(started, outputs, strict=True):
+            assert proc.returncode == 0, stderr
+        assert sorted((job.workdir / f"rank{r}.done").read_text() for r in range(2)) == ["0 2 3", "1 2 3"]
+        assert [(job.workdir / f"rank{r}.loss").read_text() for r in range(2)] == expected, layout
 
 
 def _free_port_in(low: int, high: int) -> int:

@@ -1,6 +1,7 @@
 """protrain-run under ``srun`` (protrain_launcher/slurm.py): Slurm's node list expanded as Slurm
 writes it, and the job's nodes, this node's rank, the master and the port read from a task's
-environment; a command line or spec that disagrees is refused with exit 2 and one line."""
+environment, one task per node or one per GPU; a command line or spec that disagrees is refused
+with exit 2 and one line."""
 
 from __future__ import annotations
 
@@ -9,8 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from protrain.launcher import cli
-from protrain.launcher.slurm import PORT_BASE, PORT_SPAN, SlurmError, expand_nodelist, read_slurm_job
+from protrain.launcher import cli, launch, rank_entry
+from protrain.launcher.env_names import LOCAL_RANK_ENV, LOCAL_WORLD_SIZE_ENV
+from protrain.launcher.slurm import (
+    PORT_BASE,
+    PORT_SPAN,
+    SlurmError,
+    expand_nodelist,
+    expand_tasks_per_node,
+    read_slurm_job,
+)
 
 NODE_LISTS = [
     ("node01", ["node01"]),
@@ -84,7 +93,11 @@ def test_a_task_reads_its_job_from_the_environment() -> None:
     [
         ({"SLURM_NNODES": "3"}, r"SLURM_NNODES=3 but SLURM_JOB_NODELIST=gpu\[07-08\] names 2"),
         ({"SLURM_NODEID": "2"}, "SLURM_NODEID=2 is not below SLURM_NNODES=2"),
-        ({"SLURM_NTASKS": "16"}, "one task per node"),
+        ({"SLURM_NTASKS": "1"}, "SLURM_NTASKS=1 is below SLURM_NNODES=2"),
+        ({"SLURM_NTASKS": "16"}, "SLURM_TASKS_PER_NODE is not set"),
+        ({"SLURM_NTASKS": "4", "SLURM_TASKS_PER_NODE": "3(x2)"}, "SLURM_TASKS_PER_NODE=3\\(x2\\) does not give"),
+        ({"SLURM_NTASKS": "4", "SLURM_TASKS_PER_NODE": "2x2"}, "'2x2' in '2x2' is not a task count"),
+        ({"SLURM_NTASKS": "4", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_LOCALID": "2"}, "do not fit"),
         ({"SLURM_NODEID": ""}, "SLURM_NODEID is not set"),
         ({"SLURM_NNODES": "two"}, "SLURM_NNODES='two' is not a whole number"),
         ({"SLURM_JOB_NODELIST": "gpu[07-"}, "SLURM_JOB_NODELIST: a '\\[' without its '\\]'"),
@@ -150,8 +163,49 @@ def test_a_disagreement_with_slurm_exits_2_with_one_line_naming_both(
 def test_a_broken_slurm_environment_exits_2(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], script: Path
 ) -> None:
-    for name, value in srun_env(SLURM_NTASKS="4").items():
+    for name, value in srun_env(SLURM_NTASKS="1").items():
         monkeypatch.setenv(name, value)
     assert cli.main([str(script)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("protrain-run: error: Slurm: SLURM_NTASKS=4 on SLURM_NNODES=2") and err.count("\n") == 1
+    assert err.startswith("protrain-run: error: Slurm: SLURM_NTASKS=1 is below SLURM_NNODES=2") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "counts"), [("8(x4)", [8, 8, 8, 8]), ("2(x3),1", [2, 2, 2, 1]), ("4", [4]), ("1,2(x2)", [1, 2, 2])]
+)
+def test_tasks_per_node_expand_as_slurm_writes_them(text: str, counts: list[int]) -> None:
+    assert expand_tasks_per_node(text) == counts
+
+
+def per_gpu_env() -> dict[str, str]:
+    """``srun -N 2 --ntasks-per-node=2``: the fourth task, the second on the second node."""
+    return srun_env(SLURM_NTASKS="4", SLURM_TASKS_PER_NODE="2(x2)", SLURM_PROCID="3", SLURM_LOCALID="1")
+
+
+def test_one_task_per_gpu_makes_each_task_one_rank(monkeypatch: pytest.MonkeyPatch, script: Path) -> None:
+    """Each task is a rendezvous "node" of one rank; its place on its machine goes to the rank
+    (LOCAL_RANK picks its GPU, LOCAL_WORLD_SIZE its share of the host), as do its cores."""
+    job = read_slurm_job(per_gpu_env())
+    assert job.per_task and (job.local_id, job.tasks_here) == (1, 2)
+    spec = resolved(monkeypatch, per_gpu_env(), [str(script)])
+    launcher = spec.launcher
+    assert (launcher.nnodes, launcher.node_rank, launcher.nproc_per_node) == (4, 3, 1)
+    assert launcher.master_addr == "gpu07"
+    env = launch._child_env(Path("spec.json"), 1, job)
+    assert (env[LOCAL_RANK_ENV], env[LOCAL_WORLD_SIZE_ENV]) == ("1", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")  # what torch's agent gives its one worker
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv(LOCAL_RANK_ENV, "1")
+    monkeypatch.setenv(LOCAL_WORLD_SIZE_ENV, "2")
+    rank_entry.take_local_place()
+    assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == ("1", "2")
+
+
+def test_ranks_per_node_other_than_one_are_refused_with_a_task_per_gpu(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], script: Path
+) -> None:
+    for name, value in per_gpu_env().items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(["--nproc-per-node", "2", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert "launcher.nproc_per_node is 2, but Slurm (SLURM_NTASKS=4 on 2 node(s): each task is one rank) says 1" in err
