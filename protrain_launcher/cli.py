@@ -2,6 +2,7 @@
 
     protrain-run [--nproc-per-node N|auto] [--nnodes N] [--node-rank R] [--master-addr A]
                  [--master-port P] [--max-restarts K] [--standalone] [--dry-run]
+                 [--hostfile FILE [--include HOSTS | --exclude HOSTS]]
                  train.py [script args] --config job.yaml [--set key.path=value ...] [-- args]
     protrain-run --what-if HARDWARE.yaml (--model-config CONFIG.json | --largest) [...]
     protrain-run --report [--config job.yaml] [--ssd-path DIR] [--json]
@@ -29,12 +30,14 @@ import os
 import sys
 from pathlib import Path
 
+from protrain.launcher.hostfile import HostfileError, forwarded_env, read_hostfile, select_nodes
 from protrain.launcher.launch import launch
+from protrain.launcher.multinode import DEFAULT_MASTER_PORT, node_arguments, node_command, run_nodes
 from protrain.launcher.preflight import check_master_addr, check_output_dir, key_source
 from protrain.launcher.request import EXIT_BAD_INPUT, EXIT_OK, LaunchRequest
 from protrain.launcher.slurm import SlurmError, SlurmJob, read_slurm_job, under_srun
 from protrain.runtime.config.spec import Spec
-from protrain.runtime.config.spec_io import SpecError, load_spec, parse_override
+from protrain.runtime.config.spec_io import Override, SpecError, load_spec, parse_override
 
 SPEC_OPTIONS = ("--config", "--set")
 """Taken wherever they appear before ``--`` (not by the parser, which stops at the script)."""
@@ -102,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="one node on this machine, rendezvous on a free local port (torchrun's --standalone)",
     )
+    parser.add_argument(
+        "--hostfile",
+        metavar="FILE",
+        help="DeepSpeed's hostfile ('HOST slots=N' per line): one protrain-run per host, this machine's "
+        "directly, the others over ssh, with the variables of .protrain_env forwarded",
+    )
+    parser.add_argument("--include", metavar="HOSTS", help="with --hostfile: only these, as 'host:0,1@host2'")
+    parser.add_argument("--exclude", metavar="HOSTS", help="with --hostfile: all but these, as 'host:0@host2'")
     parser.add_argument("--dry-run", action="store_true", help="validate, plan in one local process, print, exit")
     parser.add_argument("--version", action="store_true", help="print protrain-run's version and exit")
     # Listed for --help; main() hands either one, before the script path, to its own command.
@@ -188,8 +199,13 @@ def parse_command_line(argv: list[str]) -> LaunchRequest:
         slurm = read_slurm_job(os.environ) if under_srun(os.environ) else None
     except SlurmError as err:
         raise UsageError(f"Slurm: {err}") from None
+    hostfile = _hostfile_options(args, launcher_overrides, slurm)
     return LaunchRequest(
         slurm=slurm,
+        hostfile=hostfile,
+        include=args.include,
+        exclude=args.exclude,
+        node_argv=tuple(_without_hostfile_options(argv)) if hostfile else (),
         script=script,
         script_args=tuple(args.script_args) + tuple(tail),
         config=Path(config) if config is not None else None,
@@ -197,6 +213,68 @@ def parse_command_line(argv: list[str]) -> LaunchRequest:
         launcher_overrides=tuple(launcher_overrides),
         dry_run=bool(args.dry_run),
     )
+
+
+HOSTFILE_OPTIONS = ("--hostfile", "--include", "--exclude")
+NODE_SHAPE = ("nnodes", "node_rank", "master_addr", "nproc_per_node")
+"""Launcher keys a hostfile decides for each node."""
+
+
+def _hostfile_options(
+    args: argparse.Namespace, launcher_overrides: list[Override], slurm: SlurmJob | None
+) -> Path | None:
+    if args.hostfile is None:
+        if args.include or args.exclude:
+            raise UsageError("command line: --include and --exclude filter a --hostfile; give one")
+        return None
+    if slurm is not None:
+        raise UsageError("command line: --hostfile under srun: Slurm already starts a task per node; drop one")
+    for override in launcher_overrides:
+        if override.key_path[-1] in NODE_SHAPE:
+            raise UsageError(
+                f"{override.source}: the hostfile decides launcher.{override.key_path[-1]} for each node; drop it"
+            )
+    return Path(args.hostfile)
+
+
+def _without_hostfile_options(argv: list[str]) -> list[str]:
+    """``argv`` less the hostfile options (before the script path; the script's own are kept)."""
+    kept: list[str] = []
+    index = 0
+    while index < len(argv):
+        arg = argv[index]
+        name, eq, _ = arg.partition("=")
+        if arg == "--" or not arg.startswith("-"):
+            return kept + argv[index:]  # the script path, and what follows it, untouched
+        takes_value = not eq and name not in FLAGS
+        if name not in HOSTFILE_OPTIONS:
+            kept.extend(argv[index : index + 1 + int(takes_value)])
+        index += 1 + int(takes_value)
+    return kept
+
+
+def _run_hostfile(request: LaunchRequest, spec: Spec) -> int:
+    """One protrain-run per host of the hostfile (``multinode.py``)."""
+    assert request.hostfile is not None
+    try:
+        hosts = read_hostfile(request.hostfile)
+        nodes = select_nodes(hosts, include=request.include, exclude=request.exclude)
+        env = forwarded_env(dict(os.environ), Path.cwd(), Path.home())
+    except HostfileError as err:
+        raise UsageError(str(err)) from None
+    port = spec.launcher.master_port or DEFAULT_MASTER_PORT
+    rest = list(request.node_argv)
+    commands = [
+        node_command(
+            node,
+            node_arguments(nodes, index, master_port=port, rest=rest),
+            cwd=Path.cwd(),
+            env=env,
+            total_slots=hosts[node.host],
+        )
+        for index, node in enumerate(nodes)
+    ]
+    return run_nodes(commands, cwd=Path.cwd())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         request = parse_command_line(argv)
         spec = resolve_spec(request)
         _check_script(request.script)
+        if request.hostfile is not None:
+            return _run_hostfile(request, spec)  # each node checks its own machine
         _check_machine(request, spec)
     except SpecError as err:
         print(f"protrain-run: error: {err}", file=sys.stderr)

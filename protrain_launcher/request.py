@@ -41,3 +41,9 @@ class LaunchRequest:
     dry_run: bool
     slurm: SlurmJob | None = None
     """The ``srun`` job this task belongs to (``slurm.py``): its nodes, this node, the job id."""
+    hostfile: Path | None = None
+    """``--hostfile``: this protrain-run starts one per host (``multinode.py``)."""
+    include: str | None = None
+    exclude: str | None = None
+    node_argv: tuple[str, ...] = ()
+    """The command line without ``--hostfile``/``--include``/``--exclude``: what each node runs."""
