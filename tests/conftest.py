@@ -1,6 +1,7 @@
 """Test-suite shape (DESIGN section 6): tests/unit -> unit (in-process, run with -n 2),
-tests/distributed -> dist (2 gloo ranks from one reusable worker pool), tests/e2e -> e2e (real
-protrain-run processes). The marker follows the folder so no test can be left out of a run.
+tests/distributed -> dist (2 gloo ranks from a reusable worker pool, one per xdist worker),
+tests/e2e -> e2e (real protrain-run processes). The marker follows the folder so no test can be
+left out of a run.
 
 Under stream chaos (PROTRAIN_STREAM_CHAOS, runtime/hw/stream_chaos.py) a skipped step raises, so
 tests marked ``skips_steps`` (they skip on purpose: a NaN loss, an fp16 overflow) are skipped."""
