@@ -113,15 +113,20 @@ def test_two_nodes_on_loopback_form_one_job(job: Job) -> None:
     nodes = [
         job.start(*common, "--node-rank", str(rank), str(job.script), "--config", str(job.spec)) for rank in range(2)
     ]
-    try:
-        outputs = [node.communicate(timeout=150) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    for node, (_, stderr) in zip(nodes, outputs, strict=True):
-        assert node.returncode == 0, stderr
+    all_succeed(nodes)
     done = sorted((job.workdir / f"rank{r}.done").read_text() for r in range(2))
     assert done == ["0 2 3", "1 2 3"]
+
+
+def all_succeed(procs: list[subprocess.Popen[str]], timeout_s: float = 150) -> None:
+    """Wait for every process (each killed if the wait fails); each must exit 0."""
+    try:
+        outputs = [proc.communicate(timeout=timeout_s) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for proc, (_, stderr) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, stderr
 
 
 def test_slurm_tasks_on_loopback_train_as_one_node_with_two_ranks(job: Job) -> None:
@@ -149,13 +154,7 @@ def test_slurm_tasks_on_loopback_train_as_one_node_with_two_ranks(job: Job) -> N
             job.start("--nproc-per-node", "1", str(job.script), "--config", str(job.spec), env={**slurm, **task})
             for task in tasks
         ]
-        try:
-            outputs = [proc.communicate(timeout=150) for proc in started]
-        finally:
-            for proc in started:
-                proc.kill()
-        for proc, (_, stderr) in zip(started, outputs, strict=True):
-            assert proc.returncode == 0, stderr
+        all_succeed(started)
         assert sorted((job.workdir / f"rank{r}.done").read_text() for r in range(2)) == ["0 2 3", "1 2 3"]
         assert [(job.workdir / f"rank{r}.loss").read_text() for r in range(2)] == expected, layout
 
