@@ -91,9 +91,9 @@ class ChunkOptimizer:
         self._last_job: DeviceEvent | None = None
         """The last job queued on the host worker (every job runs in order)."""
         self._speculated: dict[int, Speculation] = {}
+        """The early updates of this window, by chunk index."""
         self._zeroed: set[int] = set()
         """Chunks whose gradient the step zeroed right after their update (``zero_grads`` skips them)."""
-        """The early updates of this window, by chunk index."""
         self.num_speculations = 0
         self.applies_on_arrival = any(c.training is not None and not c.keeps_gradient for c in store.trainable_chunks())
         """Offloaded chunks keep no gradient shard: each reduced gradient is applied as it arrives."""

@@ -95,10 +95,10 @@ class ChunkResidency:
         self._slot_storage = {slot.untyped_storage().data_ptr(): i for i, slot in enumerate(self.slots)}
         self._pinned: set[int] = set()
         self._held: dict[int, int] = {}
-        self._refreshed_early: set[int] = set()
-        """Persistent chunks whose refresh the step queued early (``refresh_early``)."""
         """Chunks held on the device by ``hold`` (engine.gathered), with how many holds each:
         pinned whatever modules run, until let go."""
+        self._refreshed_early: set[int] = set()
+        """Persistent chunks whose refresh the step queued early (``refresh_early``)."""
         self._recomputing = False
         self._privatized: set[int] = set()
         self._stand_ins: list[tuple[nn.Module, str, nn.Parameter]] = []
@@ -260,6 +260,7 @@ class ChunkResidency:
             self.queue.submit(lambda: self._labelled_gather(chunk_index, master, full))
             self._refreshed_early.add(chunk_index)
 
+    @torch.no_grad()
     def _labelled_gather(self, chunk_index: int, master: torch.Tensor, full: torch.Tensor | None) -> None:
         assert full is not None
         with job_label("gather", chunk_index):
