@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 
 import pytest
 
-from protrain.launcher.slurm import PORT_BASE, PORT_SPAN
 from tests.e2e.conftest import ROOT, Job, clean_env, pid_alive, wait_for
 
 
@@ -99,75 +97,6 @@ def test_ranks_die_with_a_killed_launcher(job: Job) -> None:
         proc.kill()
     for pid in pids:
         wait_for(lambda pid=pid: not pid_alive(pid), 10, f"orphaned rank {pid} to end")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def test_two_nodes_on_loopback_form_one_job(job: Job) -> None:
-    port = str(_free_port())
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
-    nodes = [
-        job.start(*common, "--node-rank", str(rank), str(job.script), "--config", str(job.spec)) for rank in range(2)
-    ]
-    all_succeed(nodes)
-    done = sorted((job.workdir / f"rank{r}.done").read_text() for r in range(2))
-    assert done == ["0 2 3", "1 2 3"]
-
-
-def all_succeed(procs: list[subprocess.Popen[str]], timeout_s: float = 150) -> None:
-    """Wait for every process (each killed if the wait fails); each must exit 0."""
-    try:
-        outputs = [proc.communicate(timeout=timeout_s) for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-    for proc, (_, stderr) in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, stderr
-
-
-def test_slurm_tasks_on_loopback_train_as_one_node_with_two_ranks(job: Job) -> None:
-    """``srun`` tasks told only what Slurm tells them, on this one machine: two "nodes" with a
-    task each (each spawning its rank), then one node with a task per rank. Either way they find
-    each other (the first node of the list serves, on the port derived from the job id) and train
-    exactly as one node running both ranks."""
-    one_node = job.run("--nproc-per-node", "2", str(job.script), "--config", str(job.spec), timeout=150)
-    assert one_node.returncode == 0, one_node.stderr
-    expected = [(job.workdir / f"rank{r}.loss").read_text() for r in range(2)]
-    per_node = {"SLURM_JOB_NODELIST": "localhost,localhost", "SLURM_NNODES": "2", "SLURM_NTASKS": "2"}
-    per_gpu = {"SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1", "SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "2"}
-    for layout in (per_node, per_gpu):
-        for stale in job.workdir.glob("rank*.*"):
-            stale.unlink()
-        port = _free_port_in(PORT_BASE, PORT_BASE + PORT_SPAN)
-        slurm = {"SLURM_JOB_ID": str(port - PORT_BASE), "SLURM_STEP_ID": "0", **layout}
-        tasks = [
-            {"SLURM_NODEID": str(task), "SLURM_PROCID": str(task), "SLURM_LOCALID": "0"}
-            if layout is per_node
-            else {"SLURM_NODEID": "0", "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)}
-            for task in range(2)
-        ]
-        started = [
-            job.start("--nproc-per-node", "1", str(job.script), "--config", str(job.spec), env={**slurm, **task})
-            for task in tasks
-        ]
-        all_succeed(started)
-        assert sorted((job.workdir / f"rank{r}.done").read_text() for r in range(2)) == ["0 2 3", "1 2 3"]
-        assert [(job.workdir / f"rank{r}.loss").read_text() for r in range(2)] == expected, layout
-
-
-def _free_port_in(low: int, high: int) -> int:
-    for port in range(low + os.getpid() % 997, high):
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in [{low}, {high})")
 
 
 def test_dry_run_one_child_no_group_no_files(job: Job) -> None:
