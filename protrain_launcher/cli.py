@@ -30,13 +30,13 @@ import os
 import sys
 from pathlib import Path
 
-from protrain.launcher.hostfile import HostfileError, forwarded_env, read_hostfile, select_nodes
+from protrain.launcher.hostfile import HostfileError, Node, forwarded_env, read_hostfile, select_nodes
 from protrain.launcher.launch import launch
 from protrain.launcher.multinode import DEFAULT_MASTER_PORT, node_arguments, node_command, run_nodes
 from protrain.launcher.preflight import check_master_addr, check_output_dir, key_source
 from protrain.launcher.request import EXIT_BAD_INPUT, EXIT_OK, LaunchRequest
 from protrain.launcher.slurm import SlurmError, SlurmJob, read_slurm_job, under_srun
-from protrain.runtime.config.spec import Spec
+from protrain.runtime.config.spec import AUTO, Spec
 from protrain.runtime.config.spec_io import Override, SpecError, load_spec, parse_override
 
 SPEC_OPTIONS = ("--config", "--set")
@@ -253,6 +253,21 @@ def _without_hostfile_options(argv: list[str]) -> list[str]:
     return kept
 
 
+def _agree_with_hostfile(request: LaunchRequest, spec: Spec, nodes: list[Node]) -> None:
+    """The spec's own node shape (its file or ``--set``) must say what the hostfile says: the
+    node count and each node's ranks; a node rank or master address is each node's, not the job's."""
+    sources = {o.key_path: o.source for o in request.overrides}
+    launcher = spec.launcher
+    decided = {"nnodes": {len(nodes)}, "nproc_per_node": {len(node.slots) for node in nodes}}
+    for key in sorted(launcher.model_fields_set & set(NODE_SHAPE)):
+        value = getattr(launcher, key)
+        if key in decided and (value == AUTO or decided[key] == {value}):
+            continue
+        hostfile_says = f"says {', '.join(map(str, sorted(decided[key])))}" if key in decided else "decides it per node"
+        where = key_source(request.config, sources, ("launcher", key))
+        raise UsageError(f"{where}: launcher.{key} is {value}, but the hostfile {hostfile_says}: drop one of them")
+
+
 def _run_hostfile(request: LaunchRequest, spec: Spec) -> int:
     """One protrain-run per host of the hostfile (``multinode.py``)."""
     assert request.hostfile is not None
@@ -262,6 +277,7 @@ def _run_hostfile(request: LaunchRequest, spec: Spec) -> int:
         env = forwarded_env(dict(os.environ), Path.cwd(), Path.home())
     except HostfileError as err:
         raise UsageError(str(err)) from None
+    _agree_with_hostfile(request, spec, nodes)
     port = spec.launcher.master_port or DEFAULT_MASTER_PORT
     rest = list(request.node_argv)
     commands = [

@@ -105,6 +105,11 @@ def test_each_node_is_told_the_jobs_shape_and_a_remote_one_starts_over_ssh(tmp_p
         (["--hostfile", "HOSTFILE", "--nnodes", "2"], "command line --nnodes 2: the hostfile decides launcher.nnodes"),
         (["--hostfile", "HOSTFILE", "--exclude", "w7"], "--exclude w7: 'w7' is not in the hostfile"),
         (["--hostfile", "missing"], "missing: cannot be read"),
+        (["--hostfile", "HOSTFILE", "--set", "launcher.nnodes=3"], "launcher.nnodes is 3, but the hostfile says 2"),
+        (
+            ["--hostfile", "HOSTFILE", "--set", "launcher.node_rank=0"],
+            "launcher.node_rank is 0, but the hostfile decides it per node",
+        ),
     ],
 )
 def test_bad_hostfile_input_exits_2_with_one_line(
