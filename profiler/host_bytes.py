@@ -129,9 +129,12 @@ def offloaded_region_bytes(
     )
 
 
-def checkpoint_staging_bytes(param_sizes: list[tuple[int, bool]], *, element_size: int, world_size: int) -> int:
+def checkpoint_staging_bytes(
+    param_sizes: list[tuple[int, bool]], *, element_size: int, world_size: int, optimizer_states: int = ADAMW_STATES
+) -> int:
     """What an asynchronous save copies to host memory on a rank before writing in the
-    background: its share of every parameter's fp32 master and two Adam moments (trainable), or
-    of its stored copy (frozen)."""
-    total = sum(numel * (3 * FP32_BYTES if trainable else element_size) for numel, trainable in param_sizes)
+    background: its share of every parameter's fp32 master and the optimizer's state tensors
+    (trainable), or of its stored copy (frozen)."""
+    trained = (1 + optimizer_states) * FP32_BYTES
+    total = sum(numel * (trained if trainable else element_size) for numel, trainable in param_sizes)
     return -(-total // max(1, world_size))

@@ -33,7 +33,8 @@ class HardwareProfile:
     """Host tier -> device tier copy rate (pinned on CUDA; a memcpy on CPU)."""
     d2h_bytes_per_s: float
     cpu_adam_params_per_s: float
-    """CPU AdamW over fp32 shards, on the thread the engine gives it."""
+    """The job's optimizer (``optimizer``; AdamW unless named) over fp32 shards on the host, on
+    the thread the engine gives it (named for Adam, the usual one)."""
     device_adam_params_per_s: float
     all_gather_bytes_per_s: float
     """Output bytes (the whole chunk) per second at this world size; inf for one rank."""
@@ -46,6 +47,9 @@ class HardwareProfile:
     """Fixed cost of one collective call (0 for one rank)."""
     adam_segment_s: float = 0.0
     """Fixed cost per parameter segment of one Adam call (the optimizer's per-tensor work)."""
+    optimizer: str = "adamw"
+    """The optimizer rule the two update rates and the segment cost were measured with ("sgd"
+    with momentum: "sgd+momentum")."""
     memory_bytes_per_s: float = float("inf")
     """Copy rate within the device tier (fp32 bytes copied per second): the norm and zeroing
     passes over persistent chunks' gradient shards."""

@@ -10,10 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
-
 from protrain_demo.corpus import LMBatches, stdlib_text_corpus
 from protrain_demo.gpt import GPT, GPTConfig
+from torch import nn
 
 # qkv_bias on, as models have it: the key bias has an exactly-zero gradient (softmax ignores a
 # per-query constant), so Adam turns rounding noise into lr-sized steps there and no two fp32
@@ -184,6 +183,7 @@ def train_reference(
     schedule: Callable[[int], float] | None = None,
     fused: bool = True,
     norms: list[float] | None = None,
+    make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Plain PyTorch in one process, torch.optim.AdamW, ordinary gradient accumulation
     (``(loss / accumulation).backward()`` per micro-batch). With several ranks' data, each rank's
@@ -192,10 +192,13 @@ def train_reference(
     differ by rounding that Adam amplifies beyond the tolerance on near-zero gradients.
     ``fused``: torch's fused AdamW kernel, the one the engine runs (bit-exact comparisons);
     False: the default for-loop implementation (comparisons within the tolerance). ``norms``:
-    each update's total gradient norm is appended (before clipping, as clip_grad_norm_ returns it)."""
-    optimizer = torch.optim.AdamW(
-        reference_param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused
-    )
+    each update's total gradient norm is appended (before clipping, as clip_grad_norm_ returns it).
+    ``make_optimizer``: another optimizer over the param groups (lr set per group), instead of AdamW."""
+    groups = reference_param_groups(model, weight_decay)
+    if make_optimizer is not None:
+        optimizer = make_optimizer([{**group, "lr": lr} for group in groups])
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule or (lambda step: 1.0))
     params = [p for p in model.parameters() if p.requires_grad]
     losses = []
@@ -258,9 +261,7 @@ def train_reference_fp16(
     skipped), double after ``growth_interval`` clean updates in a row; the engine's min_scale has
     no GradScaler counterpart, so keep the scale above it. ``loss_multipliers``: update -> factor
     on that update's loss before scaling (a loss spike that forces an overflow)."""
-    optimizer = torch.optim.AdamW(
-        reference_param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=False
-    )
+    optimizer = torch.optim.AdamW(reference_param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=False)
     scaler = torch.amp.GradScaler(
         "cpu",
         init_scale=initial_scale,
@@ -333,7 +334,11 @@ def gpt_reference(
     )
     schedule = reference_warmup_cosine(*warmup_cosine) if warmup_cosine else None
     training: dict[str, Any] = {
-        "steps": steps, "lr": lr, "weight_decay": weight_decay, "clip": clip, "schedule": schedule
+        "steps": steps,
+        "lr": lr,
+        "weight_decay": weight_decay,
+        "clip": clip,
+        "schedule": schedule,
     }
     fp32, losses = train_reference(tiny_gpt(seed, config), data, **training)
     fp64 = train_reference_float64(tiny_gpt(seed, config), data, **training)

@@ -41,6 +41,10 @@ class OptimizerSettings:
     no_decay: tuple[str, ...]
     groups: tuple[ParamGroup, ...] = ()
     """``optimizer.groups`` in order (runtime/param_groups.py resolves them per parameter)."""
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    """SGD's (0, 0, False for the others)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -141,6 +145,9 @@ def settings_from_spec(spec: Spec) -> TrainingSettings:
             weight_decay=trainer_set(optimizer.weight_decay, "optimizer.weight_decay"),
             no_decay=spec.optimizer.no_decay,
             groups=spec.optimizer.groups,
+            momentum=optimizer.momentum,
+            dampening=optimizer.dampening,
+            nesterov=optimizer.nesterov,
         ),
         schedule=ScheduleSettings(
             kind=spec.scheduler.type,
@@ -202,11 +209,13 @@ class PlanningSettings:
     the plan's host figure counts."""
     optimizer: str = "adamw"
     """``optimizer.type``: the rule (runtime/optim/) whose state the plan's memory counts."""
+    optimizer_momentum: float = 0.0
+    """``optimizer.momentum``: SGD keeps its momentum buffer only when it is > 0."""
 
     @property
     def optimizer_states(self) -> int:
         """fp32 state tensors per trainable element (the rule's ``state_names``)."""
-        return len(rule_named(self.optimizer).state_names)
+        return len(rule_named(self.optimizer).for_momentum(self.optimizer_momentum).state_names)
 
 
 def _clipping(spec: Spec) -> float:
@@ -239,6 +248,7 @@ def planning_settings_from_spec(spec: Spec) -> PlanningSettings:
         ),
         async_save=spec.checkpoint.async_save,
         optimizer=spec.optimizer.type,
+        optimizer_momentum=spec.optimizer.momentum,
     )
 
 

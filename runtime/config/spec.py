@@ -27,6 +27,7 @@ from protrain.runtime.config.spec_types import (
     BlockModes,
     Bool,
     Fraction,
+    NonNegFloat,
     NonNegInt,
     ParamGroups,
     Port,
@@ -46,7 +47,7 @@ from protrain.runtime.config.spec_types import (
     enum_leaf,
     registered_leaf,
 )
-from protrain.runtime.optim.registry import registered
+from protrain.runtime.optim.registry import REFUSED, registered
 
 # The leaf types (sizes, "auto", bounded numbers) and their strict parsing: runtime/config/spec_types.py.
 
@@ -76,7 +77,9 @@ class SchedulerType(str, Enum):
 PrecisionField = Annotated[(Precision | Literal["auto"], *enum_leaf(Precision, trainer_auto=True))]
 NonFiniteField = Annotated[(NonFiniteLossPolicy, *enum_leaf(NonFiniteLossPolicy))]
 LogLevelField = Annotated[(LogLevel, *enum_leaf(LogLevel))]
-OptimizerTypeField = Annotated[(str, *registered_leaf(registered, "runtime/optim/registry.py registers more"))]
+OptimizerTypeField = Annotated[
+    (str, *registered_leaf(registered, "runtime/optim/registry.py registers more", lambda: REFUSED))
+]
 SchedulerTypeField = Annotated[(SchedulerType, *enum_leaf(SchedulerType))]
 
 
@@ -108,7 +111,9 @@ class LossScalingSpec(SpecModel):
 
 class OptimizerSpec(SpecModel):
     """The optimizer: AdamW (decoupled weight decay, the same update as ``torch.optim.AdamW``)
-    unless ``type`` names another registered rule (runtime/optim/)."""
+    unless ``type`` names another rule: adam (``torch.optim.Adam``: weight decay added to the
+    gradient), lion (the published Lion: sign of the interpolated moment, decoupled weight
+    decay; betas are its b1, b2) or sgd (``torch.optim.SGD``); docs/optimizers.md."""
 
     type: OptimizerTypeField = "adamw"
     """Optimizer rule."""
@@ -117,9 +122,16 @@ class OptimizerSpec(SpecModel):
     betas: TrainerBetas = (0.9, 0.95)
     """Adam's two moment decay rates."""
     eps: TrainerPositiveFloat = 1.0e-8
-    """Added to the denominator."""
+    """Added to Adam's denominator."""
     weight_decay: TrainerNonNegFloat = 0.1
-    """Decoupled weight decay, applied to every parameter not matched by no_decay."""
+    """Weight decay, applied to every parameter not matched by no_decay: decoupled (adamw,
+    lion) or added to the gradient as L2 (adam, sgd), as each reference does."""
+    momentum: NonNegFloat = 0.0
+    """sgd only: momentum (0: plain SGD, no momentum buffer kept)."""
+    dampening: NonNegFloat = 0.0
+    """sgd only: dampening of the momentum's gradient term."""
+    nesterov: Bool = False
+    """sgd only: Nesterov momentum (needs momentum > 0 and dampening 0)."""
     no_decay: TextList = ("bias", "norm")
     """Patterns exempt from weight decay: a parameter matches when a pattern occurs in its
     lower-cased name or in the lower-cased class name of the module that owns it."""
@@ -129,6 +141,16 @@ class OptimizerSpec(SpecModel):
     matches its whole name (``*`` crosses dots), the others the top-level lr, weight_decay and
     betas; an entry's lr is scaled by the scheduler like the top-level one, and no_decay still
     exempts biases and norms from its weight_decay. An entry may match nothing."""
+
+    @model_validator(mode="after")
+    def _sgd_fields(self) -> OptimizerSpec:
+        if self.type != "sgd":
+            for name in ("momentum", "dampening", "nesterov"):
+                if getattr(self, name):
+                    raise cross_field_error(name, f"{name} applies to type sgd only (this optimizer is {self.type})")
+        if self.nesterov and (self.momentum == 0.0 or self.dampening != 0.0):
+            raise cross_field_error("nesterov", "nesterov needs momentum > 0 and dampening 0 (as torch.optim.SGD)")
+        return self
 
 
 DEFAULT_MIN_LR_RATIO = 0.1

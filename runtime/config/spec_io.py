@@ -314,6 +314,9 @@ def format_validation_error(
             message = f"unknown key {path[-1]!r}; allowed keys here: {allowed}"
         elif kind == "missing":
             message = "required key is missing"
+        elif kind == "spec_refused":  # a name people ask for that is refused with a reason
+            what = allowed_text(root, path) if path else None
+            message = f"got {_describe(error['input'])}: {error['msg']}; allowed: {what}"
         else:
             what = allowed_text(root, path) if path else None
             got = _describe(error["input"])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from enum import Enum
@@ -229,17 +229,25 @@ def enum_leaf(enum_type: type[Enum], *, trainer_auto: bool = False) -> tuple[Any
     return _leaf(check, allowed, trainer_auto=trainer_auto)
 
 
-def registered_leaf(names: Callable[[], Sequence[str]], note: str) -> tuple[Any, ...]:
+def registered_leaf(
+    names: Callable[[], Sequence[str]], note: str, refused: Callable[[], Mapping[str, str]] = dict
+) -> tuple[Any, ...]:
     """Annotated metadata for a field naming a registered entry (an optimizer rule): checked
     against what is registered when the spec is read, so a rule registered at run time counts;
-    the reference lists those registered at import, with ``note``."""
+    the reference lists those registered at import, with ``note``. A name in ``refused`` is
+    told its reason beside what is allowed."""
+    allowed = f"one of {', '.join(names())} ({note})"
+    markers = _leaf(lambda value: value, allowed)
 
-    def check(value: Any) -> str:
-        if not isinstance(value, str) or value not in names():
-            raise ValueError
-        return value
+    def validate(value: Any) -> str:
+        if isinstance(value, str) and value in names():
+            return value
+        reason = refused().get(value) if isinstance(value, str) else None
+        if reason:
+            raise PydanticCustomError("spec_refused", "{reason}", {"reason": reason})
+        raise _reject(allowed)
 
-    return _leaf(check, f"one of {', '.join(names())} ({note})")
+    return (PlainValidator(validate), *markers[1:])
 
 
 def _betas_check(value: Any) -> tuple[float, float]:

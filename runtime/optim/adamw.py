@@ -1,4 +1,5 @@
-"""AdamW over one flat fp32 chunk shard, with torch's fused kernel and torch's exact semantics.
+"""AdamW (and Adam) over one flat fp32 chunk shard, with torch's fused kernel and torch's exact
+semantics.
 
 The chunk engine (DESIGN section 4) keeps, per non-persistent chunk shard, flat fp32 tensors in
 host memory: the master parameters, the reduced gradient, and AdamW's ``exp_avg`` and
@@ -10,18 +11,18 @@ precision sends back to the device.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from protrain.runtime.optim.rule import OptimizerHyper
 from protrain.runtime.optim.shard import (
-    COPY_OUT_DTYPES,
     GroupValues,
     Segment,
     check_master,
     check_segments,
+    check_step_inputs,
     per_group,
     split_plan,
 )
@@ -76,6 +77,9 @@ class ShardAdamW:
     Nothing here is CPU-specific (the fused kernel also exists on CUDA, with the step tensors on
     the master's device), but only the CPU path is tested.
     """
+
+    torch_optimizer: ClassVar[type[torch.optim.AdamW] | type[torch.optim.Adam]] = torch.optim.AdamW
+    """The torch optimizer whose fused kernel updates the shard."""
 
     def __init__(
         self,
@@ -142,7 +146,7 @@ class ShardAdamW:
         ``copy_out``, when given, is set to ``master.to(copy_out.dtype)`` after the update, over
         the whole shard, so it always mirrors the master (inactive segments included).
         """
-        self._check_step_inputs(grad_flat, active, lr, copy_out)
+        check_step_inputs(self.master, len(self.segments), grad_flat, active, lr, copy_out, num_groups=len(self.lr))
         if self._optimizer is not None:
             lrs = self.lr if lr is None else per_group(lr, len(self.lr), "lr")
             self._update(self._optimizer, grad_flat, active, lrs)
@@ -151,7 +155,7 @@ class ShardAdamW:
 
     def _update(
         self,
-        optimizer: torch.optim.AdamW,
+        optimizer: torch.optim.Optimizer,
         grad_flat: torch.Tensor,
         active: Sequence[bool],
         lrs: Sequence[float],
@@ -218,33 +222,6 @@ class ShardAdamW:
                 self.exp_avg_sq.narrow(0, segment.start, segment.numel).copy_(entry["exp_avg_sq"])
                 self.steps[index] = float(entry["step"])
 
-    def _check_step_inputs(
-        self,
-        grad_flat: torch.Tensor,
-        active: Sequence[bool],
-        lr: GroupValues | None,
-        copy_out: torch.Tensor | None,
-    ) -> None:
-        master = self.master
-        if grad_flat.shape != master.shape or grad_flat.dtype != master.dtype:
-            raise ValueError(
-                f"grad_flat must be {master.dtype} of shape {tuple(master.shape)} like the master, "
-                f"got {grad_flat.dtype} of shape {tuple(grad_flat.shape)}"
-            )
-        if grad_flat.device != master.device or not grad_flat.is_contiguous():
-            raise ValueError(f"grad_flat must be contiguous on {master.device}, like the master")
-        if len(active) != len(self.segments):
-            raise ValueError(f"active has {len(active)} flags for {len(self.segments)} segments")
-        if lr is not None:
-            for group_lr in per_group(lr, len(self.lr), "lr"):
-                if not group_lr >= 0.0:
-                    raise ValueError(f"lr must be >= 0, got {lr}")
-        if copy_out is not None and (copy_out.shape != master.shape or copy_out.dtype not in COPY_OUT_DTYPES):
-            raise ValueError(
-                f"copy_out must have shape {tuple(master.shape)} and a dtype in {COPY_OUT_DTYPES}, "
-                f"got {copy_out.dtype} of shape {tuple(copy_out.shape)}"
-            )
-
 
 def _per_group_betas(
     betas: tuple[float, float] | Sequence[tuple[float, float]], num_groups: int
@@ -279,8 +256,8 @@ def _alias(flat: torch.Tensor, segment: Segment) -> nn.Parameter:
     return param
 
 
-def _build_optimizer(params: list[nn.Parameter], shard: ShardAdamW, *, eps: float) -> torch.optim.AdamW:
-    """One fused AdamW over the aliasing parameters (a torch param group per parameter group and
+def _build_optimizer(params: list[nn.Parameter], shard: ShardAdamW, *, eps: float) -> torch.optim.Optimizer:
+    """One fused AdamW (or Adam) over the aliasing parameters (a torch param group per parameter group and
     weight decay), its state pre-seeded with views of the shard's flat moments and step vector."""
     by_group: dict[tuple[int, float], list[nn.Parameter]] = {}
     for param, segment in zip(params, shard.segments, strict=True):
@@ -295,7 +272,7 @@ def _build_optimizer(params: list[nn.Parameter], shard: ShardAdamW, *, eps: floa
         }
         for (group, decay), members in by_group.items()
     ]
-    optimizer = torch.optim.AdamW(groups, lr=shard.lr[0], eps=eps, fused=True)
+    optimizer = type(shard).torch_optimizer(groups, lr=shard.lr[0], eps=eps, fused=True)
     for index, (param, segment) in enumerate(zip(params, shard.segments, strict=True)):
         # Non-empty state: torch skips its lazy initialisation and updates these views.
         optimizer.state[param] = {
@@ -316,3 +293,23 @@ def build_adamw(
     """AdamW's kernel for ``ADAMW`` (registry.py): the shard's moments are ``states``."""
     exp_avg, exp_avg_sq = states
     return ShardAdamW(master, segments, lr=hyper.lrs, betas=hyper.betas, eps=hyper.eps, moments=(exp_avg, exp_avg_sq))
+
+
+class ShardAdam(ShardAdamW):
+    """``torch.optim.Adam(fused=True)`` over one flat shard, by the same mechanism as
+    :class:`ShardAdamW`: weight decay is L2, added to the gradient before the moments (Adam's),
+    not decoupled (AdamW's)."""
+
+    torch_optimizer = torch.optim.Adam
+
+
+def build_adam(
+    master: torch.Tensor,
+    segments: Sequence[tuple[int, int, float, int]],
+    *,
+    hyper: OptimizerHyper,
+    states: tuple[torch.Tensor, ...],
+) -> ShardAdam:
+    """Adam's kernel for ``ADAM`` (registry.py)."""
+    exp_avg, exp_avg_sq = states
+    return ShardAdam(master, segments, lr=hyper.lrs, betas=hyper.betas, eps=hyper.eps, moments=(exp_avg, exp_avg_sq))

@@ -9,6 +9,7 @@ it; a kernel named by its import path ("module:function") is imported on first u
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,10 @@ class OptimizerHyper:
     betas: Sequence[tuple[float, float]]
     """Per parameter group (rules with moments read them)."""
     eps: float
+    momentum: float = 0.0
+    """SGD's momentum (0: none, and no momentum buffer is kept)."""
+    dampening: float = 0.0
+    nesterov: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -41,6 +46,19 @@ class OptimizerRule:
     "module:function" path."""
     reference: str
     """The update it equals (a torch optimizer, or the published rule)."""
+    momentum_buffer: bool = False
+    """Its one state tensor is a momentum buffer, kept only when ``momentum`` > 0 (SGD)."""
+    bytes_moved: int = 28
+    """fp32 bytes one update reads and writes per element (AdamW: the master, gradient and two
+    moments read, three written): what the what-if scales a hardware file's Adam rate by, the
+    update being memory bound."""
+
+    def for_momentum(self, momentum: float) -> OptimizerRule:
+        """This rule as a job with ``momentum`` runs it: without its state tensor where that is a
+        momentum buffer and momentum is 0 (as ``torch.optim.SGD`` keeps none)."""
+        if self.momentum_buffer and momentum == 0.0:
+            return dataclasses.replace(self, state_names=(), bytes_moved=12)
+        return self
 
     def build(
         self,

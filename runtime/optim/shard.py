@@ -115,3 +115,34 @@ def per_group(value: GroupValues, num_groups: int, name: str) -> tuple[float, ..
     if len(values) < num_groups:
         raise ValueError(f"{name} has {len(values)} values for {num_groups} parameter groups")
     return values
+
+
+def check_step_inputs(
+    master: torch.Tensor,
+    num_segments: int,
+    grad_flat: torch.Tensor,
+    active: Sequence[bool],
+    lr: GroupValues | None,
+    copy_out: torch.Tensor | None,
+    *,
+    num_groups: int,
+) -> None:
+    """What every kernel's ``step_`` checks of its arguments, with a message saying what it needs."""
+    if grad_flat.shape != master.shape or grad_flat.dtype != master.dtype:
+        raise ValueError(
+            f"grad_flat must be {master.dtype} of shape {tuple(master.shape)} like the master, "
+            f"got {grad_flat.dtype} of shape {tuple(grad_flat.shape)}"
+        )
+    if grad_flat.device != master.device or not grad_flat.is_contiguous():
+        raise ValueError(f"grad_flat must be contiguous on {master.device}, like the master")
+    if len(active) != num_segments:
+        raise ValueError(f"active has {len(active)} flags for {num_segments} segments")
+    if lr is not None:
+        for group_lr in per_group(lr, num_groups, "lr"):
+            if not group_lr >= 0.0:
+                raise ValueError(f"lr must be >= 0, got {lr}")
+    if copy_out is not None and (copy_out.shape != master.shape or copy_out.dtype not in COPY_OUT_DTYPES):
+        raise ValueError(
+            f"copy_out must have shape {tuple(master.shape)} and a dtype in {COPY_OUT_DTYPES}, "
+            f"got {copy_out.dtype} of shape {tuple(copy_out.shape)}"
+        )

@@ -16,6 +16,7 @@ import platform
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -41,7 +42,8 @@ from protrain.runtime.hw.distributed import (
 )
 from protrain.runtime.hw.nvml import describe_link, pcie_link
 from protrain.runtime.hw.ssd_io import measure_disk_rates
-from protrain.runtime.optim.adamw import ShardAdamW
+from protrain.runtime.optim.registry import rule_named
+from protrain.runtime.optim.rule import OptimizerHyper
 from protrain.runtime.planning.host_rates import measure_host_rates
 from protrain.runtime.planning.profile_cache import ProfileOrigin, read_agreed, write_cached
 
@@ -61,20 +63,24 @@ def hardware_profile(
     cache_dir: Path,
     origin: ProfileOrigin | None = None,
     device_budget: int | None = None,
+    optimizer: str = "adamw",
+    momentum: float = 0.0,
 ) -> HardwareProfile:
     """The cached profile of this machine at this world size (its entry noted in ``origin``),
     or a fresh measurement (cached), whose device buffers stay within an eighth of
-    ``device_budget`` (None: the probes' full sizes).
+    ``device_budget`` (None: the probes' full sizes). The update rates are those of the
+    ``optimizer`` rule (SGD's with ``momentum``), each rule's cached apart.
 
     ``dist_ctx`` None (a dry run: no process group) estimates the collectives from the copy
     rate unless a cached profile exists, and writes nothing."""
-    path = cache_dir / f"hardware-{hardware_key(device, world_size)}.json"
+    probe = OptimizerProbe(optimizer, momentum)
+    path = cache_dir / f"hardware-{hardware_key(device, world_size, probe)}.json"
     cached = read_agreed(path, HardwareProfile.from_dict, dist_ctx)
     if cached is not None:
         if origin is not None:
             origin.add(path)
         return cached
-    profile = measure_hardware(device, dist_ctx, world_size=world_size, device_budget=device_budget)
+    profile = measure_hardware(device, dist_ctx, world_size=world_size, device_budget=device_budget, optimizer=probe)
     release_free_memory(device)  # the probes' buffers, freed but still resident
     if dist_ctx is not None:
         profile = agree_hardware(profile, dist_ctx)
@@ -83,7 +89,12 @@ def hardware_profile(
 
 
 def measure_hardware(
-    device: DeviceInfo, dist_ctx: DistContext | None, *, world_size: int, device_budget: int | None = None
+    device: DeviceInfo,
+    dist_ctx: DistContext | None,
+    *,
+    world_size: int,
+    device_budget: int | None = None,
+    optimizer: OptimizerProbe | None = None,
 ) -> HardwareProfile:
     """Each probe's device buffers together take at most an eighth of what is left of
     ``device_budget``: the probes run inside the engine's budget, as everything it allocates
@@ -94,9 +105,10 @@ def measure_hardware(
     h2d, d2h = _copy_rates(device, _fit(COPY_PROBE_BYTES, room))
     # With the host worker's thread count: its rate is what the cost model's host term needs.
     threads = host_worker_threads(device)
-    adam_numel = _fit(ADAM_PROBE_NUMEL * 16, room) // 16  # master, gradient, two moments
-    cpu_adam, cpu_segment = _in_thread(lambda: _adam_rate(torch.device("cpu"), adam_numel, threads=threads))
-    device_adam, device_segment = _adam_rate(device.device, adam_numel, threads=None)
+    probe = optimizer or OptimizerProbe()
+    adam_numel = _fit(ADAM_PROBE_NUMEL * 16, room) // 16  # master, gradient, two moments at most
+    cpu_adam, cpu_segment = _in_thread(lambda: _update_rate(probe, torch.device("cpu"), adam_numel, threads=threads))
+    device_adam, device_segment = _update_rate(probe, device.device, adam_numel, threads=None)
     host = measure_host_rates(threads)
     if world_size == 1:
         gather = scatter = reduce_all = float("inf")
@@ -124,6 +136,7 @@ def measure_hardware(
         reduce_scatter_bytes_per_s=scatter,
         collective_latency_s=latency,
         adam_segment_s=max(cpu_segment, device_segment),
+        optimizer=probe.label,
         memory_bytes_per_s=_memory_rate(device, _fit(COPY_PROBE_BYTES, room) // 2),
         host_copy_bytes_per_s=host.copy_bytes_per_s,
         host_downcast_bytes_per_s=host.downcast_bytes_per_s,
@@ -174,20 +187,39 @@ def _copy_rates(device: DeviceInfo, nbytes: int) -> tuple[float, float]:
     return nbytes / _best_time(h2d, device), nbytes / _best_time(d2h, device)
 
 
-def _adam_rate(where: torch.device, numel: int, *, threads: int | None) -> tuple[float, float]:
-    """(parameters per second, seconds per parameter segment) of ShardAdamW: one shard as one
-    segment, then as many (a chunk holds weights and biases), so the per-tensor cost shows."""
+@dataclass(frozen=True, slots=True)
+class OptimizerProbe:
+    """The optimizer rule whose update the probes time (SGD's with or without momentum)."""
+
+    name: str = "adamw"
+    momentum: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}+momentum" if self.momentum else self.name
+
+    def kernel(self, master: torch.Tensor, segments: list[tuple[int, int, float, int]]) -> Any:
+        rule = rule_named(self.name).for_momentum(self.momentum)
+        hyper = OptimizerHyper(
+            weight_decay=(), group=(), lrs=(1e-3,), betas=((0.9, 0.95),), eps=1e-8, momentum=self.momentum
+        )
+        states = tuple(torch.zeros_like(master) for _ in rule.state_names)
+        return rule.build(master, segments, hyper=hyper, states=states)
+
+
+def _update_rate(probe: OptimizerProbe, where: torch.device, numel: int, *, threads: int | None) -> tuple[float, float]:
+    """(parameters per second, seconds per parameter segment) of the rule's kernel: one shard as
+    one segment, then as many (a chunk holds weights and biases), so the per-tensor cost shows."""
     if threads is not None:
         torch.set_num_threads(threads)
     info = DeviceInfo(where, "nccl" if where.type == "cuda" else "gloo")
     numel = max(numel, ADAM_PROBE_SEGMENTS * 64)
     master = torch.zeros(numel, dtype=torch.float32, device=where)
     grad = torch.full_like(master, 1e-3)
-    whole = ShardAdamW(master, [(0, numel, 0.1)], lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    whole = probe.kernel(master, [(0, numel, 0.1, 0)])
     one_segment = _best_time(lambda: whole.step_(grad, [True]), info)
     size = numel // ADAM_PROBE_SEGMENTS
-    segments = [(i * size, size, 0.1) for i in range(ADAM_PROBE_SEGMENTS)]
-    split = ShardAdamW(master, segments, lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    split = probe.kernel(master, [(i * size, size, 0.1, 0) for i in range(ADAM_PROBE_SEGMENTS)])
     many = _best_time(lambda: split.step_(grad, [True] * ADAM_PROBE_SEGMENTS), info)
     per_segment = max(0.0, many - one_segment) / (ADAM_PROBE_SEGMENTS - 1)
     return numel / one_segment, per_segment
@@ -266,5 +298,9 @@ def with_disk_rates(
     return dataclasses.replace(hardware, ssd_write_bytes_per_s=float(rates[0]), ssd_read_bytes_per_s=float(rates[1]))
 
 
-def hardware_key(device: DeviceInfo, world_size: int) -> str:
-    return cache_key(_device_kind(device), world_size, platform.node(), torch.__version__, torch.get_num_threads())
+def hardware_key(device: DeviceInfo, world_size: int, optimizer: OptimizerProbe | None = None) -> str:
+    probe = optimizer or OptimizerProbe()
+    parts: tuple[object, ...] = (_device_kind(device), world_size, platform.node(), torch.__version__)
+    # AdamW's key is the one profiles were cached under before other rules were probed.
+    extra = () if probe.label == "adamw" else (probe.label,)
+    return cache_key(*parts, torch.get_num_threads(), *extra)

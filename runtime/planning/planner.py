@@ -4,18 +4,16 @@
 hand-set knobs no plan can honour are refused. Three questions, three methods:
 
 - ``initial_plan(example_batch)``: with an example batch and a model held whole, the model and
-  the machine are profiled, the measurements agreed across ranks, and the profiler's search
-  picks the fastest plan that fits (predictions included). Otherwise the resident rule keeps
-  every chunk on the device, or, when the model state alone exceeds the device budget, offloads
-  every chunk (conservative); ``wants_batch`` then says a batch should be profiled.
+  the machine are profiled, the measurements agreed across ranks, and the search picks the
+  fastest plan that fits. Otherwise every chunk stays on the device, or all are offloaded when
+  the model state alone exceeds the device budget; ``wants_batch`` then asks for a batch.
 - ``plan_on(batch, chunked)``: profile on a batch through the chunk engine running under the
   plan in force (the example batch, or the first training batch), and search.
-- ``search_at(device_budget)``: search the latest profiles again at another budget (what a
-  re-plan runs; see ``runtime.planning.replanner``).
+- ``search_at(device_budget)``: search the latest profiles again at another budget (a re-plan,
+  ``runtime.planning.replanner``).
 
-The Planner keeps the profiles it searched (``profiles``) and the cache entries they were read
-from (``origin``). The measuring functions are ``Profilers``: tests and benchmarks pass wrapped
-ones (to count or time the measurements) instead of patching a module.
+It keeps the profiles it searched (``profiles``) and their cache entries (``origin``); it
+measures through ``Profilers`` (tests pass wrapped ones instead of patching a module).
 """
 
 from __future__ import annotations
@@ -169,14 +167,14 @@ class Planner:
     @property
     def host_fixed_bytes(self) -> int:
         """Host memory every plan holds beside its own regions: the process at start less the
-        parameters the chunks take over and, with ``checkpoint.async_save``, a save's staging
-        (``profiler.host_bytes``)."""
+        parameters the chunks take over, and an async save's staging (``profiler.host_bytes``)."""
         staging = 0
         if self.settings.async_save:
             staging = checkpoint_staging_bytes(
                 [(p.numel, p.trainable) for p in self.subject.params],
                 element_size=compute_element_size(self.settings.precision),
                 world_size=self.subject.world_size,
+                optimizer_states=self.settings.optimizer_states,
             )
         return max(0, self.host_baseline_bytes - self.host_model_bytes) + staging
 
@@ -368,6 +366,8 @@ class Planner:
             cache_dir=settings.cache_dir,
             origin=self.origin,
             device_budget=self.budgets[0],
+            optimizer=settings.optimizer,
+            momentum=settings.optimizer_momentum,
         )
         hardware = dataclasses.replace(hardware, library_workspace_bytes=workspaces)
         ssd_path = self._ssd_path()
