@@ -172,10 +172,12 @@ class Checkpointer:
             for name, tensor in self._buffers().items():
                 state_dict[BUFFER + name] = tensor.detach().to("cpu", copy=True)
             state_dict.update(rng.capture(self.dist_ctx.rank))
+        rule = self.chunks.optimizer_rule
         manifest = {
             **trainer_state,
             "global_step": step,
             "world_size": self.dist_ctx.world_size,
+            "optimizer": {"type": rule.name, "state": list(rule.state_names)},
             "params": {
                 name: {"shape": list(shape), "trainable": trainable}
                 for name, (shape, trainable) in expected_entries(self.chunks.layout).items()
@@ -314,6 +316,7 @@ class Checkpointer:
         self.wait()
         self.chunks.drain()  # nothing on the host worker may write the state loaded into
         self._check_params(checkpoint)
+        self._check_optimizer(checkpoint)
         self._check_intact(checkpoint)
         space = self._parameter_space()
         buffers = self._buffers()
@@ -385,6 +388,28 @@ class Checkpointer:
         if problems:
             shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
             raise CheckpointError(f"{checkpoint.path}: does not match this model: {shown}")
+
+    def _check_optimizer(self, checkpoint: Checkpoint) -> None:
+        """The optimizer state saved is the state this job's optimizer continues from: the same
+        rule (a checkpoint from before the manifest said so is AdamW's) and the same state
+        tensors (SGD keeps its momentum buffer only with momentum)."""
+        saved = checkpoint.manifest.get("optimizer") or {"type": "adamw", "state": ["exp_avg", "exp_avg_sq"]}
+        rule = self.chunks.optimizer_rule
+        if saved.get("type") != rule.name:
+            raise CheckpointError(
+                f"{checkpoint.path}: was saved by optimizer.type {saved.get('type')!r}, this job runs "
+                f"{rule.name!r}; its optimizer state cannot continue another rule. Resume with "
+                f"optimizer.type: {saved.get('type')}, or to switch, resume it so and engine.export() "
+                f"the weights, then start {rule.name} from them (docs/checkpoints.md)"
+            )
+        if list(saved.get("state", [])) != list(rule.state_names):
+            have = ", ".join(saved.get("state", [])) or "none"
+            want = ", ".join(rule.state_names) or "none"
+            raise CheckpointError(
+                f"{checkpoint.path}: holds the optimizer state {have}, this job's {rule.name} needs {want} "
+                "(sgd keeps a momentum buffer only when optimizer.momentum > 0): resume with the "
+                "momentum it was saved with"
+            )
 
     def close(self) -> None:
         try:
