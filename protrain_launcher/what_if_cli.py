@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from protrain.launcher.request import EXIT_OK
 from protrain.runtime.commands.what_if import MODEL_NAMES, run_what_if
-from protrain.runtime.commands.what_if_request import SPEC_DEFAULT, WhatIfRequest, job_settings
+from protrain.runtime.commands.what_if_request import SPEC_DEFAULT, WhatIfRequest, job_settings, optimizer_names
 from protrain.runtime.config.spec_io import SpecError
 
 T = TypeVar("T")
@@ -68,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 1, or the job spec's)",
     )
     parser.add_argument(
+        "--optimizer",
+        choices=optimizer_names(),
+        help="the optimizer whose state and update the plan counts: adamw and adam keep two fp32 "
+        "moments per parameter, lion one, sgd one with --momentum and none without (default adamw, "
+        "or the job spec's)",
+    )
+    parser.add_argument("--momentum", type=float, help="sgd's momentum (default 0, or the job spec's)")
+    parser.add_argument(
         "--frozen",
         action="append",
         default=[],
@@ -89,6 +97,12 @@ def parse_what_if(argv: list[str]) -> WhatIfRequest:
     accumulation = _pick(args.gradient_accumulation_steps, job and job.accumulation_steps, 1)
     if micro_batch_size < 1 or args.seq_len < 1 or accumulation < 1:
         raise SpecError("--micro-batch-size, --seq-len and --gradient-accumulation-steps must be >= 1")
+    optimizer = _pick(args.optimizer, job and job.optimizer, "adamw")
+    momentum = _pick(args.momentum, job.momentum if job and job.optimizer == optimizer else None, 0.0)
+    if momentum and optimizer != "sgd":
+        raise SpecError(f"--momentum applies to --optimizer sgd only (the optimizer is {optimizer})")
+    if momentum < 0:
+        raise SpecError(f"--momentum must be >= 0, got {momentum:g}")
     if args.clipping is not None:
         clipping, clipping_from = bool(args.clipping), "--clipping" if args.clipping else "--no-clipping"
     elif job is not None:
@@ -109,6 +123,8 @@ def parse_what_if(argv: list[str]) -> WhatIfRequest:
         frozen=tuple(args.frozen),
         job=job,
         config=args.config,
+        optimizer=optimizer,
+        momentum=momentum,
     )
 
 

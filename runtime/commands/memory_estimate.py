@@ -25,6 +25,7 @@ from rich.table import Table
 from protrain.profiler.activation_cost import CHECKPOINT, KEEP, SSD, SWAP, ActivationCost, activation_cost
 from protrain.profiler.chunking import ChunkTooSmallError, candidate_chunk_bytes
 from protrain.profiler.cost_model import ChunkCosts, Prediction, chunk_costs, predict
+from protrain.profiler.host_bytes import ADAMW_STATES
 from protrain.profiler.plan import Plan
 from protrain.profiler.profile import HardwareProfile, ModelProfile
 from protrain.profiler.search import MEMORY_MARGIN
@@ -69,11 +70,12 @@ def estimate_rows(
     *,
     updates_after_norm: bool = False,
     keeps_gradients: bool = True,
+    optimizer_states: int = ADAMW_STATES,
 ) -> list[EstimateRow]:
     """Every placement of model state x activations (SSD only when ``hardware`` has disk
     rates), resident rows first; ``updates_after_norm`` and ``keeps_gradients`` as for
-    ``profiler.cost_model.predict``."""
-    sizes = _chunk_costs(model, hardware)
+    ``profiler.cost_model.predict``, ``optimizer_states`` the optimizer rule's state tensors."""
+    sizes = _chunk_costs(model, hardware, optimizer_states)
     has_disk = hardware.ssd_write_bytes_per_s > 0 and hardware.ssd_read_bytes_per_s > 0
     modes = [KEEP, SWAP, CHECKPOINT] + ([SSD] if has_disk and model.blocks else [])
     rows = []
@@ -153,7 +155,12 @@ def _figures(device: int, host: int, ssd: int, step_s: float, budgets: Budgets) 
 
 
 def needs_summary(
-    rows: Sequence[EstimateRow], model: ModelProfile, parameters: int, *, keeps_gradients: bool = True
+    rows: Sequence[EstimateRow],
+    model: ModelProfile,
+    parameters: int,
+    *,
+    keeps_gradients: bool = True,
+    optimizer: str = "two Adam moments",
 ) -> str:
     """Model state and activations in a sentence, read from the rows (so it agrees with them)."""
     by_key = {(row.offloaded, row.mode): row for row in rows}
@@ -168,7 +175,7 @@ def needs_summary(
     return (
         f"{parameters / 1e9:.2f}B parameters in {model.precision}{frozen_words}. Model state: "
         f"{_gib(resident.state_bytes)} on the device when resident (compute copy, fp32 master, "
-        f"gradient, two Adam moments), {_gib(offloaded.host_bytes)} on the host when offloaded "
+        f"gradient, {optimizer}), {_gib(offloaded.host_bytes)} on the host when offloaded "
         f"({'with' if keeps_gradients else 'without'} a gradient shard, and staging). "
         f"Saved activations of one {batch} micro-batch: {_gib(resident.activation_bytes)} kept, "
         f"{_gib(recomputed.activation_bytes)} at their peak when every block is recomputed. "
@@ -228,7 +235,7 @@ def _need(prediction: Prediction) -> tuple[int, float]:
     return prediction.peak_device_bytes + prediction.host_bytes, prediction.step_s
 
 
-def _chunk_costs(model: ModelProfile, hardware: HardwareProfile) -> list[ChunkCosts]:
+def _chunk_costs(model: ModelProfile, hardware: HardwareProfile, optimizer_states: int) -> list[ChunkCosts]:
     """The per-chunk terms at every chunk size of the search's grid."""
     e = model.element_size
     total = sum(numel for numel, _ in model.param_sizes) * e
@@ -236,7 +243,7 @@ def _chunk_costs(model: ModelProfile, hardware: HardwareProfile) -> list[ChunkCo
     sizes = []
     for size in candidate_chunk_bytes(total, largest):
         try:
-            sizes.append(chunk_costs(model, hardware, size))
+            sizes.append(chunk_costs(model, hardware, size, optimizer_states=optimizer_states))
         except ChunkTooSmallError:
             continue
     return sizes

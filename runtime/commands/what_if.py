@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 from rich import box
@@ -32,10 +31,10 @@ from protrain.profiler.analytic import (
     analytic_profile,
     shape_from_config,
 )
-from protrain.profiler.host_bytes import checkpoint_staging_bytes
+from protrain.profiler.host_bytes import ADAMW_STATES, checkpoint_staging_bytes
 from protrain.profiler.plan import Plan, UpdateMode
 from protrain.profiler.plan_builder import KnobRequest, searched_plan
-from protrain.profiler.profile import HardwareProfile, ModelProfile
+from protrain.profiler.profile import ModelProfile
 from protrain.profiler.search import NoPlanFitsError
 from protrain.runtime.commands.memory_estimate import (
     Budgets,
@@ -43,14 +42,12 @@ from protrain.runtime.commands.memory_estimate import (
     estimate_table,
     needs_summary,
 )
+from protrain.runtime.commands.what_if_machine import Machine, machine_from_file, with_optimizer
 from protrain.runtime.commands.what_if_request import SEARCHED_KNOBS, WhatIfRequest
 from protrain.runtime.config.hardware_spec import HardwareFile, load_hardware
 from protrain.runtime.config.spec_io import SpecError
 from protrain.runtime.observability.console import plan_table
 
-DEVICE_RESERVE_FRACTION = 0.05
-"""As runtime/planning/budgets.py: kept free on a CUDA device for the context, NCCL and allocator slack."""
-HOST_RESERVE_BYTES = 2 << 30
 EXTRA_BUFFERS = 8
 """Buffers tried beyond the fewest that work: beyond a few, more only helps the first backward
 chunks, and models of hundreds of chunks would otherwise mean millions of plans."""
@@ -74,46 +71,6 @@ GPT_FAMILY: tuple[tuple[str, int, int, int], ...] = (
     ("gpt-130b", 96, 10752, 84),
     ("gpt-175b", 96, 12288, 96),
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Machine:
-    hardware: HardwareProfile
-    device_budget: int
-    host_budget: int
-    sustained_flops: float
-
-
-def machine_from_file(spec: HardwareFile) -> Machine:
-    gpu = spec.gpu
-    world = gpu.count
-    collective = float(gpu.collective_bandwidth) if world > 1 else float("inf")
-    hardware = HardwareProfile(
-        device_kind=f"what-if:{gpu.name}",
-        world_size=world,
-        h2d_bytes_per_s=float(gpu.host_to_device),
-        d2h_bytes_per_s=float(gpu.device_to_host),
-        cpu_adam_params_per_s=spec.host.cpu_adam_params_per_s,
-        # Device AdamW reads and writes ~28 bytes per parameter: bound by memory bandwidth.
-        device_adam_params_per_s=gpu.memory_bandwidth / 28,
-        all_gather_bytes_per_s=collective,
-        reduce_scatter_bytes_per_s=collective,
-        collective_latency_s=20e-6 if world > 1 else 0.0,
-        adam_segment_s=10e-6,  # a fused multi-tensor kernel launch per few parameters
-        memory_bytes_per_s=float(gpu.memory_bandwidth) / 2,  # a copy reads and writes
-        host_copy_bytes_per_s=float(spec.host.memory_bandwidth) / 2,
-        host_downcast_bytes_per_s=float(spec.host.memory_bandwidth),
-        host_add_bytes_per_s=float(spec.host.memory_bandwidth),
-        copies_overlap_compute=True,
-        ssd_write_bytes_per_s=float(spec.ssd.write_bandwidth) if spec.ssd else 0.0,
-        ssd_read_bytes_per_s=float(spec.ssd.read_bandwidth) if spec.ssd else 0.0,
-    )
-    return Machine(
-        hardware=hardware,
-        device_budget=int(gpu.memory * (1 - DEVICE_RESERVE_FRACTION)),
-        host_budget=max(0, spec.host.memory - HOST_RESERVE_BYTES) // world,
-        sustained_flops=gpu.tflops * 1e12 * gpu.mfu,
-    )
 
 
 def profile_model(
@@ -151,6 +108,7 @@ def plan_model(
     knobs: KnobRequest | None = None,
     chosen: tuple[str, ...] = SEARCHED_KNOBS,
     host_fixed_bytes: int = 0,
+    optimizer_states: int = ADAMW_STATES,
 ) -> Plan:
     """The fastest plan that fits, or NoPlanFitsError saying why; ``ssd``: activations may go to
     the machine's disk (its rates must be known); ``updates_after_norm`` and ``keeps_gradients``
@@ -175,6 +133,7 @@ def plan_model(
             keeps_gradients=keeps_gradients, updates_after_norm=updates_after_norm, host_beside_compute=True
         ),
         host_fixed_bytes=host_fixed_bytes,
+        optimizer_states=optimizer_states,
     )
     return plan
 
@@ -232,6 +191,7 @@ def run_what_if(request: WhatIfRequest) -> int:
         machine.hardware,
         updates_after_norm=request.updates_after_norm,
         keeps_gradients=request.keeps_gradients,
+        optimizer_states=request.optimizer_states,
     )
     console.print(
         estimate_table(
@@ -243,7 +203,15 @@ def run_what_if(request: WhatIfRequest) -> int:
             f"{_gib(budgets.device)} device, {_gib(budgets.host)} host",
         )
     )
-    console.print(needs_summary(rows, profile, shape.parameters, keeps_gradients=request.keeps_gradients))
+    console.print(
+        needs_summary(
+            rows,
+            profile,
+            shape.parameters,
+            keeps_gradients=request.keeps_gradients,
+            optimizer=request.optimizer_words(),
+        )
+    )
     if plan is None:
         console.print(f"[red]{shape.name} ({shape.parameters / 1e9:.2f}B) does not fit {name}:[/red] {failure}")
         return 1
@@ -256,7 +224,7 @@ def machine_for(request: WhatIfRequest, hardware_file: HardwareFile) -> Machine:
     exceeds the hardware, or for ``ssd`` without a disk."""
     if request.ssd and hardware_file.ssd is None:
         raise SpecError(f"{request.hardware}: --ssd needs the hardware file's ssd section (its disk rates)")
-    machine = machine_from_file(hardware_file)
+    machine = with_optimizer(machine_from_file(hardware_file), request.optimizer_rule)
     job = request.job
     if job is None:
         return machine
@@ -329,6 +297,7 @@ def plan_for(
             list(profile.param_sizes),
             element_size=profile.element_size,
             world_size=machine.hardware.world_size,
+            optimizer_states=request.optimizer_states,
         )
         if request.job is not None and request.job.async_save
         else 0
@@ -346,6 +315,7 @@ def plan_for(
         knobs=None if request.job is None else request.job.knobs,
         chosen=SEARCHED_KNOBS if request.job is None else request.job.chosen,
         host_fixed_bytes=staging,
+        optimizer_states=request.optimizer_states,
     )
 
 

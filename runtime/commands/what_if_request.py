@@ -10,10 +10,17 @@ from protrain.profiler.plan_builder import KnobRequest
 from protrain.runtime.config.settings import chosen_knobs, keeps_gradients, knob, knob_request
 from protrain.runtime.config.spec import AUTO, Precision
 from protrain.runtime.config.spec_io import load_spec
+from protrain.runtime.optim.registry import registered, rule_named
+from protrain.runtime.optim.rule import OptimizerRule
 
 SEARCHED_KNOBS = ("memory.chunk_size", "memory.n_persist", "memory.n_buffer")
 """The knobs the search fills when no spec sets any (activations are placed by it too)."""
 SPEC_DEFAULT = "the spec's default"
+
+
+def optimizer_names() -> tuple[str, ...]:
+    """The optimizer rules ``--optimizer`` takes (runtime/optim/registry.py)."""
+    return registered()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,6 +42,9 @@ class JobSettings:
     """``memory.ssd.path`` is set: activations may go to the hardware file's disk."""
     async_save: bool
     """``checkpoint.async_save``: each save stages the rank's state in host memory first."""
+    optimizer: str = "adamw"
+    momentum: float = 0.0
+    """``optimizer.type`` and (sgd) ``optimizer.momentum``: the state the plan counts."""
 
 
 def job_settings(path: str) -> JobSettings:
@@ -55,6 +65,8 @@ def job_settings(path: str) -> JobSettings:
         host_budget=knob(memory.host_budget),
         ssd=memory.ssd.path is not None,
         async_save=spec.checkpoint.async_save,
+        optimizer=spec.optimizer.type,
+        momentum=spec.optimizer.momentum,
     )
 
 
@@ -84,6 +96,23 @@ class WhatIfRequest:
     """A job spec's settings (``--config``): its hand-set memory knobs, budgets and async saves."""
     config: str | None = None
     """The job file the settings came from, for the titles."""
+    optimizer: str = "adamw"
+    """The optimizer rule (runtime/optim/): its state bytes and its update's cost."""
+    momentum: float = 0.0
+    """sgd's momentum: with it, SGD keeps a momentum buffer."""
+
+    @property
+    def optimizer_rule(self) -> OptimizerRule:
+        return rule_named(self.optimizer).for_momentum(self.momentum)
+
+    @property
+    def optimizer_states(self) -> int:
+        return len(self.optimizer_rule.state_names)
+
+    def optimizer_words(self) -> str:
+        """The rule and its state, for the summary ("two Adam moments", "Lion's moment", ...)."""
+        names = self.optimizer_rule.state_names
+        return f"{self.optimizer} state: {', '.join(names)}" if names else f"{self.optimizer}: no optimizer state"
 
     @property
     def updates_after_norm(self) -> bool:
@@ -101,6 +130,8 @@ class WhatIfRequest:
         """The update case assumed, for the tables' titles."""
         clipping = f"clipping {'on' if self.clipping else 'off'} ({self.clipping_from})"
         window = f", {self.accumulation_steps} micro-batches a window" if self.accumulation_steps > 1 else ""
-        held = "16" if self.keeps_gradients else "12"
+        held = 4 * (1 + self.optimizer_states + (1 if self.keeps_gradients else 0))
         kept = "gradients kept" if self.keeps_gradients else "gradients applied as they arrive"
-        return f"{clipping}{window}: {kept}, {held} host bytes per offloaded parameter"
+        rule = "" if self.optimizer == "adamw" else f", {self.optimizer_rule.name}"
+        momentum = f" (momentum {self.momentum:g})" if self.momentum else ""
+        return f"{clipping}{window}{rule}{momentum}: {kept}, {held} host bytes per offloaded parameter"

@@ -21,7 +21,8 @@ from protrain.launcher.cli import main as protrain_run
 from protrain.launcher.cli import parse_command_line, resolve_spec
 from protrain.launcher.what_if_cli import parse_what_if
 from protrain.profiler.analytic import KNOWN_CONFIGS, shape_from_config
-from protrain.runtime.commands.what_if import HOST_RESERVE_BYTES, machine_for, plan_for
+from protrain.runtime.commands.what_if import machine_for, plan_for
+from protrain.runtime.commands.what_if_machine import HOST_RESERVE_BYTES
 from protrain.runtime.config.hardware_spec import load_hardware
 from protrain.runtime.config.spec import AUTO
 from protrain.runtime.config.spec_io import RESOLVED_SPEC_ENV, ResolvedSpec, load_spec, write_resolved

@@ -13,7 +13,7 @@ import torch
 from protrain.launcher.cli import main
 from protrain.launcher.what_if_cli import parse_what_if
 from protrain.profiler.analytic import KNOWN_CONFIGS, analytic_profile, shape_from_config
-from protrain.runtime.commands.what_if import machine_for, plan_for
+from protrain.runtime.commands.what_if import _largest_that_fits, machine_for, plan_for
 from protrain.runtime.config.hardware_spec import load_hardware
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,9 +99,7 @@ def test_largest_model_per_machine_and_what_binds(capsys: pytest.CaptureFixture[
         # Both answers: the Trainer clips by default, a spec does not.
         other_name, other_params, other_words = largest_line(out, f"with clipping {other} instead:")
         assert other_name == EXPECTED_LARGEST[machine, other] and other_words.startswith(f"clipping {other}")
-        fails = re.search(
-            r"first that does not: \S+ \(([\d.]+)B\): no plan fits the host budget of ([\d.]+) GiB", out
-        )
+        fails = re.search(r"first that does not: \S+ \(([\d.]+)B\): no plan fits the host budget of ([\d.]+) GiB", out)
         assert fails, out
         params_fail = float(fails.group(1)) * 1e9
         host_budget = float(fails.group(2)) * 2**30
@@ -115,9 +113,7 @@ def test_largest_model_per_machine_and_what_binds(capsys: pytest.CaptureFixture[
         assert other_params * HOST_BYTES_PER_PARAMETER[other] <= host_budget
 
 
-def test_a_model_config_gets_a_plan_with_predictions(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_model_config_gets_a_plan_with_predictions(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "llama-7b.json"
     config.write_text(json.dumps(LLAMA_2_7B))
     assert main(["--what-if", str(HARDWARE / "rtx3090-24gb.yaml"), "--model-config", str(config)]) == 0
@@ -126,9 +122,7 @@ def test_a_model_config_gets_a_plan_with_predictions(
     assert "predicted step time" in out and "predicted peak device" in out and "search: fastest of" in out
 
 
-def test_bad_what_if_input_exits_2_naming_the_file_and_key(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_bad_what_if_input_exits_2_naming_the_file_and_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text((HARDWARE / "a100-80gb.yaml").read_text().replace("tflops: 312", "tflops: fast"))
     assert main(["--what-if", str(bad), "--largest"]) == 2
@@ -215,3 +209,48 @@ def test_bad_job_specs_and_patterns_exit_2_naming_what_is_wrong(
     assert f"{job}: memory.device_budget: 40.0 GiB is more than the 24.0 GiB GPU" in capsys.readouterr().err
     assert main(["--what-if", hardware, "--model-config", "llama-2-7b", "--frozen", "encoder.*"]) == 2
     assert "--frozen encoder.*: matches no parameter of llama-2-7b" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "host_bytes"),
+    [
+        ([], 16),
+        (["--optimizer", "lion"], 12),
+        (["--optimizer", "sgd", "--momentum", "0.9"], 12),
+        (["--optimizer", "sgd"], 8),
+    ],
+    ids=["adamw", "lion", "sgd-momentum", "sgd"],
+)
+def test_the_optimizer_sets_the_host_bytes_per_parameter(
+    capsys: pytest.CaptureFixture[str], flags: list[str], host_bytes: int
+) -> None:
+    """With clipping (gradients kept): the fp32 master, the gradient and the rule's state. The
+    title says the bytes; the offloaded row needs them."""
+    hardware = str(HARDWARE / "rtx3090-24gb.yaml")
+    assert main(["--what-if", hardware, "--model-config", "llama-2-7b", "--clipping", *flags]) == 0
+    out = capsys.readouterr().out
+    assert f"{host_bytes} host bytes per offloaded parameter" in " ".join(out.split())
+    match = re.search(r"host \(\d+ buffers\)\s+kept\s+[\d,.]+\s+([\d,.]+)", out)
+    assert match, out
+    need = float(match.group(1).replace(",", "")) * 2**30
+    assert need == pytest.approx(host_bytes * shape_from_config(LLAMA_2_7B).parameters, rel=0.05)
+
+
+def test_a_leaner_optimizer_fits_a_larger_model_and_momentum_needs_sgd(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Host memory binds the largest model on the RTX 3090 machine: with SGD's 8 bytes per
+    parameter instead of AdamW's 16 (clipping on) it holds a model at least 1.5x larger."""
+    hardware = str(HARDWARE / "rtx3090-24gb.yaml")
+    largest = {}
+    for optimizer in ("adamw", "sgd"):
+        request = parse_what_if(["--what-if", hardware, "--largest", "--clipping", "--optimizer", optimizer])
+        found = _largest_that_fits(machine_for(request, load_hardware(hardware)), request)
+        assert found is not None
+        largest[optimizer] = found[1]
+    assert largest["sgd"] >= 1.5 * largest["adamw"], largest
+    assert main(["--what-if", hardware, "--largest", "--optimizer", "lion", "--momentum", "0.9"]) == 2
+    assert "--momentum applies to --optimizer sgd only" in capsys.readouterr().err
+    job = write_job(tmp_path, "optimizer: {type: sgd, momentum: 0.9}\n")
+    request = parse_what_if(["--what-if", hardware, "--largest", "--config", str(job)])
+    assert (request.optimizer, request.momentum, request.optimizer_states) == ("sgd", 0.9, 1)
