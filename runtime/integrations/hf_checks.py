@@ -13,14 +13,12 @@ from typing import Any
 import torch
 
 from protrain.runtime.config.spec_io import SpecError
-
-ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
-"""Trainer's ``optim`` values that are torch's AdamW update, the one the engine runs."""
+from protrain.runtime.integrations.hf_optim import optim_name, refusal
 
 
 def refuse_clashing_args(args: Any) -> None:
     """Raise for the first TrainingArguments option that cannot run under ProTrain."""
-    optim = str(getattr(args.optim, "value", args.optim))
+    optim_refusal = refusal(optim_name(args))
     clashes: list[tuple[bool, str]] = [
         (
             bool(args.deepspeed),
@@ -48,11 +46,7 @@ def refuse_clashing_args(args: Any) -> None:
             "torch_compile: the engine's chunk and activation hooks do not run under torch.compile; "
             "remove torch_compile=",
         ),
-        (
-            optim not in ADAMW_OPTIMS,
-            f"optim={optim!r}: ProTrain runs torch's AdamW update (optim='adamw_torch_fused' "
-            "or 'adamw_torch', with the spec's or the Trainer's AdamW values)",
-        ),
+        (optim_refusal is not None, optim_refusal or ""),
         (
             bool(args.load_best_model_at_end),
             "load_best_model_at_end: not supported under ProTrain yet (the best checkpoint-N folder "
@@ -90,7 +84,7 @@ def refuse_own_optimizer(trainer: Any) -> None:
     """The engine's optimizer is the only one: a Trainer given its own is refused."""
     if trainer.optimizer is not None or getattr(trainer, "optimizer_cls_and_kwargs", None) is not None:
         raise SpecError(
-            "ProTrainTrainer: optimizers=/optimizer_cls_and_kwargs=: the engine runs AdamW on its "
+            "ProTrainTrainer: optimizers=/optimizer_cls_and_kwargs=: the engine runs its optimizer on its "
             "chunks; set its values in TrainingArguments or the spec's optimizer section"
         )
     if trainer.lr_scheduler is not None:

@@ -1,9 +1,10 @@
 """``TrainingArguments`` and the ProTrain spec: one value per setting (accelerate#936: two
 config files that disagree in silence).
 
-The training values both can hold (learning rate, Adam betas and epsilon, weight decay,
-per-device batch, accumulation, precision, clipping, seed; and for checkpoints the output
-directory, the save interval and how many are kept) are reconciled per setting:
+The training values both can hold (the optimizer, its learning rate, betas and epsilon, weight
+decay, SGD's momentum values in ``optim_args``, per-device batch, accumulation, precision,
+clipping, seed; and for checkpoints the output directory, the save interval and how many are
+kept) are reconciled per setting:
 
 - set in the spec (a key the user wrote: pydantic's ``model_fields_set``; ``"auto"`` counts as
   unset) and in TrainingArguments (a value other than the field's default), to different values:
@@ -33,6 +34,7 @@ from pydantic import BaseModel
 
 from protrain.runtime.config.spec import AUTO, Spec
 from protrain.runtime.config.spec_io import RESOLVED_SPEC_ENV, SpecError, load_spec, validate_spec
+from protrain.runtime.integrations.hf_optim import OPTIM_OF_TYPE, TRAINER_OPTIMS, optim_name, sgd_values
 
 SpecSource = str | os.PathLike[str] | dict[str, Any] | Spec | None
 """A spec file's path, a mapping of spec keys, a ``Spec``; None: protrain-run's spec when it
@@ -108,6 +110,12 @@ def _save_steps(steps: int) -> dict[str, Any]:
 
 
 PAIRS: tuple[Pair, ...] = (
+    Pair(
+        "optimizer.type",
+        ("optim",),
+        lambda args: TRAINER_OPTIMS.get(optim_name(args), optim_name(args)),
+        lambda rule: {"optim": OPTIM_OF_TYPE[rule]} if rule in OPTIM_OF_TYPE else {},
+    ),
     _one("optimizer.lr", "learning_rate", float),
     Pair(
         "optimizer.betas",
@@ -171,6 +179,7 @@ def reconcile(spec: Spec, args: Any) -> Reconciled:
             updates.update({name: value for name, value in adopted.items() if getattr(args, name) != value})
         elif pair.engine:
             _put(data, pair.key, list(theirs) if isinstance(theirs, tuple) else theirs)
+    _sgd_optim_args(spec, args, data, written)
     updates.update(_eval_batch(args, micro_batch=int(data.get("micro_batch_size", spec.micro_batch_size))))
     if data.get("precision") == "fp16" and "loss_scaling" not in written:
         data["loss_scaling"] = TRAINER_LOSS_SCALING
@@ -191,6 +200,21 @@ def reconcile(spec: Spec, args: Any) -> Reconciled:
         args_updates=updates,
         spec_schedule=spec_schedule,
     )
+
+
+def _sgd_optim_args(spec: Spec, args: Any, data: dict[str, Any], written: set[str]) -> None:
+    """optim="sgd" with ``optim_args`` ("momentum=0.9,nesterov=True"): each value it sets is the
+    spec's, unless the spec sets it otherwise (refused, naming both)."""
+    if data.get("optimizer", {}).get("type", spec.optimizer.type) != "sgd":
+        return
+    for name, value in sgd_values(args.optim_args).items():
+        key = f"optimizer.{name}"
+        if key in written and _get(spec, key) != value:
+            raise SpecError(
+                f"{key}={_get(spec, key)!r} in the ProTrain spec and optim_args={args.optim_args!r} in "
+                "TrainingArguments disagree: set it in one place (the other takes it)"
+            )
+        _put(data, key, value)
 
 
 def _eval_batch(args: Any, *, micro_batch: int) -> dict[str, Any]:

@@ -424,7 +424,8 @@ def test_the_engine_optimizer_holds_the_trainers_param_groups(tmp_path: Path) ->
         ({"gradient_checkpointing": True}, "leave memory.n_checkpoint auto or set it in the spec"),
         ({"torch_compile": True}, "torch_compile: the engine's chunk and activation hooks"),
         ({"use_liger_kernel": True}, "use_liger_kernel: Liger's fused LM-head loss reads the head's weight"),
-        ({"optim": "sgd"}, "optim='sgd': ProTrain runs torch's AdamW update"),
+        ({"optim": "adamw_8bit"}, "optim='adamw_8bit' is not one of the optimizers ProTrain runs"),
+        ({"optim": "adafactor"}, "row and column sums of each whole weight matrix"),
         ({"load_best_model_at_end": True}, "load_best_model_at_end: not supported under ProTrain yet"),
     ],
 )
