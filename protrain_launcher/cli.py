@@ -2,7 +2,7 @@
 
     protrain-run [--nproc-per-node N|auto] [--nnodes N] [--node-rank R] [--master-addr A]
                  [--master-port P] [--max-restarts K] [--standalone] [--dry-run]
-                 [--hostfile FILE [--include HOSTS | --exclude HOSTS]]
+                 [--hostfile FILE [--include HOSTS | --exclude HOSTS] [--remote auto|ssh|pdsh]]
                  train.py [script args] --config job.yaml [--set key.path=value ...] [-- args]
     protrain-run --what-if HARDWARE.yaml (--model-config CONFIG.json | --largest) [...]
     protrain-run --report [--config job.yaml] [--ssd-path DIR] [--json]
@@ -32,8 +32,9 @@ from pathlib import Path
 
 from protrain.launcher.hostfile import HostfileError, Node, forwarded_env, read_hostfile, select_nodes
 from protrain.launcher.launch import launch
-from protrain.launcher.multinode import DEFAULT_MASTER_PORT, node_arguments, node_command, run_nodes
+from protrain.launcher.multinode import DEFAULT_MASTER_PORT, REMOTE_CHOICES, node_launches, run_nodes
 from protrain.launcher.preflight import check_master_addr, check_output_dir, key_source
+from protrain.launcher.remote_node import STOP_ON_STDIN_EOF, node_side_argv
 from protrain.launcher.request import EXIT_BAD_INPUT, EXIT_OK, LaunchRequest
 from protrain.launcher.slurm import SlurmError, SlurmJob, read_slurm_job, under_srun
 from protrain.runtime.config.spec import AUTO, Spec
@@ -71,6 +72,7 @@ FLAGS = frozenset(
         "--no-clipping",
         "--report",
         "--json",
+        STOP_ON_STDIN_EOF,
     }
 )
 """Options of protrain-run and its commands that take no value: every other option before the
@@ -109,10 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--hostfile",
         metavar="FILE",
         help="DeepSpeed's hostfile ('HOST slots=N' per line): one protrain-run per host, this machine's "
-        "directly, the others over ssh, with the variables of .protrain_env forwarded",
+        "directly, the others over pdsh or ssh, with the variables of .protrain_env forwarded",
     )
     parser.add_argument("--include", metavar="HOSTS", help="with --hostfile: only these, as 'host:0,1@host2'")
     parser.add_argument("--exclude", metavar="HOSTS", help="with --hostfile: all but these, as 'host:0@host2'")
+    parser.add_argument(
+        "--remote",
+        choices=REMOTE_CHOICES,
+        help="with --hostfile: how the other hosts are started (auto, the default: pdsh when on PATH, else ssh)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="validate, plan in one local process, print, exit")
     parser.add_argument("--version", action="store_true", help="print protrain-run's version and exit")
     # Listed for --help; main() hands either one, before the script path, to its own command.
@@ -215,7 +222,7 @@ def parse_command_line(argv: list[str]) -> LaunchRequest:
     )
 
 
-HOSTFILE_OPTIONS = ("--hostfile", "--include", "--exclude")
+HOSTFILE_OPTIONS = ("--hostfile", "--include", "--exclude", "--remote")
 NODE_SHAPE = ("nnodes", "node_rank", "master_addr", "nproc_per_node")
 """Launcher keys a hostfile decides for each node."""
 
@@ -226,6 +233,8 @@ def _hostfile_options(
     if args.hostfile is None:
         if args.include or args.exclude:
             raise UsageError("command line: --include and --exclude filter a --hostfile; give one")
+        if args.remote:
+            raise UsageError("command line: --remote picks how a --hostfile's hosts are started; give one")
         return None
     if slurm is not None:
         raise UsageError("command line: --hostfile under srun: Slurm already starts a task per node; drop one")
@@ -268,29 +277,23 @@ def _agree_with_hostfile(request: LaunchRequest, spec: Spec, nodes: list[Node]) 
         raise UsageError(f"{where}: launcher.{key} is {value}, but the hostfile {hostfile_says}: drop one of them")
 
 
-def _run_hostfile(request: LaunchRequest, spec: Spec) -> int:
+def _run_hostfile(request: LaunchRequest, spec: Spec, argv: list[str]) -> int:
     """One protrain-run per host of the hostfile (``multinode.py``)."""
     assert request.hostfile is not None
+    # --remote read again: the request carries the hostfile options the nodes share, not this one.
+    remote = build_parser().parse_args(_extract_config_and_sets(argv)[0]).remote or "auto"
     try:
         hosts = read_hostfile(request.hostfile)
         nodes = select_nodes(hosts, include=request.include, exclude=request.exclude)
         env = forwarded_env(dict(os.environ), Path.cwd(), Path.home())
+        _agree_with_hostfile(request, spec, nodes)
+        port = spec.launcher.master_port or DEFAULT_MASTER_PORT
+        launches = node_launches(
+            nodes, hosts=hosts, master_port=port, rest=list(request.node_argv), cwd=Path.cwd(), env=env, remote=remote
+        )
     except HostfileError as err:
         raise UsageError(str(err)) from None
-    _agree_with_hostfile(request, spec, nodes)
-    port = spec.launcher.master_port or DEFAULT_MASTER_PORT
-    rest = list(request.node_argv)
-    commands = [
-        node_command(
-            node,
-            node_arguments(nodes, index, master_port=port, rest=rest),
-            cwd=Path.cwd(),
-            env=env,
-            total_slots=hosts[node.host],
-        )
-        for index, node in enumerate(nodes)
-    ]
-    return run_nodes(commands, cwd=Path.cwd())
+    return run_nodes(launches, cwd=Path.cwd())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,11 +321,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"protrain-run: error: {err}", file=sys.stderr)
             return EXIT_BAD_INPUT
     try:
+        argv = node_side_argv(argv)  # a node of a --hostfile job started over ssh or pdsh (multinode.py)
         request = parse_command_line(argv)
         spec = resolve_spec(request)
         _check_script(request.script)
         if request.hostfile is not None:
-            return _run_hostfile(request, spec)  # each node checks its own machine
+            return _run_hostfile(request, spec, argv)  # each node checks its own machine
         _check_machine(request, spec)
     except SpecError as err:
         print(f"protrain-run: error: {err}", file=sys.stderr)

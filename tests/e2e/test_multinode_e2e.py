@@ -1,26 +1,36 @@
 """Several nodes as a user starts them, on loopback: by hand (``--nnodes``/``--node-rank``), as
 Slurm's tasks (one per rank, told only what ``srun`` tells them) and from a hostfile (this
-machine as two hosts, the second reached through a fake ``ssh`` on PATH, since there is no ssh
-server here, that records its arguments and runs the command locally, as a real one runs it on
-the remote host). Each trains exactly as one node running both ranks, loss for loss."""
+machine as two hosts, the second reached through a fake ``ssh``, then a fake ``pdsh``, on PATH,
+since there is no ssh server here, that record their arguments and run the command locally, as
+real ones run it on the remote host). Each trains exactly as one node running both ranks, loss
+for loss. And a remote node stops its ranks when the head closes its input."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
 import stat
 import subprocess
+import time
 from pathlib import Path
 
+import pytest
+
+from protrain.launcher.hostfile import Node
+from protrain.launcher.multinode import STOP_GRACE_S, NodeLaunch, node_launches, run_nodes
 from protrain.launcher.slurm import PORT_BASE, PORT_SPAN
-from tests.e2e.conftest import Job
+from tests.e2e.conftest import Job, clean_env, pid_alive, wait_for
+from tests.unit.test_hostfile import FAKE_PDSH, put_on_path
 
 FAKE_SSH = """#!/bin/bash
-# ssh [-o OPTION]... HOST COMMAND: record the arguments, run COMMAND here.
+# ssh [-o OPTION]... HOST COMMAND: record the arguments, run COMMAND here with ssh's stdin, in its
+# own session as on another machine (a signal to ssh does not reach it).
 printf '%s\\n' "$@" >> "$FAKE_SSH_LOG"
 while [[ "$1" == -* ]]; do if [[ "$1" == "-o" ]]; then shift 2; else shift; fi; done
 shift  # the host
-exec bash -c "$*"
+exec setsid -w bash -c "$*"
 """
 
 
@@ -76,7 +86,7 @@ def test_nodes_by_hand_by_slurm_and_by_hostfile_train_as_one_node(job: Job, tmp_
     (job.workdir / "hostfile").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
     port = free_port()
     head = job.start(
-        "--hostfile", "hostfile", "--master-port", str(port), *train,
+        "--hostfile", "hostfile", "--remote", "ssh", "--master-port", str(port), *train,
         env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_SSH_LOG": str(log)},
     )  # fmt: skip
     trains_as_one_node([head], "hostfile")
@@ -85,6 +95,24 @@ def test_nodes_by_hand_by_slurm_and_by_hostfile_train_as_one_node(job: Job, tmp_
     remote = ssh_args[3]
     assert remote.startswith(f"cd {job.workdir} && env ") and "PROTRAIN_FORWARDED_MARK=from-the-env-file" in remote
     assert "--node-rank 1 --master-addr 127.0.0.1" in remote and "--hostfile" not in remote
+
+    # pdsh on PATH (and no --remote): one pdsh starts the remote host, which finds its node rank
+    # from the name pdsh puts for %h.
+    pdsh_dir = tmp_path / "pdsh-bin"
+    pdsh_dir.mkdir()
+    (pdsh_dir / "pdsh").write_text(FAKE_PDSH)
+    (pdsh_dir / "pdsh").chmod(0o755)
+    pdsh_log = tmp_path / "pdsh.log"
+    head = job.start(
+        "--hostfile", "hostfile", "--master-port", str(free_port()), *train,
+        env={"PATH": f"{pdsh_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_PDSH_LOG": str(pdsh_log)},
+    )  # fmt: skip
+    trains_as_one_node([head], "hostfile through pdsh")
+    (record,) = [json.loads(line) for line in pdsh_log.read_text().splitlines()]
+    assert record["rcmd"] == "ssh" and record["argv"][:5] == ["-S", "-f", "1024", "-w", "127.0.0.2"], record
+    remote = record["argv"][5]
+    assert "PROTRAIN_FORWARDED_MARK=from-the-env-file" in remote and "--hostfile" not in remote
+    assert "--stop-on-stdin-eof --node-rank-of %h --node-hosts 127.0.0.1,127.0.0.2 --nnodes 2" in remote
 
 
 def free_port() -> int:
@@ -104,3 +132,48 @@ def free_port_in(low: int, high: int) -> int:
                 continue
             return port
     raise RuntimeError(f"no free port in [{low}, {high})")
+
+
+def test_a_remote_node_stops_its_ranks_when_the_head_closes_its_input(
+    job: Job, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The local node fails while a remote node (through the fake ssh, out of reach of the head's
+    signals as on another machine) would train forever: the head closes the remote node's stdin,
+    and its protrain-run stops its rank and exits within seconds, leaving no process behind."""
+    put_on_path(monkeypatch, tmp_path / "bin", "ssh", FAKE_SSH)
+    monkeypatch.setenv("FAKE_SSH_LOG", str(tmp_path / "ssh.log"))
+    remote = node_launches(
+        [Node("127.0.0.2", (0,))], hosts={"127.0.0.2": 1}, master_port=free_port(),
+        rest=[str(job.script), "forever", "--config", str(job.spec)], cwd=job.workdir,
+        env={"PYTHONPATH": clean_env()["PYTHONPATH"]}, remote="ssh",
+    )  # fmt: skip
+    # Fails once the remote rank trains, after noting it and its launcher (the rank's parent).
+    note = "pid=$(cat rank0.pid); echo $pid $(ps -o ppid= -p $pid) > pids"
+    local = NodeLaunch(["bash", "-c", f"until [ -e rank0.ready ]; do sleep 0.1; done; {note}; touch failed; exit 3"])
+    pids: list[int] = []
+    try:
+        assert run_nodes([local, *remote], cwd=job.workdir) == 3
+        pids = [int(word) for word in (job.workdir / "pids").read_text().split()]
+        failed_at = (job.workdir / "failed").stat().st_mtime
+        wait_for(lambda: not any(map(pid_alive, pids)), timeout=10, what="the remote rank and launcher to end")
+        # By its input's end (took about 1 s), not the head's SIGKILL of ssh after the grace, which
+        # closes the input too.
+        assert time.time() - failed_at < STOP_GRACE_S - 5
+        assert processes_in(job.workdir) == []
+    finally:
+        for pid in [*pids, *processes_in(job.workdir)]:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def processes_in(folder: Path) -> list[int]:
+    """The processes whose working directory is ``folder`` (a job's own, left running)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and entry.name != str(os.getpid()):
+            try:
+                if Path(os.readlink(entry / "cwd")) == folder and pid_alive(int(entry.name)):
+                    found.append(int(entry.name))
+            except OSError:
+                continue  # gone meanwhile, or not ours to read
+    return found
