@@ -24,8 +24,8 @@ next ones), ``end_forward``; before the window's last backward ``begin_last_back
 ranks agree on a non-finite loss, offloaded chunks may be updated as their gradients arrive);
 backward (hooks fill gradient buffers, ready chunks are reduced in reverse order, saved views
 of slots are re-gathered), ``finish_backward``; at the boundary ``grad_norm``, maybe
-``discard_speculation``/``scale_grads_``, ``step`` (AdamW on every shard, then device copies
-refreshed) and ``zero_grad``.
+``discard_speculation``/``scale_grads_``, ``step`` (the optimizer rule on every shard, then device
+copies refreshed) and ``zero_grad``.
 """
 
 from __future__ import annotations
@@ -310,7 +310,7 @@ class ChunkManager:
         self.optimizer.scale_grads_(factor)
 
     def step(self, *, lr: GroupValues, active: torch.Tensor, grad_factors: tuple[float, ...] = ()) -> None:
-        """AdamW on every trainable shard at ``lr`` (one per parameter group, or one for all;
+        """The optimizer rule on every trainable shard at ``lr`` (one per parameter group, or one for all;
         ``active``: per parameter, whether any rank produced a gradient this window; gradients
         multiplied by ``grad_factors`` first), then refresh the device copies."""
         self.optimizer.step(lr=lr, active=active, grad_factors=grad_factors, then=self.residency.refresh_early)

@@ -69,8 +69,8 @@ class _Armed:
 
 
 class ChunkOptimizer:
-    """AdamW over every trainable shard, early (speculative) for offloaded chunks; see the
-    module docstring."""
+    """The optimizer rule (AdamW unless the spec names another) over every trainable shard, early
+    (speculative) for offloaded chunks; see the module docstring."""
 
     def __init__(self, *, store: ChunkStore, mode: UpdateMode, waits: ExposedWaits | None = None) -> None:
         """``mode``: how offloaded chunks are updated (the module docstring): early and on
@@ -362,7 +362,7 @@ class ChunkOptimizer:
         grad_factors: tuple[float, ...] = (),
         then: Callable[[int], None] = lambda _: None,
     ) -> None:
-        """AdamW on every trainable shard (``active``: per parameter, whether any rank produced a
+        """The optimizer rule on every trainable shard (``active``: per parameter, whether any rank produced a
         gradient this window), each gradient multiplied by ``grad_factors`` first (unscale,
         clip), in that order. A chunk updated early is updated here only in the segments another
         rank's gradient made active. Two-phase: offloaded chunks

@@ -20,6 +20,7 @@ from protrain.runtime.optim.rule import OptimizerHyper
 from protrain.runtime.optim.shard import (
     GroupValues,
     Segment,
+    alias_segment,
     check_master,
     check_segments,
     check_step_inputs,
@@ -112,7 +113,7 @@ class ShardAdamW:
         # float32 because that is the dtype torch's fused AdamW keeps `step` in and reads it
         # from; exact for counts up to 2**24, as in torch itself.
         self.steps = torch.zeros(len(self.segments), dtype=torch.float32, device=master.device)
-        self._params = [_alias(master, segment) for segment in self.segments]
+        self._params = [alias_segment(master, segment) for segment in self.segments]
         self._split_sizes, self._piece_of_segment = split_plan(self.segments, numel=master.numel())
         # A rank's shard can be all padding (no segment); torch refuses an empty optimizer.
         self._optimizer = _build_optimizer(self._params, self, eps=eps) if self.segments else None
@@ -242,18 +243,6 @@ def _check_hyperparameters(*, lr: float, betas: tuple[float, float], eps: float)
         raise ValueError(f"betas must lie in [0, 1), got {betas}")
     if not eps >= 0.0:
         raise ValueError(f"eps must be >= 0, got {eps}")
-
-
-def _alias(flat: torch.Tensor, segment: Segment) -> nn.Parameter:
-    """An ``nn.Parameter`` sharing storage with ``flat[start:start + numel]``.
-
-    ``nn.Parameter(view)`` would also share storage, but ``_make_subclass`` states the intent and
-    yields a leaf without autograd history, which is what the optimizer requires.
-    """
-    view = flat.narrow(0, segment.start, segment.numel)
-    param = torch.Tensor._make_subclass(nn.Parameter, view, True)
-    assert param.data_ptr() == view.data_ptr(), "parameter does not alias the master"
-    return param
 
 
 def _build_optimizer(params: list[nn.Parameter], shard: ShardAdamW, *, eps: float) -> torch.optim.Optimizer:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
+from torch import nn
 
 # Dtypes a compute copy may have; the master and its moments are always fp32.
 COPY_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -56,6 +57,18 @@ class ShardOptimizer(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def alias_segment(flat: torch.Tensor, segment: Segment) -> nn.Parameter:
+    """An ``nn.Parameter`` sharing storage with ``flat[start:start + numel]``.
+
+    ``nn.Parameter(view)`` would also share storage, but ``_make_subclass`` states the intent and
+    yields a leaf without autograd history, which is what the optimizer requires.
+    """
+    view = flat.narrow(0, segment.start, segment.numel)
+    param = torch.Tensor._make_subclass(nn.Parameter, view, True)
+    assert param.data_ptr() == view.data_ptr(), "parameter does not alias the master"
+    return param
 
 
 def check_master(master: torch.Tensor) -> None:

@@ -2,8 +2,9 @@
 
 ``EngineOptimizer`` is a ``torch.optim.Optimizer`` whose parameter groups are the engine's
 optimizer groups (group 0 the top level, then ``optimizer.groups`` in order), each holding its
-trainable parameters and its ``lr``, ``betas``, ``eps`` and ``weight_decay``. It updates nothing
-itself: the engine's ``step()`` runs AdamW on the chunk shards. It exists so that a learning-rate
+trainable parameters and its ``lr``, ``betas``, ``eps`` and ``weight_decay`` (and for sgd
+``momentum``, ``dampening`` and ``nesterov``, as ``torch.optim.SGD``'s groups do). It updates
+nothing itself: the engine's ``step()`` runs the optimizer rule on the chunk shards. It exists so that a learning-rate
 scheduler written for torch (``LambdaLR``, transformers' ``get_scheduler``) can own the learning
 rate: with ``engine.lr_from_optimizer = True`` the ``lr`` of each group here is what the next
 update uses; otherwise the engine writes its own schedule's values here after every update and
@@ -34,10 +35,12 @@ class EngineOptimizer(torch.optim.Optimizer):
         eps: float,
         lrs: Sequence[float],
         step_applied: Callable[[], bool],
+        rule_values: dict[str, Any] | None = None,
     ) -> None:
         """``params_of_group[i]``: the trainable parameters of group ``i`` (each once; a group
         may be empty); ``lrs``: each group's learning rate for the next update;
-        ``step_applied``: whether the engine's last update changed the parameters."""
+        ``step_applied``: whether the engine's last update changed the parameters;
+        ``rule_values``: the rule's own values, in every group."""
         param_groups: list[dict[str, Any]] = [
             {
                 "params": list(params),
@@ -48,6 +51,7 @@ class EngineOptimizer(torch.optim.Optimizer):
                 "eps": eps,
                 "weight_decay": group.weight_decay,
                 "match": group.match,
+                **(rule_values or {}),
             }
             for group, params, lr in zip(groups, params_of_group, lrs, strict=True)
         ]
@@ -95,4 +99,12 @@ def build_engine_optimizer(
     members: list[list[nn.Parameter]] = [[] for _ in hyper.groups]
     for param, group in zip(params.values(), hyper.group_of_param, strict=True):
         members[group].append(param)
-    return EngineOptimizer(hyper.groups, members, eps=settings.eps, lrs=lrs, step_applied=step_applied)
+    sgd = {"momentum": settings.momentum, "dampening": settings.dampening, "nesterov": settings.nesterov}
+    return EngineOptimizer(
+        hyper.groups,
+        members,
+        eps=settings.eps,
+        lrs=lrs,
+        step_applied=step_applied,
+        rule_values=sgd if settings.type == "sgd" else None,
+    )

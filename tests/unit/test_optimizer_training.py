@@ -249,3 +249,12 @@ def test_the_planner_times_the_jobs_optimizer_under_a_cache_key_of_its_own(tmp_p
         for name, momentum in (("adamw", 0.0), ("lion", 0.0), ("sgd", 0.0), ("sgd", 0.9))
     }
     assert len(keys) == 4
+
+
+def test_the_engines_optimizer_shows_sgds_values_as_torchs_sgd_groups_do(tmp_path: Path) -> None:
+    """Code written for torch (a scheduler cycling momentum, a logger) reads them off the groups."""
+    config = job(tmp_path, "sgd-nesterov", memory={"n_persist": 0, "n_buffer": 2})
+    with runtime.initialize(tiny_gpt(), config=config) as engine:
+        groups = engine.optimizer.param_groups
+        assert [(g["momentum"], g["dampening"], g["nesterov"]) for g in groups] == [(0.9, 0.0, True)] * len(groups)
+        assert [g["lr"] for g in groups] == [LR * SGD_LR_SCALE, GROUP_LR * SGD_LR_SCALE]
