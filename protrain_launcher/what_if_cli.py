@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--optimizer",
-        choices=optimizer_names(),
+        metavar="NAME",
         help="the optimizer whose state and update the plan counts: adamw and adam keep two fp32 "
         "moments per parameter, lion one, sgd one with --momentum and none without (default adamw, "
         "or the job spec's)",
@@ -98,6 +98,8 @@ def parse_what_if(argv: list[str]) -> WhatIfRequest:
     if micro_batch_size < 1 or args.seq_len < 1 or accumulation < 1:
         raise SpecError("--micro-batch-size, --seq-len and --gradient-accumulation-steps must be >= 1")
     optimizer = _pick(args.optimizer, job and job.optimizer, "adamw")
+    if optimizer not in optimizer_names():
+        raise SpecError(f"--optimizer {optimizer}: not one of {', '.join(optimizer_names())}")
     momentum = _pick(args.momentum, job.momentum if job and job.optimizer == optimizer else None, 0.0)
     if momentum and optimizer != "sgd":
         raise SpecError(f"--momentum applies to --optimizer sgd only (the optimizer is {optimizer})")

@@ -8,6 +8,7 @@ Lion's published rule (tests/unit/test_optimizers.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 
 from protrain import runtime
 from protrain.profiler.host_bytes import chunk_state_bytes, rank_numel, region_bytes
+from protrain.profiler.plan import UpdateMode
 from protrain.profiler.profile import HardwareProfile
 from protrain.runtime.config.settings import planning_settings_from_spec
 from protrain.runtime.config.spec_io import validate_spec
@@ -26,6 +28,7 @@ from protrain.runtime.planning.hardware_probes import OptimizerProbe, hardware_k
 from protrain.runtime.planning.profilers import Profilers
 from tests.helpers import (
     assert_matches_reference,
+    assert_state_equal,
     lm_batches,
     tiny_gpt,
     train_engine,
@@ -258,3 +261,22 @@ def test_the_engines_optimizer_shows_sgds_values_as_torchs_sgd_groups_do(tmp_pat
         groups = engine.optimizer.param_groups
         assert [(g["momentum"], g["dampening"], g["nesterov"]) for g in groups] == [(0.9, 0.0, True)] * len(groups)
         assert [g["lr"] for g in groups] == [LR * SGD_LR_SCALE, GROUP_LR * SGD_LR_SCALE]
+
+
+@pytest.mark.parametrize("case", ["adam", "lion", "sgd-momentum-dampening"])
+def test_the_two_phase_step_updates_as_the_deferred_one_bit_for_bit(tmp_path: Path, case: str) -> None:
+    """On a GPU a clipped window's offloaded chunks are updated on the host worker beside the
+    next forward (two-phase); on CPU at the step (deferred). Both run the rule's kernel on the
+    same clipped gradients: the same bits."""
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    states = {}
+    for mode in ("deferred", "two_phase"):
+        config = job(tmp_path / mode, case, memory={"n_persist": 2, "n_buffer": 3}, gradient_clipping=0.5)
+        engine = runtime.initialize(tiny_gpt(), config=config, example_batch=data.batch(0, 0, 0))
+        if mode == "two_phase":  # as on CUDA: the plan's switch rebuilds the managers for it
+            engine.switch_plan(dataclasses.replace(engine.plan, update_mode=UpdateMode.TWO_PHASE))
+        with engine:
+            assert engine.chunks.update_mode.value == mode
+            train_updates(engine, data, range(STEPS))
+            states[mode] = engine.state_dict()
+    assert_state_equal(states["two_phase"], states["deferred"])

@@ -254,3 +254,8 @@ def test_a_leaner_optimizer_fits_a_larger_model_and_momentum_needs_sgd(
     job = write_job(tmp_path, "optimizer: {type: sgd, momentum: 0.9}\n")
     request = parse_what_if(["--what-if", hardware, "--largest", "--config", str(job)])
     assert (request.optimizer, request.momentum, request.optimizer_states) == ("sgd", 0.9, 1)
+
+
+def test_an_unknown_optimizer_exits_2_naming_the_rules(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--what-if", str(HARDWARE / "a100-80gb.yaml"), "--largest", "--optimizer", "lamb"]) == 2
+    assert "--optimizer lamb: not one of adamw, adam, lion, sgd" in capsys.readouterr().err
