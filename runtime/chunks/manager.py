@@ -269,6 +269,7 @@ class ChunkManager:
         reductions (see ChunkOptimizer.arm). Two-phase: no early update, only each offloaded
         shard's squared norm as its gradient completes. ``local_nonfinite()``: whether a loss of
         the window was not finite here (read only for early updates: it waits for the device)."""
+        self.reducer.closing_backward()
         if self.optimizer.mode is UpdateMode.TWO_PHASE:
             self.optimizer.arm_norms()
             return

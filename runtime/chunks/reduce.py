@@ -1,9 +1,14 @@
 """Gradient reduction: the device side of backward (hooks, buffers, reduce-scatter, copy to host).
 
 Gradients: a hook after each parameter's gradient accumulation copies the gradient into the
-chunk's gradient buffer (one rank in fp32: autograd accumulates straight into the fp32 shard,
-see store.py), taken from a small pool that hands a buffer back once its reduction has run
-(grad_buffers.py); when every trainable parameter of a chunk has reported, the chunk is ready.
+chunk's gradient buffer, taken from a small pool that hands a buffer back once its reduction
+has run (grad_buffers.py); when every trainable parameter of a chunk has reported, the chunk is
+ready. In fp32, where a rank holds the whole chunk (one rank, or a replicated chunk) autograd
+accumulates straight into the fp32 shard instead (``direct_grads``, store.py); a replicated one
+is all-reduced in place once per window, in the window's last backward (DDP's
+``gradient_as_bucket_view`` with ``no_sync``), which also sums each rank's micro-batches before
+the ranks, as DDP does. A further backward in that window finds those chunks' gradients
+unpointed and goes through the buffers.
 Ready chunks are reduce-scattered strictly in reverse chunk order, the same on every rank
 (chunks left incomplete by unused parameters are flushed, in that order, when backward ends),
 on the collective queue (side_stream.py) while backward goes on.
@@ -100,6 +105,10 @@ class GradientReducer:
         self._next_reduction = 0
         self._profiling = False
         self._handles: list[Any] = []
+        self._closing = False
+        """This backward ends its accumulation window (``closing_backward``)."""
+        self._reduced_direct: set[int] = set()
+        """Direct-gradient chunks of several ranks all-reduced in this window."""
 
     def install_hooks(self) -> None:
         for index, param in enumerate(self.store.params):
@@ -114,16 +123,35 @@ class GradientReducer:
 
     # ------------------------------------------------------------------ one backward
 
+    def closing_backward(self) -> None:
+        """The coming backward ends its accumulation window: replicated direct-gradient chunks
+        are all-reduced as they complete."""
+        self._closing = True
+
     def reset(self) -> None:
-        """A new backward: no parameter has reported, no reduction is issued."""
+        """A new backward: no parameter has reported, no reduction is issued. Chunks all-reduced
+        in place this window take no more gradients there: any further backward in the window
+        goes through the buffers (their parameters' ``.grad`` is unpointed until ``new_window``)."""
+        self._closing = False
+        for chunk_index in self._reduced_direct:
+            for index in self.chunks[chunk_index].info.params:
+                self.store.params[index].grad = None
         self._fired.zero_()
         self._next_reduction = 0
         for chunk in self.chunks:
             self._remaining[chunk.index] = sum(1 for i in chunk.info.params if self.store.params[i].requires_grad)
 
     def new_window(self) -> None:
-        """A new accumulation window: no parameter has had a gradient in it."""
+        """A new accumulation window: no parameter has had a gradient in it; the shards of the
+        chunks all-reduced in the last one (zeroed by now) take gradients directly again."""
         self._fired_in_window.zero_()
+        for chunk_index in sorted(self._reduced_direct):
+            self.store.point_grads(self.chunks[chunk_index])
+        self._reduced_direct.clear()
+
+    def _direct(self, chunk: Chunk) -> bool:
+        """Gradients accumulate in the chunk's shard now (not after its all-reduce this window)."""
+        return self.store.direct_grads(chunk) and chunk.index not in self._reduced_direct
 
     def params_with_grad(self) -> torch.Tensor:
         """Per parameter, whether any micro-batch of this window produced a gradient here."""
@@ -138,7 +166,7 @@ class GradientReducer:
         assert param.grad is not None
         chunk_index = self.store.chunk_of_param[index]
         chunk = self.chunks[chunk_index]
-        direct = self.store.direct_grads(chunk)
+        direct = self._direct(chunk)
         if self._profiling:
             # A profiling step's gradient is dropped (a direct one is zeroed afterwards).
             if not direct:
@@ -231,7 +259,10 @@ class GradientReducer:
         goes on meanwhile."""
         chunk = self.chunks[chunk_index]
         buffer = self._grad_buffers.pop(chunk_index, None)
-        if self.store.direct_grads(chunk):
+        if self._direct(chunk) and self.store.dist_ctx.world_size > 1:
+            # In the shard already; summed over the ranks once, in the window's last backward.
+            reduced = self._queue_all_reduce(chunk) if self._closing else DeviceEvent.completed()
+        elif self._direct(chunk):
             reduced = DeviceEvent.completed()  # the gradients are in the shard already
         elif buffer is None and self.store.dist_ctx.world_size == 1:
             reduced = DeviceEvent.completed()  # no gradient, nothing to add
@@ -240,6 +271,20 @@ class GradientReducer:
                 buffer = self._take_buffer()
             reduced = self._queue_reduction(chunk, buffer)
         self.sink.reduction_queued(chunk, reduced, self._fired_in_window)
+
+    def _queue_all_reduce(self, chunk: Chunk) -> DeviceEvent:
+        """A replicated direct-gradient chunk: its shard, every micro-batch of the window summed
+        in it, averaged over the ranks in place (as ``_reduce_whole`` averages a buffer)."""
+        grad_shard = chunk.grad_shard
+        world = self.store.dist_ctx.world_size
+        group = self.store.dist_ctx.group
+        self._reduced_direct.add(chunk.index)
+
+        def all_reduce() -> None:
+            with job_label("reduce", chunk.index):
+                all_reduce_flat_(grad_shard, group).div_(world)
+
+        return self.queue.submit(all_reduce)
 
     def _queue_reduction(self, chunk: Chunk, buffer: torch.Tensor) -> DeviceEvent:
         """The reduction's jobs; the event that fires once the gradient is in the shard."""
@@ -313,7 +358,7 @@ class GradientReducer:
         self._profiling = False
         self.release_buffers()
         for chunk in self.chunks:
-            if not self.store.direct_grads(chunk):
+            if not self._direct(chunk):
                 for index in chunk.info.params:
                     self.store.params[index].grad = None
             self.store.point_grads(chunk)

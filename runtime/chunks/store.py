@@ -275,10 +275,12 @@ class ChunkStore:
         return self._nan.expand(param.shape) if param.dim() else self._nan[0]
 
     def direct_grads(self, chunk: Chunk) -> bool:
-        """One rank, fp32 compute, shard gradient on the compute device: there is nothing to
-        reduce, so gradients accumulate straight into the fp32 shard."""
+        """fp32 compute, the shard's gradient on the compute device, and the whole chunk's on
+        this rank (one rank, or a replicated chunk): gradients accumulate straight into the fp32
+        shard, as DDP's ``gradient_as_bucket_view`` has them accumulate into its buckets. With
+        several ranks the shard is then all-reduced in place once per window (reduce.py)."""
         return (
-            self.dist_ctx.world_size == 1
+            (self.dist_ctx.world_size == 1 or chunk.is_replicated)
             and self.compute_dtype == torch.float32
             and chunk.training is not None
             and chunk.training.grad_shard is not None

@@ -221,3 +221,51 @@ def test_a_plan_switch_moves_replicated_state_both_ways(rank_pool: RankPool, tmp
     assert (into[0]["replicated"], out_of[0]["replicated"]) == (4, 0)
     assert_state_equal(into[0]["state"], steady[0]["state"])
     assert_state_equal(out_of[0]["state"], steady[0]["state"])
+
+
+def train_in_place(*, rank: int, output_dir: str, accumulation: int, backwards: int) -> dict[str, Any]:
+    """Every chunk replicated, fp32: ``backwards`` forward and backward calls per micro-batch (each
+    of the loss over ``backwards``), counting the gradient buffers backward takes."""
+    from protrain import runtime
+
+    data = lm_batches(micro_batch_size=2, accumulation=accumulation, world_size=2)
+    config = {
+        "seed": 3,
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": 0.05,  # gradients kept: a backward may leave the window open
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.1},
+        "memory": {"chunk_size": "64KiB", "n_persist": 12, "n_replicate": 12, "block_modes": ["keep", "keep"]},
+        "output_dir": output_dir,
+    }
+    with runtime.initialize(tiny_gpt(0), config=config) as engine:
+        pool = engine.chunks.reducer.grad_pool
+        for update in range(STEPS):
+            for micro in range(accumulation):
+                for _ in range(backwards):  # the same batch each time: the window's gradient is unchanged
+                    engine.backward(engine(**data.batch(update, micro, rank)).loss / backwards)
+                engine.step()
+        assert engine.plan.n_replicate == engine.plan.num_chunks
+        return {"state": engine.state_dict(), "buffers": pool.most_allocated}
+
+
+@pytest.mark.parametrize(
+    ("accumulation", "backwards"), [(3, 1), (2, 2)], ids=["accumulation-3", "two-backwards-per-micro-batch"]
+)
+def test_replicated_gradients_accumulate_in_place_and_are_all_reduced_once_per_window(
+    rank_pool: RankPool, tmp_path: Path, accumulation: int, backwards: int
+) -> None:
+    """As DDP with gradient_as_bucket_view and no_sync: autograd accumulates each rank's
+    micro-batches into the replicated shards, which are all-reduced in the window's last
+    backward; no gradient buffer is taken. A second backward in that micro-batch (after the
+    shards' all-reduce) goes through the buffers, and the window's gradient is the same."""
+    results = rank_pool.run(train_in_place, output_dir=str(tmp_path), accumulation=accumulation, backwards=backwards)
+    assert_state_equal(results[1]["state"], results[0]["state"])
+    if backwards == 1:
+        assert results[0]["buffers"] == 0, "backward copied gradients into buffers"
+    else:
+        assert results[0]["buffers"] > 0, "the second backward of the last micro-batch uses the buffers"
+    reference = gpt_reference(
+        accumulation=accumulation, world_size=2, steps=STEPS, lr=1e-3, weight_decay=0.1, clip=0.05
+    )
+    assert_matches_reference(results[0]["state"], reference.fp32, reference.fp64)
