@@ -97,7 +97,14 @@ def chunk_costs(
     widen = shard * (e + 4) / downcast_rate if e != 4 else 0.0
     rows: dict[str, list[float]] = {name: [] for name in _PREFIXED}
     for index, chunk in enumerate(packing.chunks):
-        f, b = fwd_c[index], bwd_c[index]
+        f, whole_b = fwd_c[index], bwd_c[index]
+        # Gradients that go through a chunk-sized buffer (runtime/chunks/reduce.py) pay its
+        # zero-fill and an add of each gradient into it, which the profile's backward leaves out
+        # (a profiling step drops its gradients); accumulated straight into the shard, nothing.
+        fill = (chunk_numel + 3 * chunk.used) * e / hardware.memory_bytes_per_s if chunk.trainable else 0.0
+        b = whole_b + (0.0 if alias else fill)
+        b_offloaded = whole_b + (0.0 if alias and not overlap else fill)
+        b_replicated = whole_b + (0.0 if e == 4 else fill)
         reduce = scatter if chunk.trainable else 0.0
         off = offload if chunk.trainable else 0.0
         rows["fwd"].append(f)
@@ -105,15 +112,15 @@ def chunk_costs(
         if overlap:
             rows["fwd_overlapped"].append(max(f, fetch))
             rows["bwd_persistent"].append(max(b, reduce))
-            rows["bwd_reused"].append(max(b, reduce + off))
-            rows["bwd_fetched"].append(max(b, fetch + reduce + off))
-            rows["bwd_fetched_serial"].append(max(b + fetch, reduce + off))
+            rows["bwd_reused"].append(max(b_offloaded, reduce + off))
+            rows["bwd_fetched"].append(max(b_offloaded, fetch + reduce + off))
+            rows["bwd_fetched_serial"].append(max(b_offloaded + fetch, reduce + off))
         else:  # the same cores do both: nothing hides
             rows["fwd_overlapped"].append(f + fetch)
             rows["bwd_persistent"].append(b + reduce)
-            rows["bwd_reused"].append(b + reduce + off)
-            rows["bwd_fetched"].append(b + fetch + reduce + off)
-            rows["bwd_fetched_serial"].append(b + fetch + reduce + off)
+            rows["bwd_reused"].append(b_offloaded + reduce + off)
+            rows["bwd_fetched"].append(b_offloaded + fetch + reduce + off)
+            rows["bwd_fetched_serial"].append(b_offloaded + fetch + reduce + off)
         rows["adam_params"].append(chunk.used / world if chunk.trainable else 0.0)
         rows["adam_segments"].append(float(len(chunk.members)) if chunk.trainable else 0.0)
         rows["host_adds"].append(add if chunk.trainable else 0.0)
@@ -132,7 +139,8 @@ def chunk_costs(
         all_reduce = (chunk_bytes / hardware.all_reduce_bytes_per_s + latency if world > 1 else 0.0) * (
             1.0 if chunk.trainable else 0.0
         )
-        rows["bwd_replicated"].append(max(b, all_reduce) if overlap else b + all_reduce)
+        # In fp32 autograd accumulates a replicated chunk's gradients into its shard: no buffer.
+        rows["bwd_replicated"].append(max(b_replicated, all_reduce) if overlap else b_replicated + all_reduce)
         whole_update = (
             chunk.used / hardware.device_adam_params_per_s + 2 * 4 * chunk_numel / hardware.memory_bytes_per_s
         )

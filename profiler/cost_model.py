@@ -29,6 +29,10 @@ its update) while the adds still run beside backward::
                                             still in a buffer max(bwd(c), reduce(c) + offload(c))
                                             re-fetched        max(bwd(c), fetch(c) + reduce(c) + offload(c))
                                                               (serial: bwd(c) + fetch(c))
+    bwd(c)    = the chunk's share of the profiled backward + (gradients through a buffer) the
+                buffer's zero-fill and each gradient's add into it at the device's memory rate,
+                which profiling leaves out; none where gradients accumulate in place (fp32 on
+                one rank, or a replicated chunk in fp32)
     fetch(c)  = shard bytes / host->device + (world > 1) all-gather of the chunk + latency
                 + (compute dtype not fp32) the downcast of the fp32 shard into a staging buffer
     reduce(c) = (world > 1) reduce-scatter of the chunk's gradient + latency; replicated: one

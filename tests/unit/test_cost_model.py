@@ -31,9 +31,7 @@ def hardware(world_size: int = 1, **overrides: float | bool) -> HardwareProfile:
     return HardwareProfile(device_kind="synthetic", world_size=world_size, **values)  # type: ignore[arg-type]
 
 
-def four_blocks(
-    *, block_numel: int = 1 << 20, activation: int = 10 * MIB, transient: int = 0
-) -> ModelProfile:
+def four_blocks(*, block_numel: int = 1 << 20, activation: int = 10 * MIB, transient: int = 0) -> ModelProfile:
     """Four blocks of one fp32 parameter of ``block_numel`` each, 1 ms forward, 2 ms backward."""
     return ModelProfile(
         batch_shape=(1, 8),
@@ -66,9 +64,7 @@ def test_hand_computed_step_time_and_memory_with_two_chunks_offloaded() -> None:
     assert got.backward_s == pytest.approx(backward)
     assert got.device_adam_s == pytest.approx(2 * (1 << 20) / 1e10)
     assert got.cpu_adam_s == pytest.approx(2 * (1 << 20) / 1e9)
-    assert got.step_s == pytest.approx(
-        got.forward_s + max(got.backward_s + got.device_adam_s, got.cpu_adam_s)
-    )
+    assert got.step_s == pytest.approx(got.forward_s + max(got.backward_s + got.device_adam_s, got.cpu_adam_s))
     # Device: 2 persistent chunks (full copy doubles as the fp32 master; gradient and moments
     # 12 bytes/elem), 1 buffer, 40 MiB of activations, the transient (none here) and the first
     # chunk's gradient buffer beside it.
@@ -76,9 +72,7 @@ def test_hand_computed_step_time_and_memory_with_two_chunks_offloaded() -> None:
     assert got.peak_device_bytes == 2 * (chunk + 3 * chunk) + chunk + 40 * MIB + chunk
     busy = four_blocks(transient=8 * MIB)
     busy_costs = chunk_costs(busy, hw, 4 * MIB)
-    assert predict(busy, hw, busy_costs, n_persist=2, n_buffer=1).peak_device_bytes == (
-        got.peak_device_bytes + 8 * MIB
-    )
+    assert predict(busy, hw, busy_costs, n_persist=2, n_buffer=1).peak_device_bytes == (got.peak_device_bytes + 8 * MIB)
     # Host: per offloaded chunk master, gradient and two moments in fp32 (every element is a
     # parameter's), and the staging ring's two shard-sized buffers for reduced gradients.
     assert got.host_bytes == 2 * 4 * chunk + 2 * chunk
@@ -167,9 +161,7 @@ def test_the_search_replicates_as_many_chunks_as_fit_when_that_is_faster() -> No
         model, two, device_budget=budget, host_budget=1 << 40, chunk_size=4 * MIB, n_persist=4, n_replicate=None
     )
     assert tight.best.n_replicate == 1 and sharded.peak_device_bytes < one_more.peak_device_bytes
-    one = search(
-        model, hardware(1), device_budget=1 << 40, host_budget=1 << 40, chunk_size=4 * MIB, n_replicate=None
-    )
+    one = search(model, hardware(1), device_budget=1 << 40, host_budget=1 << 40, chunk_size=4 * MIB, n_replicate=None)
     assert one.best.n_replicate == 0
     fixed = search(model, two, device_budget=1 << 40, host_budget=1 << 40, chunk_size=4 * MIB, n_replicate=2)
     assert fixed.best.n_replicate == 2
@@ -232,9 +224,7 @@ def chunk_plans(model: ModelProfile, hw: HardwareProfile) -> Iterator[tuple[Chun
                     yield costs, p, b
 
 
-def brute_force(
-    model: ModelProfile, hw: HardwareProfile, device_budget: int, host_budget: int
-) -> float | None:
+def brute_force(model: ModelProfile, hw: HardwareProfile, device_budget: int, host_budget: int) -> float | None:
     best = None
     for costs, p, b in chunk_plans(model, hw):
         got = predict(model, hw, costs, n_persist=p, n_buffer=b)
@@ -304,9 +294,7 @@ def test_equally_fast_plans_keep_more_chunks_on_the_device() -> None:
 
 def test_hand_set_knobs_stay_fixed() -> None:
     model = four_blocks()
-    result = search(
-        model, hardware(), device_budget=1 << 40, host_budget=1 << 40, chunk_size=4 * MIB, n_persist=1
-    )
+    result = search(model, hardware(), device_budget=1 << 40, host_budget=1 << 40, chunk_size=4 * MIB, n_persist=1)
     assert (result.best.chunk_size, result.best.n_persist) == (4 * MIB, 1)
     assert result.binding == "memory.n_persist=1 is set by hand"
     result = search(model, hardware(), device_budget=1 << 40, host_budget=1 << 40, n_buffer=2, n_persist=0)
@@ -382,9 +370,7 @@ def test_shared_cores_add_up_and_the_update_passes_are_counted() -> None:
     # One memory, one set of cores: the device's Adam runs at the host's rate (the slower of the
     # two measurements of one kernel), so offloading never looks faster than keeping a chunk.
     assert got.device_adam_s == pytest.approx(2 * (1 << 20) / 1e9 + 2 * 1e-4)
-    assert got.step_s == pytest.approx(
-        got.forward_s + got.backward_s + got.device_adam_s + got.cpu_adam_s + update
-    )
+    assert got.step_s == pytest.approx(got.forward_s + got.backward_s + got.device_adam_s + got.cpu_adam_s + update)
     fetch = 4 * MIB / 1e9
     assert got.forward_s == pytest.approx(4e-3 + 2 * fetch + 0.5e-3)  # no prefetch hides on shared cores
 
@@ -428,7 +414,9 @@ def test_a_clipped_window_on_a_gpu_is_timed_as_the_two_phase_step() -> None:
     model = ModelProfile(
         **{**{f: getattr(fp32, f) for f in fp32.__dataclass_fields__}, "precision": "bf16", "element_size": 2}
     )
-    slow_adam = hardware(memory_bytes_per_s=1e12, host_add_bytes_per_s=1e10, cpu_adam_params_per_s=2e8)  # Adam > forward
+    slow_adam = hardware(
+        memory_bytes_per_s=1e12, host_add_bytes_per_s=1e10, cpu_adam_params_per_s=2e8
+    )  # Adam > forward
     costs = chunk_costs(model, slow_adam, 2 * MIB)
     early = predict(model, slow_adam, costs, n_persist=1, n_buffer=2)
     clipped = predict(model, slow_adam, costs, n_persist=1, n_buffer=2, updates_after_norm=True)
@@ -474,3 +462,30 @@ def test_a_clipped_window_on_a_gpu_is_timed_as_the_two_phase_step() -> None:
         n_buffer=best.n_buffer,
     )
     assert best.prediction.step_s == pytest.approx(again.step_s) != early_best.step_s
+
+
+def test_gradients_through_a_buffer_cost_its_fill_and_in_place_ones_do_not() -> None:
+    """Profiling drops its gradients, so the profile's backward copies none. A chunk whose
+    gradients go through a buffer pays its zero-fill and an add of each gradient into it (read,
+    read, write) at the device's memory rate; in fp32 a replicated chunk's accumulate straight into
+    its shard (DDP's bucket views), as one rank's do into theirs. The search then prefers
+    replicating where the collectives cost the same."""
+    import dataclasses
+
+    model = four_blocks()
+    rate = 1e10
+    fast = dict(memory_bytes_per_s=rate, collective_latency_s=0.0)
+    two = hardware(2, all_reduce_bytes_per_s=1e15, reduce_scatter_bytes_per_s=1e15, all_gather_bytes_per_s=1e15, **fast)
+    costs = chunk_costs(model, two, 4 * MIB)
+    fill = ((1 << 20) + 3 * (1 << 20)) * 4 / rate
+    sharded = predict(model, two, costs, n_persist=4, n_buffer=0)
+    replicated = predict(model, two, costs, n_persist=4, n_buffer=0, n_replicate=4)
+    assert sharded.backward_s == pytest.approx(4 * (2e-3 + fill) + 0.5e-3, rel=1e-3)
+    assert replicated.backward_s == pytest.approx(4 * 2e-3 + 0.5e-3, rel=1e-3)
+    one = hardware(1, **fast)
+    alone = predict(model, one, chunk_costs(model, one, 4 * MIB), n_persist=4, n_buffer=0)
+    assert alone.backward_s == pytest.approx(4 * 2e-3 + 0.5e-3)
+    half = dataclasses.replace(model, precision="bf16", element_size=2)
+    half_costs = chunk_costs(half, two, 2 * MIB)
+    in_bf16 = predict(half, two, half_costs, n_persist=4, n_buffer=0, n_replicate=4)
+    assert in_bf16.backward_s == pytest.approx(4 * (2e-3 + fill / 2) + 0.5e-3, rel=1e-3), "bf16 goes through buffers"
