@@ -1,28 +1,22 @@
-"""Several nodes as a user starts them, on loopback: by hand (``--nnodes``/``--node-rank``), as
-Slurm's tasks (one per rank, told only what ``srun`` tells them) and from a hostfile (this
-machine as two hosts, the second reached through a fake ``ssh``, then a fake ``pdsh``, on PATH,
-since there is no ssh server here, that record their arguments and run the command locally, as
-real ones run it on the remote host). Each trains exactly as one node running both ranks, loss
-for loss. And a remote node stops its ranks when the head closes its input."""
+"""Several nodes as a user starts them, on loopback: as Slurm's tasks (one per rank, told only
+what ``srun`` tells them) and from a hostfile (this machine as two hosts, the second reached
+through a fake ``ssh``, then a fake ``pdsh``, on PATH, since there is no ssh server here, that
+record their arguments and run the command locally, as real ones run it on the remote host).
+Each trains exactly as one node running both ranks, loss for loss. (How a remote node stops:
+test_remote_stop_e2e.py.)"""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import stat
 import subprocess
-import time
 from pathlib import Path
 
-import pytest
-
-from protrain.launcher.hostfile import Node
-from protrain.launcher.multinode import STOP_GRACE_S, NodeLaunch, node_launches, run_nodes
 from protrain.launcher.slurm import PORT_BASE, PORT_SPAN
-from tests.e2e.conftest import Job, clean_env, pid_alive, wait_for
-from tests.unit.test_hostfile import FAKE_PDSH, put_on_path
+from tests.e2e.conftest import Job
+from tests.unit.test_hostfile import FAKE_PDSH
 
 FAKE_SSH = """#!/bin/bash
 # ssh [-o OPTION]... HOST COMMAND: record the arguments, run COMMAND here with ssh's stdin, in its
@@ -34,7 +28,9 @@ exec setsid -w bash -c "$*"
 """
 
 
-def test_nodes_by_hand_by_slurm_and_by_hostfile_train_as_one_node(job: Job, tmp_path: Path) -> None:
+def test_nodes_by_slurm_and_by_hostfile_train_as_one_node(job: Job, tmp_path: Path) -> None:
+    """Each hostfile node is started by hand's flags (``--nnodes 2 --node-rank R --master-addr``),
+    so the hostfile launches test nodes started by hand too."""
     one_node = job.run("--nproc-per-node", "2", str(job.script), "--config", str(job.spec), timeout=150)
     assert one_node.returncode == 0, one_node.stderr
     expected = [(job.workdir / f"rank{r}.loss").read_text() for r in range(2)]
@@ -55,11 +51,6 @@ def test_nodes_by_hand_by_slurm_and_by_hostfile_train_as_one_node(job: Job, tmp_
 
     for stale in job.workdir.glob("rank*.*"):
         stale.unlink()
-    # By hand: two nodes of one rank each.
-    port = free_port()
-    by_hand = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    trains_as_one_node([job.start(*by_hand, "--node-rank", str(r), *train) for r in range(2)], "by hand")
-
     # Slurm, one task per rank on one node: the rendezvous counts tasks, the port comes from
     # the job id; each rank's LOCAL_RANK is its task's SLURM_LOCALID.
     port = free_port_in(PORT_BASE, PORT_BASE + PORT_SPAN)
@@ -132,48 +123,3 @@ def free_port_in(low: int, high: int) -> int:
                 continue
             return port
     raise RuntimeError(f"no free port in [{low}, {high})")
-
-
-def test_a_remote_node_stops_its_ranks_when_the_head_closes_its_input(
-    job: Job, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The local node fails while a remote node (through the fake ssh, out of reach of the head's
-    signals as on another machine) would train forever: the head closes the remote node's stdin,
-    and its protrain-run stops its rank and exits within seconds, leaving no process behind."""
-    put_on_path(monkeypatch, tmp_path / "bin", "ssh", FAKE_SSH)
-    monkeypatch.setenv("FAKE_SSH_LOG", str(tmp_path / "ssh.log"))
-    remote = node_launches(
-        [Node("127.0.0.2", (0,))], hosts={"127.0.0.2": 1}, master_port=free_port(),
-        rest=[str(job.script), "forever", "--config", str(job.spec)], cwd=job.workdir,
-        env={"PYTHONPATH": clean_env()["PYTHONPATH"]}, remote="ssh",
-    )  # fmt: skip
-    # Fails once the remote rank trains, after noting it and its launcher (the rank's parent).
-    note = "pid=$(cat rank0.pid); echo $pid $(ps -o ppid= -p $pid) > pids"
-    local = NodeLaunch(["bash", "-c", f"until [ -e rank0.ready ]; do sleep 0.1; done; {note}; touch failed; exit 3"])
-    pids: list[int] = []
-    try:
-        assert run_nodes([local, *remote], cwd=job.workdir) == 3
-        pids = [int(word) for word in (job.workdir / "pids").read_text().split()]
-        failed_at = (job.workdir / "failed").stat().st_mtime
-        wait_for(lambda: not any(map(pid_alive, pids)), timeout=10, what="the remote rank and launcher to end")
-        # By its input's end (took about 1 s), not the head's SIGKILL of ssh after the grace, which
-        # closes the input too.
-        assert time.time() - failed_at < STOP_GRACE_S - 5
-        assert processes_in(job.workdir) == []
-    finally:
-        for pid in [*pids, *processes_in(job.workdir)]:
-            if pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
-
-
-def processes_in(folder: Path) -> list[int]:
-    """The processes whose working directory is ``folder`` (a job's own, left running)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and entry.name != str(os.getpid()):
-            try:
-                if Path(os.readlink(entry / "cwd")) == folder and pid_alive(int(entry.name)):
-                    found.append(int(entry.name))
-            except OSError:
-                continue  # gone meanwhile, or not ours to read
-    return found
