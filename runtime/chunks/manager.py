@@ -304,16 +304,19 @@ class ChunkManager:
 
     def grad_norm(self) -> float:
         self.drain()
+        self.reducer.settle()
         return self.optimizer.grad_norm(self.dist_ctx)
 
     def scale_grads_(self, factor: float) -> None:
         self.drain()  # the host worker may still be adding reduced gradients into the shards
+        self.reducer.settle()
         self.optimizer.scale_grads_(factor)
 
     def step(self, *, lr: GroupValues, active: torch.Tensor, grad_factors: tuple[float, ...] = ()) -> None:
         """The optimizer rule on every trainable shard at ``lr`` (one per parameter group, or one for all;
         ``active``: per parameter, whether any rank produced a gradient this window; gradients
         multiplied by ``grad_factors`` first), then refresh the device copies."""
+        self.reducer.settle()
         self.optimizer.step(lr=lr, active=active, grad_factors=grad_factors, then=self.residency.refresh_early)
         self.refresh_full_copies()
 

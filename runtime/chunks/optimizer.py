@@ -389,11 +389,13 @@ class ChunkOptimizer:
             if any(wanted):
                 self._apply_held(chunk, wanted, lr)
             return
+        # A direct-gradient shard is not zeroed: the next window's gradients are copied over it.
+        zero = not self.store.direct_grads(chunk)
         if self.mode is UpdateMode.TWO_PHASE and not chunk.persistent:
-            job = self._updater(chunk, wanted, lr, grad_factors, zero=True)
+            job = self._updater(chunk, wanted, lr, grad_factors, zero=zero)
             self._pending_updates[chunk.index] = self._submit(job)
         else:  # its gradient zeroed at once, still in cache (and under the early refreshes)
-            self._updater(chunk, wanted, lr, grad_factors, zero=True)()
+            self._updater(chunk, wanted, lr, grad_factors, zero=zero)()
             self._zeroed.add(chunk.index)
 
     @staticmethod
@@ -419,7 +421,9 @@ class ChunkOptimizer:
         self._held.clear()
         zeroed, self._zeroed = self._zeroed, set()
         for chunk in self.trainable_chunks():
-            if chunk.index not in self._pending_updates and chunk.keeps_gradient and chunk.index not in zeroed:
+            if chunk.index in self._pending_updates or not chunk.keeps_gradient or chunk.index in zeroed:
+                continue
+            if not self.store.direct_grads(chunk):  # direct: copied over next window (reduce.py)
                 chunk.grad_shard.zero_()
 
     def close(self) -> None:

@@ -109,6 +109,9 @@ class GradientReducer:
         """This backward ends its accumulation window (``closing_backward``)."""
         self._reduced_direct: set[int] = set()
         """Direct-gradient chunks of several ranks all-reduced in this window."""
+        self._settled: set[int] = set()
+        """Direct-gradient chunks whose parameters without a gradient this window have zeros in
+        the shard (``settle``): their gradient for the window is complete."""
 
     def install_hooks(self) -> None:
         for index, param in enumerate(self.store.params):
@@ -142,12 +145,16 @@ class GradientReducer:
             self._remaining[chunk.index] = sum(1 for i in chunk.info.params if self.store.params[i].requires_grad)
 
     def new_window(self) -> None:
-        """A new accumulation window: no parameter has had a gradient in it; the shards of the
-        chunks all-reduced in the last one (zeroed by now) take gradients directly again."""
+        """A new accumulation window: no parameter has had a gradient in it. Direct-gradient
+        shards are not zeroed: each parameter's ``.grad`` is dropped, so autograd hands its first
+        gradient of the window over whole, and ``_accept_grad`` copies it into the shard."""
         self._fired_in_window.zero_()
-        for chunk_index in sorted(self._reduced_direct):
-            self.store.point_grads(self.chunks[chunk_index])
         self._reduced_direct.clear()
+        self._settled.clear()
+        for chunk in self.chunks:
+            if self.store.direct_grads(chunk):
+                for index in chunk.info.params:
+                    self.store.params[index].grad = None
 
     def _direct(self, chunk: Chunk) -> bool:
         """Gradients accumulate in the chunk's shard now (not after its all-reduce this window)."""
@@ -175,9 +182,15 @@ class GradientReducer:
         if not self.sink.accepting():
             self._refuse(index, param, direct)
         if direct:
-            # Autograd accumulated in place into the shard slice that is this parameter's
-            # .grad; anything else means the view was replaced (e.g. set to None by hand).
-            if not self._grad_is_shard_view(index, param):
+            if self._grad_is_shard_view(index, param):
+                pass  # autograd accumulated in place into the shard slice that is its .grad
+            elif not self._fired_in_window[index]:
+                # The window's first gradient (.grad was None): copied over the slice's stale
+                # values instead of added into a zeroed shard; later ones accumulate in place.
+                view = self.store.view(chunk.grad_shard, index)
+                view.copy_(param.grad)
+                param.grad = view
+            else:  # the view was replaced (e.g. set to None by hand)
                 raise RuntimeError(
                     f"{self.store.layout.params[index].name}.grad no longer views its gradient shard; "
                     "do not set or replace .grad of a model the engine trains (use engine.step)"
@@ -201,7 +214,7 @@ class GradientReducer:
         one, before any buffer, count or reduction is touched (a direct gradient, already in
         its zeroed shard, is taken out again), so the engine goes on as if it had not come."""
         assert param.grad is not None
-        if direct:
+        if direct and self._grad_is_shard_view(index, param):
             param.grad.zero_()
         else:
             param.grad = None
@@ -259,6 +272,8 @@ class GradientReducer:
         goes on meanwhile."""
         chunk = self.chunks[chunk_index]
         buffer = self._grad_buffers.pop(chunk_index, None)
+        if self._direct(chunk) and self._closing:
+            self._settle(chunk)
         if self._direct(chunk) and self.store.dist_ctx.world_size > 1:
             # In the shard already; summed over the ranks once, in the window's last backward.
             reduced = self._queue_all_reduce(chunk) if self._closing else DeviceEvent.completed()
@@ -271,6 +286,22 @@ class GradientReducer:
                 buffer = self._take_buffer()
             reduced = self._queue_reduction(chunk, buffer)
         self.sink.reduction_queued(chunk, reduced, self._fired_in_window)
+
+    def settle(self) -> None:
+        """Before the gradients are read (norm, scaling, update): every direct-gradient chunk
+        settled, also those no closing backward reached (a window with no backward)."""
+        for chunk in self.chunks:
+            if self.store.direct_grads(chunk) and chunk.index not in self._settled:
+                self._settle(chunk)
+
+    @torch.no_grad()
+    def _settle(self, chunk: Chunk) -> None:
+        """Zeros where a parameter of the chunk had no gradient this window: its slice still
+        holds an earlier window's (shards are not zeroed between windows)."""
+        for index in chunk.info.params:
+            if self.store.params[index].requires_grad and not self._fired_in_window[index]:
+                self.store.view(chunk.grad_shard, index).zero_()
+        self._settled.add(chunk.index)
 
     def _queue_all_reduce(self, chunk: Chunk) -> DeviceEvent:
         """A replicated direct-gradient chunk: its shard, every micro-batch of the window summed

@@ -15,6 +15,7 @@ from protrain.runtime.planning.profilers import Profilers
 from protrain.runtime.training.update import NonFiniteLossError
 from tests.helpers import (
     assert_matches_reference,
+    assert_state_close,
     assert_state_equal,
     gpt_reference,
     lm_batches,
@@ -113,6 +114,40 @@ def test_unused_and_frozen_parameters_match_plain_adamw(tmp_path: Path) -> None:
         engine.step()
     assert_state_equal(engine.state_dict(), reference.state_dict())
     assert torch.equal(model.frozen.weight, reference.frozen.weight)
+    engine.close()
+
+
+def test_a_branch_left_unused_after_a_step_counts_zero_in_the_gradient_norm(tmp_path: Path) -> None:
+    """Gradient shards that take gradients in place are not zeroed between windows (the window's
+    first gradient is copied over them): a parameter with none in a window must still count as
+    zero in the window's norm (logged, and what clipping scales by) and be left alone by the
+    update. The branch is used in the first step only, its gradient then the largest."""
+    torch.manual_seed(0)
+    inputs = [torch.randn(4, 8) * (30.0 if step == 0 else 1.0) for step in range(6)]
+    torch.manual_seed(1)
+    reference = Branchy()
+    torch.manual_seed(1)
+    model = Branchy()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=1e-3, foreach=False)
+    from protrain import runtime
+
+    config = job(
+        tmp_path,
+        optimizer={"type": "sgd", "lr": 1e-3, "weight_decay": 0.0},
+        # Every knob set: no re-plan after the first batch (a new store would start from zeros).
+        memory={"chunk_size": "4KiB", "n_persist": 2, "n_buffer": 0, "n_swap": 0, "n_checkpoint": 0},
+    )
+    engine = runtime.initialize(model, config=config)
+    for step, x in enumerate(inputs):
+        use = step == 0
+        reference(x, use).backward()
+        norm = float(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters() if p.grad is not None]))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        engine.backward(engine(x, use))
+        engine.step()
+        assert engine.get_global_grad_norm() == pytest.approx(norm, rel=1e-5), f"step {step}"
+    assert_state_close(engine.state_dict(), reference.state_dict())
     engine.close()
 
 
@@ -252,8 +287,11 @@ def test_the_engine_waits_for_the_device_only_at_the_updates_whose_time_it_reads
 
 @pytest.mark.parametrize(
     ("memory", "accumulation"),
-    [({"n_persist": "auto"}, 1), ({"chunk_size": "64KiB", "n_persist": 0, "n_buffer": 2}, 1),
-     ({"chunk_size": "64KiB", "n_persist": 0, "n_buffer": 2}, 2)],
+    [
+        ({"n_persist": "auto"}, 1),
+        ({"chunk_size": "64KiB", "n_persist": 0, "n_buffer": 2}, 1),
+        ({"chunk_size": "64KiB", "n_persist": 0, "n_buffer": 2}, 2),
+    ],
     ids=["persistent", "offloaded-applied-on-arrival", "offloaded-kept"],
 )
 def test_the_gradient_norm_is_there_every_update_without_clipping(
