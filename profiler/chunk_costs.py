@@ -127,8 +127,11 @@ def chunk_costs(
         rows["host_widens"].append(widen if chunk.trainable else 0.0)
         stored = host_bytes.rank_numel(chunk.used, shard, 0)  # rank 0 holds the most
         rows["trainable_chunks"].append(1 if chunk.trainable else 0)
-        rows["update_passes"].append(2 * 4 * shard / hardware.memory_bytes_per_s if chunk.trainable else 0.0)
-        rows["host_update_passes"].append(2 * 4 * shard / copy_rate if chunk.trainable else 0.0)
+        # The norm's read and the zeroing write; an in-place shard is copied over, not zeroed.
+        passes = 1 if alias else 2
+        rows["update_passes"].append(passes * 4 * shard / hardware.memory_bytes_per_s if chunk.trainable else 0.0)
+        host_passes = 1 if alias and not overlap else 2
+        rows["host_update_passes"].append(host_passes * 4 * shard / copy_rate if chunk.trainable else 0.0)
         rows["refresh"].append(gather if chunk.trainable else 0.0)
         persistent = persistent_chunk_bytes(
             chunk, chunk_numel=chunk_numel, world_size=world, element_size=e, optimizer_states=optimizer_states
@@ -142,7 +145,8 @@ def chunk_costs(
         # In fp32 autograd accumulates a replicated chunk's gradients into its shard: no buffer.
         rows["bwd_replicated"].append(max(b_replicated, all_reduce) if overlap else b_replicated + all_reduce)
         whole_update = (
-            chunk.used / hardware.device_adam_params_per_s + 2 * 4 * chunk_numel / hardware.memory_bytes_per_s
+            chunk.used / hardware.device_adam_params_per_s
+            + (1 if e == 4 else 2) * 4 * chunk_numel / hardware.memory_bytes_per_s
         )
         whole_update += chunk.used * e / hardware.memory_bytes_per_s if e != 4 else 0.0  # the refresh copy
         rows["replicated_update"].append(whole_update if chunk.trainable else 0.0)

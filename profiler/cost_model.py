@@ -21,7 +21,8 @@ its update) while the adds still run beside backward::
                   is never hidden); a replicated chunk (the first ``n_replicate`` persistent
                   ones) updates the whole chunk on every rank and refreshes its copy from its
                   own master, no all-gather
-    update   = the gradient norm's read and the zeroing write over every trainable shard
+    update   = the gradient norm's read and the zeroing write over every trainable shard (no
+               zeroing where gradients accumulate in place: the next window's are copied over)
     forward  = sum over chunks: persistent  fwd(c)
                                 offloaded   max(fwd(c), fetch(c))   with a spare buffer to
                                             fwd(c) + fetch(c)       prefetch into, else serial

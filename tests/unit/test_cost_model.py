@@ -137,7 +137,7 @@ def test_replicated_chunks_trade_memory_for_the_refresh_all_gathers() -> None:
     assert replicated.backward_s == pytest.approx(4 * max(2e-3, all_reduce) + 0.5e-3)
     gather = chunk / 1e9 + 1e-3
     assert sharded.device_adam_s == pytest.approx((1 << 19) / 1e10 + 4 * gather)  # the gathers hide 3 updates
-    whole = (1 << 20) / 1e10 + 2 * 4 * (1 << 20) / 1e12  # Adam over the chunk, norm and zeroing
+    whole = (1 << 20) / 1e10 + 4 * (1 << 20) / 1e12  # Adam over the chunk and its norm (copied over, not zeroed)
     assert replicated.device_adam_s == pytest.approx(4 * whole)
     assert replicated.update_s == 0.0  # counted in its update
     with pytest.raises(ValueError, match="n_replicate=3 is outside"):
@@ -363,9 +363,10 @@ def test_shared_cores_add_up_and_the_update_passes_are_counted() -> None:
     )
     costs = chunk_costs(model, cpu, 4 * MIB)
     got = predict(model, cpu, costs, n_persist=2, n_buffer=2)
-    # Norm read + zero write, 4 bytes, every shard: two on the device, two in host memory (at
-    # the host worker's rate, measured apart: on CPU one memory, but fewer threads).
-    update = 2 * 2 * 4 * (1 << 20) / 1e10 + 2 * 2 * 4 * (1 << 20) / 5e9
+    # The norm's read, 4 bytes, every shard: two on the device, two in host memory (at the host
+    # worker's rate, measured apart: on CPU one memory, but fewer threads). One rank in fp32 on
+    # CPU takes gradients in place, copied over each window: no zeroing write.
+    update = 2 * 4 * (1 << 20) / 1e10 + 2 * 4 * (1 << 20) / 5e9
     assert got.cpu_adam_s == pytest.approx(2 * (1 << 20) / 1e9 + 2 * 1e-4)  # two one-parameter chunks
     # One memory, one set of cores: the device's Adam runs at the host's rate (the slower of the
     # two measurements of one kernel), so offloading never looks faster than keeping a chunk.
