@@ -341,13 +341,20 @@ class ChunkOptimizer:
             square = self._norm_squares.get(chunk.index)
             if square is None and not chunk.keeps_gradient:
                 continue  # applied on arrival, and no gradient arrived here this window
-            if chunk.is_replicated and dist_ctx.rank != 0:
-                continue  # every rank holds the whole gradient: rank 0's counts once
             if square is None:
-                square = torch.linalg.vector_norm(chunk.grad_shard).double().cpu().square()
+                square = torch.linalg.vector_norm(self._own_share(chunk, dist_ctx)).double().cpu().square()
             squares += square
         all_reduce_sum_(squares, dist_ctx)
         return math.sqrt(float(squares))
+
+    def _own_share(self, chunk: Chunk, dist_ctx: DistContext) -> torch.Tensor:
+        """The gradient this rank's norm counts: its shard, or of a replicated chunk (whose whole
+        gradient every rank holds) the slice its shard would be, so the ranks split the pass
+        and the squares sum as the sharded chunk's do."""
+        if not chunk.is_replicated:
+            return chunk.grad_shard
+        shard_numel = self.store.layout.shard_numel
+        return chunk.grad_shard[dist_ctx.rank * shard_numel : (dist_ctx.rank + 1) * shard_numel]
 
     def scale_grads_(self, factor: float) -> None:
         self._norm_squares.clear()  # taken before the scaling

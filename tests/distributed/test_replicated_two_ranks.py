@@ -39,7 +39,7 @@ def train(*, rank: int, output_dir: str, memory: dict[str, Any], accumulation: i
         "memory": {"block_modes": ["keep", "keep"], **memory},
         "output_dir": output_dir,
     }
-    losses = []
+    losses, norms = [], []
     with runtime.initialize(tiny_gpt(0), config=config) as engine:
         for update in range(STEPS):
             window = 0.0
@@ -49,8 +49,10 @@ def train(*, rank: int, output_dir: str, memory: dict[str, Any], accumulation: i
                 window += out.loss.item()
                 engine.step()
             losses.append(window / accumulation)
+            norms.append(engine.get_global_grad_norm())
         replicated = sum(1 for chunk in engine.chunks.chunks if chunk.is_replicated)
-        return {"state": engine.state_dict(), "losses": losses, "replicated": replicated, "plan": engine.plan}
+        state = engine.state_dict()
+        return {"state": state, "losses": losses, "norms": norms, "replicated": replicated, "plan": engine.plan}
 
 
 @pytest.mark.parametrize(
@@ -76,12 +78,14 @@ def test_a_mixed_plan_trains_as_plain_pytorch(
 
 def test_replicating_changes_no_bit_of_the_training(rank_pool: RankPool, tmp_path: Path) -> None:
     """Two ranks' all-reduce and reduce-scatter add the same two numbers, and the update is
-    elementwise: the mixed plan and the all-sharded one end bit-identical."""
+    elementwise: the mixed plan and the all-sharded one end bit-identical. The logged gradient
+    norm too: each rank takes the squares of its shard's slice of a replicated gradient."""
     mixed = rank_pool.run(train, output_dir=str(tmp_path / "mixed"), memory=MIXED, accumulation=1, clip=0.0)
     sharded = rank_pool.run(train, output_dir=str(tmp_path / "sharded"), memory=SHARDED, accumulation=1, clip=0.0)
     assert sharded[0]["replicated"] == 0
     assert_state_equal(mixed[0]["state"], sharded[0]["state"])
     assert mixed[0]["losses"] == sharded[0]["losses"]
+    assert mixed[0]["norms"] == mixed[1]["norms"] == sharded[0]["norms"]
 
 
 def ddp_and_protrain_collectives(*, rank: int, output_dir: str) -> dict[str, Any]:
