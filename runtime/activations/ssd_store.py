@@ -33,10 +33,9 @@ from types import TracebackType
 
 import torch
 
-from protrain.runtime.activations import run_dirs
 from protrain.runtime.activations.ssd_files import ActivationFile, PendingRead, WriteState
 from protrain.runtime.chunks.trace_labels import job_label
-from protrain.runtime.hw import ssd_io
+from protrain.runtime.hw import run_dirs, ssd_io
 from protrain.runtime.hw.ssd_io import (
     BLOCK_BYTES,
     IO_MODE_BUFFERED,

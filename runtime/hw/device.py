@@ -327,8 +327,8 @@ class HostWorker:
     submission order, on ``threads`` intra-op threads so they do not take the cores compute
     uses; a job that reads what device work wrote waits on that work's event first."""
 
-    def __init__(self, name: str = "protrain-host-worker", *, threads: int = 1) -> None:
-        self._worker = _OrderedWorker(name, kind="the host worker", threads=threads)
+    def __init__(self, name: str = "protrain-host-worker", *, threads: int = 1, kind: str = "the host worker") -> None:
+        self._worker = _OrderedWorker(name, kind=kind, threads=threads)
 
     def submit(self, work: Callable[[], None]) -> DeviceEvent:
         return self._worker.submit(work)

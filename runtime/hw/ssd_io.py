@@ -174,8 +174,11 @@ def padded(nbytes: int) -> int:
 # -- the filesystem ---------------------------------------------------------------------------------
 
 
-def check_free_space(directory: Path, nbytes: int) -> None:
-    """Raise ``SsdIoError`` when the filesystem of ``directory`` has fewer than ``nbytes`` free."""
+def check_free_space(
+    directory: Path, nbytes: int, *, what: str = "activation files", knob: str = "memory.ssd.n_offload"
+) -> None:
+    """Raise ``SsdIoError`` when the filesystem of ``directory`` has fewer than ``nbytes`` free
+    (for ``what``, which ``knob`` sizes)."""
     try:
         stat = os.statvfs(directory)
     except OSError as err:
@@ -184,9 +187,9 @@ def check_free_space(directory: Path, nbytes: int) -> None:
     if free_bytes < nbytes:
         raise SsdIoError(
             errno.ENOSPC,
-            f"not enough free space for activation files in {directory}: {nbytes:,} bytes needed, "
+            f"not enough free space for {what} in {directory}: {nbytes:,} bytes needed, "
             f"{free_bytes:,} bytes free; free some space, point memory.ssd.path at a larger disk "
-            "or lower memory.ssd.n_offload",
+            f"or lower {knob}",
         )
 
 

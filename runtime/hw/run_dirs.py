@@ -1,4 +1,6 @@
-"""Where a store's activation files live, and how the directory goes away however the run ends.
+"""Where a store's files live, and how the directory goes away however the run ends: the
+activation files (``ActivationFileStore``) and the NVMe tier's optimizer state
+(runtime/chunks/nvme_state.py, ``protrain-optim-`` instead of ``protrain-act-``).
 
 Each ``ActivationFileStore`` writes into its own run directory ``root / protrain-act-{host}-{pid}-
 rank{rank}``; a second store of the same process and rank (a teacher's beside a student's: two
@@ -32,20 +34,21 @@ _LIVE_RUN_DIRS: set[Path] = set()
 _LIVE_RUN_DIRS_LOCK = threading.RLock()
 
 
-def create_run_dir(root: Path, rank: int) -> Path:
+def create_run_dir(root: Path, rank: int, *, prefix: str = RUN_DIR_PREFIX, what: str = "activation files") -> Path:
     """Make ``root`` (if needed), clear crashed runs' directories, create this store's own: the
-    first name for this host, pid and rank that no open store of this process holds."""
+    first name for this host, pid and rank that no open store of this process holds.
+    ``prefix``: the kind of store (activation files; optimizer state, ``protrain-optim-``)."""
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise SsdIoError(
             err.errno,
-            f"cannot use {root} for activation files: {err.strerror}; set memory.ssd.path to a directory",
+            f"cannot use {root} for {what}: {err.strerror}; set memory.ssd.path to a directory",
         ) from err
     if not os.access(root, os.W_OK | os.X_OK):
         raise SsdIoError(f"{root} is not a writable directory; set memory.ssd.path to one this process can write")
-    remove_stale(root)
-    stem = root.resolve() / f"{RUN_DIR_PREFIX}{socket.gethostname()}-{os.getpid()}-rank{rank}"
+    remove_stale(root, prefix=prefix)
+    stem = root.resolve() / f"{prefix}{socket.gethostname()}-{os.getpid()}-rank{rank}"
     with _LIVE_RUN_DIRS_LOCK:
         run_dir = _unused_run_dir(stem)
         # Named for our pid but held by no store of ours: left by an earlier process with this
@@ -54,7 +57,7 @@ def create_run_dir(root: Path, rank: int) -> Path:
         try:
             run_dir.mkdir()
         except OSError as err:
-            raise SsdIoError(err.errno, f"cannot create the activation directory {run_dir}: {err.strerror}") from err
+            raise SsdIoError(err.errno, f"cannot create the directory {run_dir} for {what}: {err.strerror}") from err
         _LIVE_RUN_DIRS.add(run_dir)
     return run_dir
 
@@ -67,18 +70,18 @@ def remove_run_dir(run_dir: Path) -> None:
     except FileNotFoundError:
         pass
     except OSError as err:
-        raise SsdIoError(err.errno, f"cannot remove the activation directory {run_dir}: {err.strerror}") from err
+        raise SsdIoError(err.errno, f"cannot remove the directory {run_dir}: {err.strerror}") from err
     finally:
         with _LIVE_RUN_DIRS_LOCK:
             _LIVE_RUN_DIRS.discard(run_dir)
 
 
-def remove_stale(root: str | os.PathLike[str]) -> list[Path]:
+def remove_stale(root: str | os.PathLike[str], *, prefix: str = RUN_DIR_PREFIX) -> list[Path]:
     """Remove this host's run directories under ``root`` that no live store owns: those of
     processes that are gone (a crashed or killed run), and those named for this process that
     none of its open stores holds (left by an earlier process with the same pid). Other live
     processes', this process's open stores' and other hosts' directories are left alone."""
-    pattern = re.compile(re.escape(f"{RUN_DIR_PREFIX}{socket.gethostname()}-") + r"(\d+)-rank\d+(-\d+)?")
+    pattern = re.compile(re.escape(f"{prefix}{socket.gethostname()}-") + r"(\d+)-rank\d+(-\d+)?")
     try:
         entries = sorted(Path(root).iterdir())
     except (FileNotFoundError, NotADirectoryError):
