@@ -44,7 +44,8 @@ test-e2e: $(STAMP)
 
 # Stream chaos (runtime/hw/stream_chaos.py): equivalence tests that cover every chunk plan
 # (offloaded, buffered, persistent), reductions on two ranks, every activation mode, fp32 and
-# bf16, run again with every side-stream and host-worker job delayed by 0-5 ms, then a few with
+# bf16, optimizer state on NVMe, run again with every side-stream, host-worker and NVMe I/O job
+# delayed by 0-5 ms, then a few with
 # every job held back until its event is waited on (lazy). Another seed: make test-chaos
 # CHAOS_SEED=n (a seed replays its delays). 34 s on the idle 2-core machine.
 CHAOS_SEED ?= 0
@@ -55,17 +56,20 @@ CHAOS_RANDOM_UNIT := \
 	"tests/unit/test_activations.py::test_modes_train_bit_identically_to_keeping_everything[swap-swap-swap-swap]" \
 	"tests/unit/test_activations.py::test_modes_train_bit_identically_to_keeping_everything[ssd-ssd-ssd-ssd]" \
 	tests/unit/test_activations.py::test_modes_with_offloaded_chunks_match_plain_pytorch \
-	tests/unit/test_mixed_precision.py::test_bf16_compute_tracks_the_fp32_reference
+	tests/unit/test_mixed_precision.py::test_bf16_compute_tracks_the_fp32_reference \
+	"tests/unit/test_nvme_optimizer_state.py::test_state_on_nvme_trains_bit_identically[fp32]"
 CHAOS_RANDOM_DIST := \
 	tests/distributed/test_engine_two_ranks.py::test_two_ranks_with_offloaded_chunks_match_plain_pytorch \
-	"tests/distributed/test_activations_two_ranks.py::test_two_ranks_train_bit_identically_under_mixed_modes[offloaded-chunks]"
+	"tests/distributed/test_activations_two_ranks.py::test_two_ranks_train_bit_identically_under_mixed_modes[offloaded-chunks]" \
+	"tests/distributed/test_nvme_two_ranks.py::test_two_ranks_train_bit_identically_with_state_on_nvme[accumulation-2-clipped]"
 CHAOS_LAZY := \
 	"tests/unit/test_chunk_engine.py::test_offloaded_chunks_train_exactly_like_plain_pytorch[0-2]" \
 	"tests/unit/test_chunk_engine.py::test_two_phase_clipped_step_is_bit_exact_and_keeps_no_snapshot[2]" \
 	tests/unit/test_activations.py::test_modes_with_offloaded_chunks_match_plain_pytorch \
 	tests/unit/test_mixed_precision.py::test_bf16_compute_tracks_the_fp32_reference \
 	"tests/distributed/test_engine_two_ranks.py::test_two_ranks_with_offloaded_chunks_match_plain_pytorch[all-offloaded-min-buffers]" \
-	"tests/distributed/test_activations_two_ranks.py::test_two_ranks_train_bit_identically_under_mixed_modes[offloaded-chunks]"
+	"tests/distributed/test_activations_two_ranks.py::test_two_ranks_train_bit_identically_under_mixed_modes[offloaded-chunks]" \
+	"tests/unit/test_nvme_optimizer_state.py::test_state_on_nvme_trains_bit_identically[fp32]"
 CHAOS_RANDOM := PROTRAIN_STREAM_CHAOS=1 PROTRAIN_STREAM_CHAOS_SEED=$(CHAOS_SEED)
 
 test-chaos: $(STAMP)

@@ -142,9 +142,11 @@ def predict(
     updates_after_norm: bool = False,
     keeps_gradients: bool = True,
     n_replicate: int = 0,
+    n_optimizer: int = 0,
 ) -> Prediction:
     """Step time and memory of the plan (``costs.chunk_size``, ``n_persist``, ``n_buffer``,
-    ``n_replicate`` of the persistent chunks replicated), with the block modes' ``activations``
+    ``n_replicate`` of the persistent chunks replicated, the optimizer state of the last
+    ``n_optimizer`` offloaded trainable chunks on NVMe), with the block modes' ``activations``
     cost (profiler.activation_cost; None: every block keeps). ``updates_after_norm``: clipping or
     fp16; ``keeps_gradients``: offloaded chunks keep a gradient shard (clipping, fp16,
     accumulation; see the module docstring)."""
@@ -154,6 +156,9 @@ def predict(
         raise ValueError(f"n_persist={p} is outside [0, {n}]")
     if not 0 <= r <= p:
         raise ValueError(f"n_replicate={r} is outside [0, n_persist={p}]")
+    nvme_from = nvme_start(costs, n_optimizer)
+    if nvme_from < p:
+        raise ValueError(f"n_optimizer={n_optimizer} exceeds the trainable chunks past n_persist={p}")
     if p < n and n_buffer < costs.need[p]:
         raise ValueError(f"n_buffer={n_buffer} is below the {costs.need[p]} buffers n_persist={p} needs")
     prefetch = n_buffer >= 2
@@ -180,6 +185,14 @@ def predict(
     cpu_adam += _span(costs.adam_segments, p, n) * segment
     host_adds = _span(costs.host_adds if keeps_gradients else costs.host_widens, p, n)
     cpu_adam += host_adds  # the same host worker, in order
+    if n_optimizer:
+        # The I/O thread reads each NVMe chunk's state ahead of its update and writes it behind:
+        # the host worker waits only for the first read and for I/O slower than the updates.
+        state = costs.optimizer_states * _span(costs.host_fp32_tensor_bytes, nvme_from, n)
+        first = state / max(1, n_optimizer)
+        read_rate, write_rate = hardware.ssd_read_bytes_per_s, hardware.ssd_write_bytes_per_s
+        if read_rate > 0 and write_rate > 0:
+            cpu_adam = max(cpu_adam, state / read_rate + state / write_rate) + first / read_rate
     # Gradients applied as they arrive leave no offloaded shard to take a norm of or zero.
     update = _span(costs.update_passes, r, p) + (_span(costs.host_update_passes, p, n) if keeps_gradients else 0.0)
     times = _Times(forward, backward, device_adam, cpu_adam, host_adds, update)
@@ -190,7 +203,7 @@ def predict(
     buffers = (n_buffer if p < n else 0) * chunk_bytes
     direct = costs.direct_grads_possible and p == n
     gradient_buffers = 0 if direct else chunk_bytes
-    host = offloaded_host_bytes(costs, p, keeps_gradients=keeps_gradients)
+    host = offloaded_host_bytes(costs, p, keeps_gradients=keeps_gradients, n_optimizer=n_optimizer)
     # The peak falls where forward ends and backward starts: every saved activation is alive,
     # with backward's first temporaries (the loss's gradient: the profile's transient, measured
     # beyond the activations and gradients) while the first chunk's gradient buffer fills.
@@ -219,20 +232,40 @@ def predict(
     return kept if activations is None else with_activations(kept, activations, hardware)
 
 
-def offloaded_host_bytes(costs: ChunkCosts, n_persist: int, *, keeps_gradients: bool) -> int:
+def nvme_start(costs: ChunkCosts, n_optimizer: int) -> int:
+    """The first chunk of the last ``n_optimizer`` trainable ones (``num_chunks`` for none; -1
+    when there are fewer): those keep their optimizer state on NVMe, were they offloaded."""
+    n = costs.num_chunks
+    if n_optimizer <= 0:
+        return n
+    trainable = costs.trainable_chunks
+    for start in range(n, -1, -1):
+        if trainable[n] - trainable[start] >= n_optimizer:
+            return start
+    return -1
+
+
+def offloaded_host_bytes(costs: ChunkCosts, n_persist: int, *, keeps_gradients: bool, n_optimizer: int = 0) -> int:
     """What chunks [n_persist, n) take in host memory on rank 0: their state's region and the
-    staging regions (profiler/host_bytes.py, the runtime's own sizes)."""
+    staging regions (profiler/host_bytes.py, the runtime's own sizes); the last ``n_optimizer``
+    trainable ones keep their optimizer state on NVMe instead (their host slots counted)."""
     n = costs.num_chunks
     if n_persist >= n:
         return 0
     tensors = 1 + costs.optimizer_states + (1 if keeps_gradients else 0)
     payload = tensors * int(_span(costs.host_fp32_tensor_bytes, n_persist, n))
+    payload -= costs.optimizer_states * int(_span(costs.host_fp32_tensor_bytes, nvme_start(costs, n_optimizer), n))
     payload += int(_span(costs.host_frozen_bytes, n_persist, n))
-    return host_bytes.region_bytes(payload) + host_bytes.staging_bytes(
-        costs.shard_numel,
-        element_size=costs.element_size,
-        offloaded_trainable=_span(costs.trainable_chunks, n_persist, n) > 0,
-        keeps_gradients=keeps_gradients,
+    slots = host_bytes.nvme_slot_bytes(costs.shard_numel, costs.optimizer_states, n_nvme=n_optimizer)
+    return (
+        host_bytes.region_bytes(payload)
+        + slots
+        + host_bytes.staging_bytes(
+            costs.shard_numel,
+            element_size=costs.element_size,
+            offloaded_trainable=_span(costs.trainable_chunks, n_persist, n) > 0,
+            keeps_gradients=keeps_gradients,
+        )
     )
 
 

@@ -44,6 +44,13 @@ WIDEN_SLICE_NUMEL = 1 << 20
 host worker adds it into a kept fp32 gradient shard (runtime/chunks/grad_add.py)."""
 
 
+NVME_SLOTS = 3
+"""Host slots the NVMe tier's chunk states pass through (memory.ssd.n_optimizer): one being read
+ahead, one being updated, one being written behind."""
+NVME_BLOCK_BYTES = 4096
+"""O_DIRECT alignment of the NVMe tier's file offsets and lengths (runtime/hw/ssd_io.py)."""
+
+
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -59,13 +66,46 @@ def tensor_bytes(numel: int, element_size: int) -> int:
 
 
 def chunk_state_bytes(
-    numel: int, *, trainable: bool, element_size: int, keeps_gradients: bool, optimizer_states: int = ADAMW_STATES
+    numel: int,
+    *,
+    trainable: bool,
+    element_size: int,
+    keeps_gradients: bool,
+    optimizer_states: int = ADAMW_STATES,
+    on_nvme: bool = False,
 ) -> int:
     """One offloaded chunk's host state on a rank holding ``numel`` of its elements: trainable,
-    its fp32 master, the optimizer's ``optimizer_states`` tensors and (kept) its gradient."""
+    its fp32 master, the optimizer's ``optimizer_states`` tensors (in a file instead when the
+    chunk's state is ``on_nvme``) and (kept) its gradient."""
     if not trainable:
         return tensor_bytes(numel, element_size)
-    return (1 + optimizer_states + (1 if keeps_gradients else 0)) * tensor_bytes(numel, FP32_BYTES)
+    states = 0 if on_nvme else optimizer_states
+    return (1 + states + (1 if keeps_gradients else 0)) * tensor_bytes(numel, FP32_BYTES)
+
+
+def nvme_positions(trainable: list[bool], n_nvme: int) -> set[int]:
+    """Which of the offloaded chunks (``trainable`` flags, in chunk order) keep their optimizer
+    state on NVMe: the last ``n_nvme`` trainable ones."""
+    positions = [position for position, flag in enumerate(trainable) if flag]
+    return set(positions[len(positions) - n_nvme :]) if n_nvme > 0 else set()
+
+
+def nvme_tensor_bytes(numel: int) -> int:
+    """One state tensor of ``numel`` fp32 elements in an NVMe state file (and in a host slot)."""
+    return round_up(numel * FP32_BYTES, NVME_BLOCK_BYTES)
+
+
+def nvme_file_bytes(numel: int, optimizer_states: int) -> int:
+    """A chunk's NVMe state file on a rank holding ``numel`` of its elements."""
+    return optimizer_states * nvme_tensor_bytes(numel)
+
+
+def nvme_slot_bytes(shard_numel: int, optimizer_states: int, *, n_nvme: int) -> int:
+    """The host slots NVMe chunk states are read into, updated in and written from (none
+    without an NVMe chunk)."""
+    if n_nvme <= 0 or optimizer_states <= 0:
+        return 0
+    return region_bytes(min(NVME_SLOTS, n_nvme) * optimizer_states * nvme_tensor_bytes(shard_numel))
 
 
 def region_bytes(payload: int) -> int:
@@ -106,11 +146,15 @@ def offloaded_region_bytes(
     element_size: int,
     keeps_gradients: bool,
     optimizer_states: int = ADAMW_STATES,
+    n_nvme: int = 0,
 ) -> int:
     """What rank 0 (which holds the most) maps for the offloaded ``chunks`` ((used elements,
-    trainable) each): their state's region and the staging regions, as the runtime sizes them."""
+    trainable) each): their state's region and the staging regions, as the runtime sizes them.
+    ``n_nvme``: of them, the last trainable ones whose optimizer state is in files (their slots
+    counted instead)."""
     if not chunks:
         return 0
+    on_nvme = nvme_positions([trainable for _, trainable in chunks], n_nvme)
     payload = sum(
         chunk_state_bytes(
             rank_numel(used, shard_numel, 0),
@@ -118,14 +162,20 @@ def offloaded_region_bytes(
             element_size=element_size,
             keeps_gradients=keeps_gradients,
             optimizer_states=optimizer_states,
+            on_nvme=position in on_nvme,
         )
-        for used, trainable in chunks
+        for position, (used, trainable) in enumerate(chunks)
     )
-    return region_bytes(payload) + staging_bytes(
-        shard_numel,
-        element_size=element_size,
-        offloaded_trainable=any(trainable for _, trainable in chunks),
-        keeps_gradients=keeps_gradients,
+    slots = nvme_slot_bytes(shard_numel, optimizer_states, n_nvme=len(on_nvme))
+    return (
+        region_bytes(payload)
+        + slots
+        + staging_bytes(
+            shard_numel,
+            element_size=element_size,
+            offloaded_trainable=any(trainable for _, trainable in chunks),
+            keeps_gradients=keeps_gradients,
+        )
     )
 
 

@@ -87,6 +87,9 @@ class Plan:
     n_checkpoint: int
     n_offload: int
     """Blocks whose activations go to the SSD tier."""
+    n_optimizer: int = 0
+    """The last offloaded chunks holding trainable parameters whose optimizer state lives in
+    files under memory.ssd.path (the NVMe tier) instead of host memory."""
     block_modes: tuple[BlockMode, ...]
     device_budget_bytes: int
     host_budget_bytes: int
@@ -120,6 +123,9 @@ class Plan:
             raise ValueError(f"n_persist ({self.n_persist}) exceeds the number of chunks ({self.num_chunks})")
         if not 0 <= self.n_replicate <= self.n_persist:
             raise ValueError(f"n_replicate ({self.n_replicate}) must be within [0, n_persist={self.n_persist}]")
+        if not 0 <= self.n_optimizer <= self.num_chunks - self.n_persist:
+            offloaded = self.num_chunks - self.n_persist
+            raise ValueError(f"n_optimizer ({self.n_optimizer}) must be within [0, the {offloaded} offloaded chunks]")
         counted = {
             BlockMode.SWAP: self.n_swap,
             BlockMode.CHECKPOINT: self.n_checkpoint,
@@ -192,6 +198,7 @@ class Plan:
             ("n_swap", str(self.n_swap), origin("memory.n_swap")),
             ("n_checkpoint", str(self.n_checkpoint), origin("memory.n_checkpoint")),
             ("ssd.n_offload", str(self.n_offload), origin("memory.ssd.n_offload")),
+            ("ssd.n_optimizer", str(self.n_optimizer), origin("memory.ssd.n_optimizer")),
             ("block_modes", modes or "(no blocks)", "plan"),
             ("update_mode", self.update_mode.value, "job"),
         ]

@@ -28,6 +28,8 @@ class KnobRequest:
     n_persist: int | None = None
     n_buffer: int | None = None
     n_replicate: int | None = None
+    n_optimizer: int = 0
+    """Set by hand only (the search does not choose it yet)."""
     n_swap: int | None = None
     n_checkpoint: int | None = None
     n_offload: int | None = None
@@ -83,6 +85,7 @@ def resident_plan(
         n_persist=n_persist,
         n_buffer=n_buffer,
         n_replicate=n_replicate,
+        n_optimizer=request.n_optimizer,
         **mode_counts(modes),
         device_budget_bytes=device_budget_bytes,
         host_budget_bytes=host_budget_bytes,
@@ -202,6 +205,7 @@ def searched_plan(
         host_fixed=host_fixed_bytes,
         optimizer_states=optimizer_states,
         n_replicate=request.n_replicate,
+        n_optimizer=request.n_optimizer,
     )
     best = result.best
     if fixed is not None:
@@ -219,6 +223,7 @@ def searched_plan(
         n_persist=best.n_persist,
         n_buffer=best.n_buffer,
         n_replicate=best.n_replicate,
+        n_optimizer=request.n_optimizer,
         **mode_counts(modes),
         device_budget_bytes=device_budget_bytes,
         host_budget_bytes=host_budget_bytes,

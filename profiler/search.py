@@ -25,6 +25,7 @@ from protrain.profiler.cost_model import (
     Prediction,
     chunk_costs,
     memory_with_activations,
+    nvme_start,
     predict,
     with_activations,
 )
@@ -93,6 +94,7 @@ def search(
     host_fixed: int = 0,
     optimizer_states: int = ADAMW_STATES,
     n_replicate: int | None = 0,
+    n_optimizer: int = 0,
 ) -> SearchResult:
     """The fastest plan that fits ``device_budget`` and ``host_budget`` (bytes per rank;
     ``n_replicate`` of the persistent chunks replicated, so every plan keeps that many, or None:
@@ -106,7 +108,8 @@ def search(
     for the gradient norm (clipping, fp16), which times the step differently
     (profiler.cost_model); ``keeps_gradients``: offloaded chunks keep a gradient shard on the
     host (clipping, fp16, accumulation), 4 bytes per parameter more; ``optimizer_states``: the
-    optimizer rule's fp32 state tensors per parameter (AdamW: 2)."""
+    optimizer rule's fp32 state tensors per parameter (AdamW: 2); ``n_optimizer``: the last
+    offloaded trainable chunks whose optimizer state is on NVMe (hand-set: every plan keeps it)."""
     started = time.perf_counter()
     layouts: list[Layout]
     if activation_layouts is not None:
@@ -163,6 +166,7 @@ def search(
             updates_after_norm=updates_after_norm,
             keeps_gradients=keeps_gradients,
             n_replicate=(n_replicate or 0) if r is None else r,
+            n_optimizer=n_optimizer,
         )
 
     def replicate_options(costs: ChunkCosts, p: int, b: int) -> list[int]:
@@ -225,6 +229,8 @@ def search(
         if fewest > (n if n_persist is None else n_persist):
             continue  # not that many persistent chunks at this size
         for p in range(fewest, n + 1) if n_persist is None else [n_persist]:
+            if nvme_start(costs, n_optimizer) < p:
+                break  # fewer offloaded trainable chunks than n_optimizer: more persistent ones neither
             if p == n:
                 buffer_range: Iterable[int] = [0]
             elif n_buffer is not None:

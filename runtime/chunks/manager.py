@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -73,13 +74,16 @@ class ChunkManager:
         read_param: Callable[[str], torch.Tensor] | None = None,
         update_mode: UpdateMode = UpdateMode.EARLY,
         n_replicate: int = 0,
+        n_optimizer: int = 0,
+        nvme_root: Path | None = None,
     ) -> None:
         """``read_param(name)``, when given, supplies each parameter's value while its chunk is
         built (the model holds only stand-ins: weights streamed from a file, one at a time).
         ``optimizer``: the rule every trainable shard is updated by, built with ``hyper``.
         ``update_mode``: how offloaded chunks are updated (the plan's; ``on_arrival``: they keep
         no gradient shard and every backward must end its window). ``n_replicate``: of the
-        persistent chunks, the first ones replicated on every rank (store.py)."""
+        persistent chunks, the first ones replicated on every rank (store.py). ``n_optimizer``:
+        the last offloaded chunks keep their optimizer state in files under ``nvme_root``."""
         self.model = model
         self.optimizer_rule = optimizer
         self.layout = layout
@@ -100,6 +104,8 @@ class ChunkManager:
             read_param=read_param,
             keeps_gradients=update_mode.keeps_gradients,
             n_replicate=n_replicate,
+            n_optimizer=n_optimizer,
+            nvme_root=nvme_root,
         )
         self.collectives = CollectiveQueue(device)
         self._lazy_chaos = stream_chaos.mode() == "lazy"
@@ -354,11 +360,11 @@ class ChunkManager:
 
     def host_bytes(self) -> int:
         """Bytes of every host region the chunk engine maps (the chunk state's arena, the staging
-        rings, the widening scratch): what the planner's host figure counts
-        (profiler/host_bytes.py), less any swapped activations'."""
-        arena = self.store.host_arena
+        rings, the widening scratch, the NVMe tier's slots): what the planner's host figure
+        counts (profiler/host_bytes.py), less any swapped activations'."""
+        arena, nvme = self.store.host_arena, self.store.tiers.nvme
         rings = [self.reducer.staging, self.residency.uploads]
-        total = 0 if arena is None else arena.capacity_bytes
+        total = (0 if arena is None else arena.capacity_bytes) + (0 if nvme is None else nvme.slot_bytes)
         return total + sum(ring.nbytes for ring in rings if ring is not None) + self.optimizer.widening_bytes
 
     def device_state_bytes(self) -> int:
@@ -405,6 +411,8 @@ class ChunkManager:
         state (it stays readable: a plan switch copies from it)."""
         self.collectives.close()
         self.optimizer.close()
+        if self.store.tiers.nvme is not None:
+            self.store.tiers.nvme.stop()  # its files stay for a plan switch (release_device)
         synchronize(self.device)  # no copy may still read or write a staging buffer
         if self.store.host_arena is not None:
             self.store.host_arena.unpin()

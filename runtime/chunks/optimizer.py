@@ -26,6 +26,9 @@ fp16's overflow check), which is known only after the last gradient:
 No mode updates early and undoes from a snapshot when the clip triggers: that was slower than
 both and held more host memory (docs/decisions/0001-offloaded-update-modes.md).
 
+An NVMe chunk (``memory.ssd.n_optimizer``) is updated the same way, its optimizer state brought
+into a host slot around each update and the next one's read ahead (nvme_state.py).
+
 This side receives reduced gradients through ``ReducedGradientSink`` (reduce.py) and nothing
 else from the device side. What it keeps per chunk for one window (early updates made, norms,
 pending two-phase updates) lives in side tables here keyed by chunk index, not on the chunk.
@@ -33,14 +36,15 @@ pending two-phase updates) lives in side tables here keyed by chunk index, not o
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 
 from protrain.profiler.host_bytes import FP32_BYTES, WIDEN_SLICE_NUMEL
 from protrain.profiler.plan import UpdateMode
+from protrain.runtime.chunks.early_updates import Armed, Speculation
 from protrain.runtime.chunks.grad_add import add_widened
 from protrain.runtime.chunks.store import Chunk, ChunkStore
 from protrain.runtime.chunks.trace_labels import job_label
@@ -49,23 +53,6 @@ from protrain.runtime.hw.device import DeviceEvent, HostWorker, host_worker_thre
 from protrain.runtime.hw.distributed import DistContext, all_reduce_sum_
 from protrain.runtime.hw.host_memory import MmapArena
 from protrain.runtime.optim.shard import GroupValues
-
-
-@dataclass(frozen=True, slots=True)
-class Speculation:
-    """An early update made this window: the per-segment activity it assumed."""
-
-    active: list[bool]
-
-
-@dataclass(frozen=True, slots=True)
-class _Armed:
-    """This window's last backward updates early: at ``lr``, once the ranks agreed (``agreed``)
-    that none had a non-finite loss (``any_nonfinite`` > 0 otherwise)."""
-
-    lr: GroupValues
-    agreed: DeviceEvent
-    any_nonfinite: torch.Tensor
 
 
 class ChunkOptimizer:
@@ -87,7 +74,7 @@ class ChunkOptimizer:
         self._pending_updates: dict[int, DeviceEvent] = {}
         """Two-phase: the host worker's update of each offloaded chunk since the last drain."""
         self._worker = HostWorker("protrain-host-worker", threads=host_worker_threads(store.device))
-        self._armed: _Armed | None = None
+        self._armed: Armed | None = None
         self._last_job: DeviceEvent | None = None
         """The last job queued on the host worker (every job runs in order)."""
         self._speculated: dict[int, Speculation] = {}
@@ -188,7 +175,12 @@ class ChunkOptimizer:
         (windows that may be clipped never update early). A parameter that had no gradient here
         but had one on another rank is simply updated at the step (segments are updated
         independently)."""
-        self._armed = _Armed(lr=lr, agreed=agreed, any_nonfinite=any_nonfinite)
+        self._armed = Armed(lr=lr, agreed=agreed, any_nonfinite=any_nonfinite)
+        self._read_ahead(descending=True)
+
+    def _read_ahead(self, *, descending: bool) -> None:
+        if self.store.tiers.nvme is not None:
+            self.store.tiers.nvme.read_ahead(descending=descending)
 
     def disarm(self) -> None:
         """Backward is over: no more early updates this window (queued ones finish on their own;
@@ -208,7 +200,7 @@ class ChunkOptimizer:
             square = torch.linalg.vector_norm(chunk.grad_shard).double().cpu().square()
         self._norm_squares[chunk.index] = square
 
-    def _speculate(self, chunk: Chunk, reduced: DeviceEvent, active: list[bool], armed: _Armed) -> None:
+    def _speculate(self, chunk: Chunk, reduced: DeviceEvent, active: list[bool], armed: Armed) -> None:
         """On the host worker: wait for the ranks' agreement and the chunk's reduced gradient,
         update. One thread, so it does not take the cores backward uses."""
         armed.agreed.wait()
@@ -216,7 +208,7 @@ class ChunkOptimizer:
             return  # the step will be skipped on every rank
         reduced.wait()
         with job_label("adam", chunk.index):
-            chunk.optimizer.step_(chunk.grad_shard, active, lr=armed.lr)
+            self._update_shard(chunk, chunk.grad_shard, active, armed.lr, in_backward=True)
         self._speculated[chunk.index] = Speculation(active=active)
         self.num_speculations += 1
 
@@ -264,7 +256,7 @@ class ChunkOptimizer:
             # The window's gradient norm (logged every update) needs this gradient's square.
             self._norm_squares[chunk.index] = torch.linalg.vector_norm(grad).double().square()
             with job_label("adam", chunk.index):
-                chunk.optimizer.step_(grad, active, lr=armed.lr)
+                self._update_shard(chunk, grad, active, armed.lr, in_backward=True)
             if hold:
                 self._held[chunk.index] = {
                     position: grad[s.shard_offset : s.shard_offset + s.numel].clone()
@@ -306,7 +298,7 @@ class ChunkOptimizer:
             if want:
                 segment = chunk.segments[position]
                 grad[segment.shard_offset : segment.shard_offset + segment.numel].copy_(held[position])
-        chunk.optimizer.step_(grad, wanted, lr=lr)
+        self._update_shard(chunk, grad, wanted, lr, in_backward=False)
 
     def finish_speculation(self) -> None:
         """Wait for the host worker (gradient adds and early updates, in order); no more
@@ -376,6 +368,8 @@ class ChunkOptimizer:
         are updated (and their gradients zeroed) on the host worker, in forward order.
         ``then(chunk index)`` follows each trainable chunk's turn, updated or not."""
         self.finish_speculation()
+        if self.mode.updates_after_norm:
+            self._read_ahead(descending=False)
         for chunk in self.trainable_chunks():
             self._step_chunk(chunk, lr=lr, active=active, grad_factors=grad_factors)
             then(chunk.index)
@@ -405,20 +399,27 @@ class ChunkOptimizer:
             self._updater(chunk, wanted, lr, grad_factors, zero=zero)()
             self._zeroed.add(chunk.index)
 
-    @staticmethod
     def _updater(
-        chunk: Chunk, wanted: list[bool], lr: GroupValues, grad_factors: tuple[float, ...], *, zero: bool
+        self, chunk: Chunk, wanted: list[bool], lr: GroupValues, grad_factors: tuple[float, ...], *, zero: bool
     ) -> Callable[[], None]:
         @torch.no_grad()
         def update() -> None:
             with job_label("adam", chunk.index):
                 for factor in grad_factors:
                     chunk.grad_shard.mul_(factor)
-                chunk.optimizer.step_(chunk.grad_shard, wanted, lr=lr)
+                self._update_shard(chunk, chunk.grad_shard, wanted, lr, in_backward=False)
                 if zero:
                     chunk.grad_shard.zero_()
 
         return update
+
+    def _update_shard(
+        self, chunk: Chunk, grad: torch.Tensor, active: list[bool], lr: GroupValues, *, in_backward: bool
+    ) -> None:
+        """The rule's kernel over the chunk's shard (an NVMe chunk's state in its slot meanwhile)."""
+        nvme = self.store.tiers.nvme
+        with contextlib.nullcontext() if nvme is None else nvme.updating(chunk.index, descending=in_backward):
+            chunk.optimizer.step_(grad, active, lr=lr)
 
     def zero_grads(self) -> None:
         """Zero every gradient shard (the two-phase updates zero theirs on the host worker)."""

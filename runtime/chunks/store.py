@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from protrain.runtime.chunks.layout import ChunkInfo, ChunkLayout
+from protrain.runtime.chunks.nvme_state import NvmeStateTier
 from protrain.runtime.chunks.released import mark_released, mark_resident
 from protrain.runtime.chunks.residency_states import Residency, check_move
 from protrain.runtime.chunks.tiers import StateTiers
@@ -84,6 +85,8 @@ class ShardTraining:
     grad_shard: torch.Tensor | None
     """None for an offloaded chunk whose gradients are applied as they arrive (no shard kept)."""
     optimizer: ShardOptimizer
+    nvme: NvmeStateTier | None = None
+    """The tier holding the optimizer state in a file (the kernel's tensors are a slot's)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -162,7 +165,14 @@ class Chunk:
         rule's state tensors, in its ``state_names`` order."""
         if self.training is None:
             return [self.master]
+        if self.training.nvme is not None:
+            return [self.master, *self.training.nvme.mapped(self.index)]  # the file, page by page
         return [self.master, *self.training.optimizer.states]
+
+    @property
+    def state_on_nvme(self) -> bool:
+        """The optimizer state is in a file, updated in a host slot (nvme_state.py)."""
+        return self.training is not None and self.training.nvme is not None
 
     def move(self, target: Residency) -> None:
         self.residency = check_move(self.index, self.residency, target)
@@ -345,6 +355,8 @@ class ChunkStore:
             param.grad = None
             mark_released(param, self.layout.params[index].name, closed=True)
         self.chunks.clear()
+        if self.tiers.nvme is not None:
+            self.tiers.nvme.close()  # views a plan switch took of its files stay readable
 
 
 def padded_shard(stored: torch.Tensor, shard_numel: int, device: torch.device) -> torch.Tensor:

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from protrain.profiler.chunking import persistent_full_numel
-from protrain.profiler.host_bytes import HOST_ALIGN_BYTES, chunk_state_bytes, rank_numel
+from protrain.profiler.host_bytes import HOST_ALIGN_BYTES, chunk_state_bytes, nvme_positions, rank_numel
 from protrain.runtime.chunks.layout import ChunkInfo, ChunkLayout
+from protrain.runtime.chunks.nvme_state import NvmeStateTier
 from protrain.runtime.chunks.residency_states import Residency
 from protrain.runtime.chunks.store import (
     Chunk,
@@ -46,13 +48,18 @@ def build_store(
     read_param: Callable[[str], torch.Tensor] | None,
     keeps_gradients: bool = True,
     n_replicate: int = 0,
+    n_optimizer: int = 0,
+    nvme_root: Path | None = None,
 ) -> ChunkStore:
     """Copy each parameter into its chunk; keep this rank's shard (the whole chunk for the first
     ``n_replicate`` chunks, replicated: at most ``n_persist``); give up the originals (the
     parameters then view their chunk's full copy, or the placeholder). ``keeps_gradients``
-    False: offloaded chunks get no gradient shard (their gradients are applied as they arrive)."""
+    False: offloaded chunks get no gradient shard (their gradients are applied as they arrive).
+    ``n_optimizer``: the last offloaded trainable chunks keep their optimizer state in files under
+    ``nvme_root`` (nvme_state.py)."""
     if n_replicate > n_persist:
         raise ValueError(f"n_replicate={n_replicate} exceeds n_persist={n_persist}: only persistent chunks replicate")
+    nvme = _build_nvme_tier(layout, n_persist, n_optimizer, nvme_root, rank=dist_ctx.rank, optimizer=optimizer)
     arena = _build_host_arena(
         layout,
         n_persist,
@@ -61,6 +68,7 @@ def build_store(
         keeps_gradients=keeps_gradients,
         optimizer_states=len(optimizer.state_names),
         pin=device.is_cuda,
+        on_nvme=set() if nvme is None else set(nvme.chunk_indices),
     )
     builder = _ChunkBuilder(
         params=params,
@@ -70,7 +78,7 @@ def build_store(
         dist_ctx=dist_ctx,
         optimizer=optimizer,
         hyper=hyper,
-        tiers=StateTiers(device=DeviceTier(device), host=HostTier(arena)),
+        tiers=StateTiers(device=DeviceTier(device), host=HostTier(arena), nvme=nvme),
         read_param=read_param,
         keeps_gradients=keeps_gradients,
     )
@@ -105,6 +113,46 @@ def _give_up_originals(params: Sequence[nn.Parameter]) -> None:
         param.data = empty.expand(param.shape) if param.dim() else empty
 
 
+def _build_nvme_tier(
+    layout: ChunkLayout,
+    n_persist: int,
+    n_optimizer: int,
+    root: Path | None,
+    *,
+    rank: int,
+    optimizer: OptimizerRule,
+) -> NvmeStateTier | None:
+    """The files of the last ``n_optimizer`` offloaded trainable chunks (profiler/host_bytes.py's
+    ``nvme_positions``), or None."""
+    if n_optimizer <= 0:
+        return None
+    offloaded = [info for info in layout.chunks if info.index >= n_persist]
+    on_nvme = nvme_positions([info.trainable for info in offloaded], n_optimizer)
+    if len(on_nvme) < n_optimizer:
+        raise ValueError(
+            f"memory.ssd.n_optimizer={n_optimizer} but only {len(on_nvme)} offloaded chunks hold trainable "
+            "parameters: lower n_optimizer or n_persist"
+        )
+    if root is None:
+        raise ValueError(f"memory.ssd.n_optimizer={n_optimizer} needs memory.ssd.path (a directory)")
+    if not optimizer.state_names:
+        raise ValueError(
+            f"memory.ssd.n_optimizer={n_optimizer}: the {optimizer.name} optimizer as configured keeps no state "
+            "per parameter, so there is nothing to put on NVMe; set n_optimizer to 0"
+        )
+    chunks = [
+        (offloaded[position].index, rank_numel(offloaded[position].used, layout.shard_numel, rank))
+        for position in sorted(on_nvme)
+    ]
+    return NvmeStateTier(
+        root=root,
+        rank=rank,
+        chunks=chunks,
+        optimizer_states=len(optimizer.state_names),
+        shard_numel=layout.shard_numel,
+    )
+
+
 def _build_host_arena(
     layout: ChunkLayout,
     n_persist: int,
@@ -114,9 +162,11 @@ def _build_host_arena(
     keeps_gradients: bool,
     optimizer_states: int,
     pin: bool,
+    on_nvme: set[int],
 ) -> MmapArena | None:
     """One region holding every offloaded chunk's host state at exact sizes
-    (profiler/host_bytes.py: the cost model counts the same bytes)."""
+    (profiler/host_bytes.py: the cost model counts the same bytes); ``on_nvme``: chunks whose
+    optimizer state is in files instead."""
     offloaded = [info for info in layout.chunks if info.index >= n_persist]
     if not offloaded:
         return None
@@ -127,6 +177,7 @@ def _build_host_arena(
             element_size=element_size,
             keeps_gradients=keeps_gradients,
             optimizer_states=optimizer_states,
+            on_nvme=info.index in on_nvme,
         )
         for info in offloaded
     )
@@ -186,7 +237,7 @@ class _ChunkBuilder:
                 master = full[:stored]  # fp32 compute over the whole chunk: the full copy is the master
             else:
                 master = self._place(mine, persistent)
-            training = self._training(master, segments, persistent)
+            training = self._training(master, segments, persistent, info.index)
         del flat, mine
         if full is not None:
             return PersistentChunk(
@@ -211,11 +262,15 @@ class _ChunkBuilder:
             del value  # a streamed value lives only until it is in its chunk
         return flat
 
-    def _training(self, master: torch.Tensor, segments: list[Segment], persistent: bool) -> ShardTraining:
+    def _training(self, master: torch.Tensor, segments: list[Segment], persistent: bool, index: int) -> ShardTraining:
         numel = master.numel()
         kept = persistent or self.keeps_gradients
         grad_shard = self._zeros(numel, persistent) if kept else None
-        states = tuple(self._zeros(numel, persistent) for _ in self.optimizer.state_names)
+        nvme = self.tiers.nvme if self.tiers.nvme is not None and self.tiers.nvme.holds(index) else None
+        if nvme is not None:
+            states = nvme.slot_states(index)  # the chunk's state while it is resident in its slot
+        else:
+            states = tuple(self._zeros(numel, persistent) for _ in self.optimizer.state_names)
         hyper = self.hyper
         optimizer = self.optimizer.build(
             master,
@@ -223,7 +278,7 @@ class _ChunkBuilder:
             hyper=hyper,
             states=states,
         )
-        return ShardTraining(grad_shard=grad_shard, optimizer=optimizer)
+        return ShardTraining(grad_shard=grad_shard, optimizer=optimizer, nvme=nvme)
 
     def _place(self, tensor: torch.Tensor, persistent: bool) -> torch.Tensor:
         """A copy of ``tensor`` where the chunk's state lives (tiers.py)."""

@@ -6,8 +6,9 @@
   exactly as profiler/host_bytes.py counts it (the arena; pinned on CUDA so copies run beside
   compute), or, where no chunk is offloaded, in ordinary host tensors.
 
-Every placement and every "is this host state?" question goes through here, so a further tier
-(optimizer state on NVMe) is one more class beside these two.
+Every placement and every "is this host state?" question goes through here.
+- The NVMe tier (``memory.ssd.n_optimizer``): the last offloaded chunks' optimizer state in files,
+  updated in a few host slots (nvme_state.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from protrain.runtime.chunks.nvme_state import NvmeStateTier
 from protrain.runtime.hw import device_wall
 from protrain.runtime.hw.device import DeviceInfo
 from protrain.runtime.hw.host_memory import MmapArena
@@ -71,6 +73,8 @@ class StateTiers:
 
     device: DeviceTier
     host: HostTier
+    nvme: NvmeStateTier | None = None
+    """The last offloaded chunks' optimizer state in files (nvme_state.py), if any."""
 
     def for_chunk(self, *, persistent: bool) -> DeviceTier | HostTier:
         """Where a chunk's state lives: persistent on the device, offloaded on the host."""
@@ -78,4 +82,5 @@ class StateTiers:
 
     def on_host(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is chunk state in host memory (not on the compute device)."""
-        return not self.device.holds(tensor) or self.host.holds(tensor)
+        in_slots = self.nvme is not None and self.nvme.holds_tensor(tensor)
+        return not self.device.holds(tensor) or self.host.holds(tensor) or in_slots

@@ -264,6 +264,7 @@ def knob_request(memory: MemorySpec) -> KnobRequest:
         n_persist=knob(memory.n_persist),
         n_buffer=knob(memory.n_buffer),
         n_replicate=knob(memory.n_replicate),
+        n_optimizer=memory.ssd.n_optimizer,
         n_swap=knob(memory.n_swap),
         n_checkpoint=knob(memory.n_checkpoint),
         n_offload=knob(memory.ssd.n_offload),

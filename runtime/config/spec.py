@@ -184,12 +184,17 @@ class SchedulerSpec(SpecModel):
 
 
 class SsdSpec(SpecModel):
-    """Activation offload to files (SSDTrain)."""
+    """Activation and optimizer-state offload to files (SSDTrain; ZeRO-Infinity's NVMe tier)."""
 
     path: Text | None = None
-    """Directory for activation files (a fast local NVMe disk); null: no SSD tier."""
+    """Directory for activation and optimizer-state files (a fast local NVMe disk); null: no
+    SSD tier."""
     n_offload: AutoNonNegInt = AUTO
     """Blocks whose activations go to files under path."""
+    n_optimizer: NonNegInt = 0
+    """Offloaded chunks (the last ones holding trainable parameters) whose optimizer state
+    lives in files under path instead of host memory, read ahead of each update and written
+    behind it. Set by hand; the planner does not choose it yet."""
 
 
 class MemorySpec(SpecModel):
@@ -228,6 +233,8 @@ class MemorySpec(SpecModel):
         explicit_offload = self.ssd.n_offload not in (AUTO, 0)
         if explicit_offload and self.ssd.path is None:
             raise cross_field_error("ssd.path", f"ssd.n_offload={self.ssd.n_offload} needs ssd.path (a directory)")
+        if self.ssd.n_optimizer and self.ssd.path is None:
+            raise cross_field_error("ssd.path", f"ssd.n_optimizer={self.ssd.n_optimizer} needs ssd.path (a directory)")
         if self.block_modes is not None:
             if BlockMode.SSD in self.block_modes and self.ssd.path is None:
                 raise cross_field_error("ssd.path", "block_modes contains ssd; set ssd.path")

@@ -21,7 +21,7 @@ from torch import nn
 
 from protrain.profiler.plan import BlockMode, Plan, UpdateMode
 from protrain.runtime.activations.manager import ActivationManager
-from protrain.runtime.activations.ssd_store import ActivationFileStore
+from protrain.runtime.activations.ssd_store import ActivationFileStore, SsdIoError
 from protrain.runtime.chunks.layout import ParamInfo, layout_from_params
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.config.settings import PlanningSettings, TrainingSettings
@@ -98,6 +98,8 @@ def _build_chunks(
             n_persist=plan.n_persist,
             n_buffer=plan.n_buffer,
             n_replicate=plan.n_replicate,
+            n_optimizer=plan.n_optimizer,
+            nvme_root=target.planning.ssd_path,
             compute_dtype=COMPUTE_DTYPES[settings.precision],
             device=target.device,
             dist_ctx=target.dist_ctx,
@@ -117,6 +119,8 @@ def _build_chunks(
         )
     except ValueError as err:
         raise SpecError(str(err)) from None
+    except SsdIoError as err:  # the NVMe tier's files: the directory, a full disk
+        raise SpecError(f"memory.ssd.path: {err}") from None
     return chunks
 
 

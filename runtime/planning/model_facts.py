@@ -134,6 +134,7 @@ def check_supported(plan: Plan, planning: PlanningSettings, param_sizes: Sequenc
         element_size=element_size,
         keeps_gradients=plan.update_mode.keeps_gradients,
         optimizer_states=states,
+        n_nvme=plan.n_optimizer,
     )
     host = regions + plan.host_fixed_bytes
     if host > plan.host_budget_bytes:

@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 import torch
+from protrain_demo.gpt import GPTConfig
 
 from protrain import runtime
 from protrain.runtime.hw.host_memory import PAGE_BYTES, host_arena_bytes
-from protrain_demo.gpt import GPTConfig
 from tests.helpers import lm_batches, tiny_gpt
 
 GPT_4X128 = GPTConfig(vocab_size=512, seq_len=32, n_layer=4, n_head=4, d_model=128)
@@ -38,6 +38,9 @@ class Case:
     spec: dict[str, Any]
     bytes_per_param: int
     accumulation: int = 1
+    n_optimizer: int = 0
+    """Offloaded chunks whose optimizer state is in files (8 bytes per parameter fewer there,
+    and the NVMe tier's slots beside the staging)."""
 
 
 CASES = {
@@ -45,6 +48,7 @@ CASES = {
     "accumulation": Case({"gradient_accumulation_steps": 2}, 16, accumulation=2),
     "applied-as-they-arrive": Case({}, 12),
     "applied-as-they-arrive-bf16": Case({"precision": "bf16"}, 12),
+    "optimizer-state-on-nvme": Case({"gradient_clipping": 1.0}, 16, n_optimizer=2),
 }
 
 
@@ -64,7 +68,10 @@ def host_state(engine: Any) -> Iterator[torch.Tensor]:
         if chunk.persistent:
             continue
         yield chunk.master
-        if chunk.training is not None:
+        if chunk.training is not None and chunk.state_on_nvme:
+            if chunk.training.grad_shard is not None:
+                yield chunk.training.grad_shard
+        elif chunk.training is not None:
             yield chunk.training.optimizer.exp_avg
             yield chunk.training.optimizer.exp_avg_sq
             if chunk.training.grad_shard is not None:
@@ -90,6 +97,10 @@ def test_host_bytes_per_offloaded_parameter_are_counted_exactly(tmp_path: Path, 
         },
         **case.spec,
     }
+    if case.n_optimizer:
+        # No ssd blocks on the same path: n_swap is what the search fills (it keeps every block).
+        ssd = {"path": str(tmp_path / "nvme"), "n_offload": 0, "n_optimizer": case.n_optimizer}
+        config["memory"].update(ssd=ssd, n_swap="auto")
     data = lm_batches(micro_batch_size=2, accumulation=case.accumulation, world_size=1, seq_len=32)
     samples: list[int] = []
 
@@ -97,7 +108,7 @@ def test_host_bytes_per_offloaded_parameter_are_counted_exactly(tmp_path: Path, 
         samples.append(host_arena_bytes()[0] - before)
 
     with runtime.initialize(model, config=config) as engine:
-        assert engine.plan.n_persist == 0 and engine.plan.n_buffer == N_BUFFER
+        assert engine.plan.n_persist == 0 and engine.plan.n_buffer == N_BUFFER and engine.plan.n_swap == 0
         handles = [m.register_forward_pre_hook(sample) for m in engine.module.modules()]
         handles += [m.register_forward_hook(sample) for m in engine.module.modules()]
         handles += [p.register_post_accumulate_grad_hook(sample) for p in engine.module.parameters()]
@@ -113,7 +124,9 @@ def test_host_bytes_per_offloaded_parameter_are_counted_exactly(tmp_path: Path, 
         # The state tensors hold the parameters' real elements and nothing else.
         state = list(host_state(engine))
         state_bytes = sum(t.numel() * t.element_size() for t in state)
-        assert state_bytes == case.bytes_per_param * parameters
+        on_nvme = sum(chunk.master.numel() for chunk in engine.chunks.chunks if chunk.state_on_nvme)
+        assert (on_nvme > 0) == (case.n_optimizer > 0)
+        assert state_bytes == case.bytes_per_param * parameters - 8 * on_nvme
         regions = mapped_regions()
         for tensor in state:
             begin = tensor.data_ptr()
@@ -123,11 +136,15 @@ def test_host_bytes_per_offloaded_parameter_are_counted_exactly(tmp_path: Path, 
         predicted = engine.plan.predicted_peak_host_bytes - engine.plan.host_fixed_bytes
         assert engine.chunks.host_bytes() == predicted  # the engine's own count, as the timeline shows
         chunk_fp32 = engine.chunks.layout.chunk_numel * 4
+        nvme = engine.chunks.store.tiers.nvme
+        slots = 0 if nvme is None else nvme.slot_bytes
+        # The NVMe tier's slots: one per NVMe chunk up to three, each a chunk's two moments.
+        assert slots == min(3, case.n_optimizer) * 2 * chunk_fp32
 
     peak = max(samples)
     assert min(samples) == peak, "host regions are fixed for the run: mapped once, never grown"
     assert peak == predicted, f"measured {peak:,} host bytes, the cost model counts {predicted:,}"
-    staging = peak - state_bytes
+    staging = peak - state_bytes - slots
     # Three fp32 chunks at most (one rank: a shard is a chunk), plus alignment and a page.
     assert 0 < staging <= min(3 * chunk_fp32 + 2 * PAGE_BYTES, (N_BUFFER + 2) * chunk_fp32), (
         f"{peak / parameters:.2f} bytes per parameter: {case.bytes_per_param} x {parameters:,} parameters "

@@ -1,0 +1,242 @@
+"""Optimizer state on NVMe (``memory.ssd.n_optimizer``, issue 31): the last offloaded chunks keep
+their optimizer state in files under ``memory.ssd.path``, read into a host slot ahead of each
+update and written behind it. Training equals training with the state in host memory bit for
+bit (fp32 and bf16, clipping on and off, accumulation 1 and 2, another rule); the state is
+really in the files (read there, not from the runtime); checkpoints save from the files and
+resume onto another ``n_optimizer`` or none; a plan switch moves the state in and out of the
+files; a full disk is refused before training, a file cut short behind the engine's back fails
+naming it, and no file outlives its engine (closed, dropped, or its process interrupted)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from protrain import runtime
+from protrain.profiler.host_bytes import nvme_file_bytes
+from protrain.runtime.chunks.nvme_state import RUN_DIR_PREFIX
+from protrain.runtime.config.spec_io import SpecError
+from protrain.runtime.hw.ssd_io import SsdIoError
+from tests.checkpointing import checkpoint_job, train_until
+from tests.helpers import assert_state_equal, lm_batches, tiny_gpt, train_reference, train_updates
+from tests.unit.test_activation_faults import small_tmpfs
+
+pytestmark = pytest.mark.timeout(180)
+
+STEPS = 4
+NVME_CHUNKS = 4
+"""Of the tiny GPT's 11 offloaded 64 KiB chunks: more than the three host slots, so two chunks
+share a slot and are read from their files every update."""
+
+
+def job(root: Path, *, n_optimizer: int, **overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "seed": 3,
+        "micro_batch_size": 2,
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.1},
+        "memory": {
+            "chunk_size": "64KiB",
+            "n_persist": 1,
+            "n_buffer": 2,
+            "block_modes": ["keep", "keep"],
+            "ssd": {"path": str(root / "nvme"), "n_optimizer": n_optimizer},
+        },
+        "output_dir": str(root / "runs"),
+    }
+    for key, value in overrides.items():
+        spec[key] = {**spec[key], **value} if isinstance(value, dict) and key in spec else value
+    return spec
+
+
+def train(root: Path, *, n_optimizer: int, accumulation: int = 1, **overrides: Any) -> dict[str, Any]:
+    data = lm_batches(micro_batch_size=2, accumulation=accumulation, world_size=1)
+    spec = job(root, n_optimizer=n_optimizer, gradient_accumulation_steps=accumulation, **overrides)
+    losses: list[float] = []
+    with runtime.initialize(tiny_gpt(0), config=spec) as engine:
+        nvme = engine.chunks.store.tiers.nvme
+        files: dict[str, int] = {}
+        if nvme is not None:
+            files = {path.name: path.stat().st_size for path in nvme.run_dir.iterdir()}
+        for update in range(STEPS):
+            for micro in range(accumulation):
+                out = engine(**data.batch(update, micro, 0))
+                engine.backward(out.loss)
+                losses.append(out.loss.item())
+                engine.step()
+        counters = None if nvme is None else nvme.counters
+        run_dir = None if nvme is None else nvme.run_dir
+        return {"state": engine.state_dict(), "losses": losses, "counters": counters, "files": files, "dir": run_dir}
+
+
+CASES = {
+    "fp32": {},
+    "bf16": {"precision": "bf16"},
+    "accumulation-2": {"accumulation": 2},
+    "clipped": {"gradient_clipping": 0.05},
+    "lion": {"optimizer": {"type": "lion", "lr": 1e-4}},
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_state_on_nvme_trains_bit_identically(tmp_path: Path, case: dict[str, Any]) -> None:
+    in_memory = train(tmp_path / "ram", n_optimizer=0, **case)
+    on_nvme = train(tmp_path / "nvme", n_optimizer=NVME_CHUNKS, **case)
+    assert_state_equal(on_nvme["state"], in_memory["state"])
+    assert on_nvme["losses"] == in_memory["losses"]
+    counters, files = on_nvme["counters"], on_nvme["files"]
+    # One file per NVMe chunk, each state tensor 4 KiB-aligned; every update writes each back.
+    assert len(files) == NVME_CHUNKS and all(size % 4096 == 0 and size > 0 for size in files.values())
+    assert counters.writes == STEPS * NVME_CHUNKS
+    assert counters.bytes_written == STEPS * sum(files.values())
+    # The chunks alone in their slot are read once; the two sharing one, every update.
+    assert counters.reads == NVME_CHUNKS + 2 * (STEPS - 1)
+    assert not on_nvme["dir"].exists(), "the engine's files went when it closed"
+
+
+def test_the_state_is_in_the_files(tmp_path: Path) -> None:
+    """Read from the files with plain file I/O (not through the tier): each NVMe chunk's moments
+    are the in-memory run's, and its host slot is not where they are kept."""
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    with runtime.initialize(tiny_gpt(0), config=job(tmp_path / "ram", n_optimizer=0)) as plain:
+        train_updates(plain, data, range(STEPS))
+        expected = {
+            chunk.index: [t.clone() for t in chunk.training.optimizer.states] for chunk in plain.chunks.chunks[1:]
+        }
+    with runtime.initialize(tiny_gpt(0), config=job(tmp_path / "nvme", n_optimizer=NVME_CHUNKS)) as engine:
+        train_updates(engine, data, range(STEPS))
+        nvme = engine.chunks.store.tiers.nvme
+        assert nvme is not None
+        nvme.drain()
+        on_nvme = [chunk for chunk in engine.chunks.chunks if chunk.state_on_nvme]
+        assert [chunk.index for chunk in on_nvme] == list(range(12 - NVME_CHUNKS, 12))
+        for chunk in on_nvme:
+            numel = chunk.master.numel()
+            path = nvme.run_dir / f"chunk{chunk.index:05d}.state"
+            raw = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.float32)
+            assert raw.numel() * 4 == nvme_file_bytes(numel, 2)
+            stride = raw.numel() // 2
+            for k, moment in enumerate(expected[chunk.index]):
+                assert torch.equal(raw[k * stride : k * stride + numel], moment)
+            for slot_tensor in chunk.training.optimizer.states:  # the slot: updated, then reused
+                assert not nvme.holds_tensor(chunk.master) and nvme.holds_tensor(slot_tensor)
+
+
+def test_checkpoints_resume_onto_another_n_optimizer(tmp_path: Path) -> None:
+    """Saved from the files at update 3, resumed with the state in memory and with two NVMe
+    chunks: both end as the uninterrupted in-memory run does."""
+    memory = {"ssd": {"path": str(tmp_path / "nvme")}}
+    plain = train_until(checkpoint_job(str(tmp_path / "plain"), memory=memory), until=5)
+    saved_on_nvme = {**memory, "ssd": {**memory["ssd"], "n_optimizer": 4}}
+    first = train_until(
+        checkpoint_job(str(tmp_path / "a"), memory=saved_on_nvme, checkpoint={"interval_steps": 3}), until=3
+    )
+    assert first["losses"] == plain["losses"][:3]
+    for n_optimizer in (0, 2):
+        resumed_memory = {**memory, "ssd": {**memory["ssd"], "n_optimizer": n_optimizer}}
+        second = train_until(checkpoint_job(str(tmp_path / "a"), memory=resumed_memory), until=5)
+        assert second["started_at"] == 3
+        assert first["losses"] + second["losses"] == plain["losses"]
+        assert_state_equal(second["state"], plain["state"])
+    assert [entry.name for entry in (tmp_path / "nvme").iterdir()] == []
+
+
+def test_a_plan_switch_moves_the_state_through_the_files(tmp_path: Path) -> None:
+    """64 KiB chunks with four NVMe ones, switched after two updates to 256 KiB chunks with two:
+    training goes on exactly as torch's fused AdamW."""
+    import dataclasses
+
+    from protrain.runtime.chunks.layout import layout_from_params
+
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    expected, _ = train_reference(tiny_gpt(0), data, steps=STEPS, lr=1e-3, weight_decay=0.1)
+    engine = runtime.initialize(tiny_gpt(0), config=job(tmp_path, n_optimizer=NVME_CHUNKS))
+    with engine:
+        train_updates(engine, data, range(2))
+        layout = layout_from_params(tuple(engine.chunks.layout.params), chunk_numel=256 * 1024 // 4, world_size=1)
+        engine.switch_plan(
+            dataclasses.replace(
+                engine.plan, chunk_size=256 * 1024, num_chunks=layout.num_chunks, n_persist=0, n_optimizer=2
+            )
+        )
+        nvme = engine.chunks.store.tiers.nvme
+        assert nvme is not None and sum(chunk.state_on_nvme for chunk in engine.chunks.chunks) == 2
+        assert len(list(nvme.run_dir.iterdir())) == 2, "the old layout's four files went"
+        train_updates(engine, data, range(2, STEPS))
+        assert_state_equal(engine.state_dict(), expected)
+
+
+def test_a_full_disk_is_refused_before_training(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "small", "256k") as disk:
+        spec = job(tmp_path, n_optimizer=NVME_CHUNKS)
+        spec["memory"]["ssd"]["path"] = str(disk)
+        with pytest.raises(SpecError, match=r"memory\.ssd\.path: .*not enough free space for optimizer state files"):
+            runtime.initialize(tiny_gpt(0), config=spec)
+        assert list(disk.iterdir()) == [], "nothing left behind"
+
+
+def test_a_file_cut_short_fails_naming_it(tmp_path: Path) -> None:
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    with runtime.initialize(tiny_gpt(0), config=job(tmp_path, n_optimizer=NVME_CHUNKS)) as engine:
+        train_updates(engine, data, range(1))
+        nvme = engine.chunks.store.tiers.nvme
+        nvme.drain()
+        victim = nvme.run_dir / "chunk00011.state"  # shares a slot: read again next update
+        os.truncate(victim, 0)
+        with pytest.raises((SsdIoError, RuntimeError)) as caught:
+            train_updates(engine, data, range(1, 2))
+        error = caught.value if isinstance(caught.value, SsdIoError) else caught.value.__cause__
+        assert isinstance(error, SsdIoError) and str(victim) in str(error) and "truncated" in str(error)
+
+
+def test_spec_needs_a_path() -> None:
+    from protrain.runtime.config.spec_io import validate_spec
+
+    with pytest.raises(SpecError, match=r"ssd\.n_optimizer=2 needs ssd\.path"):
+        validate_spec({"memory": {"ssd": {"n_optimizer": 2}}}, source="job.yaml")
+
+
+ENGINE_THEN_WAIT = """
+import sys
+sys.path.insert(0, {root!r})
+from pathlib import Path
+from protrain import runtime
+from tests.helpers import lm_batches, tiny_gpt, train_updates
+from tests.unit.test_nvme_optimizer_state import job
+engine = runtime.initialize(tiny_gpt(0), config=job(Path({tmp!r}), n_optimizer=2))
+print(engine.chunks.store.tiers.nvme.run_dir, flush=True)
+data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+while True:
+    train_updates(engine, data, range(2))
+"""
+
+
+@pytest.mark.parametrize(("sig", "left"), [(signal.SIGINT, False), (signal.SIGKILL, True)], ids=["ctrl-c", "kill"])
+def test_no_file_outlives_its_process(tmp_path: Path, sig: signal.Signals, left: bool) -> None:
+    """Ctrl-C while training: the engine stops at the update's end and its files go. SIGKILL
+    leaves them; the next engine on the same path removes them (their process is gone)."""
+    root = Path(__file__).resolve().parents[2]
+    script = ENGINE_THEN_WAIT.format(root=str(root), tmp=str(tmp_path))
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline()
+        while line and RUN_DIR_PREFIX not in line:
+            line = child.stdout.readline()
+        run_dir = Path(line.strip())
+        assert run_dir.exists()
+        child.send_signal(sig)
+        child.wait(timeout=60)
+    finally:
+        child.kill()
+    assert run_dir.exists() == left
+    if left:
+        with runtime.initialize(tiny_gpt(0), config=job(tmp_path, n_optimizer=2)) as engine:
+            assert not run_dir.exists() and engine.chunks.store.tiers.nvme.run_dir.exists()
