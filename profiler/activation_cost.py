@@ -132,7 +132,7 @@ def _rates(hardware: HardwareProfile, mode: str) -> tuple[float, float]:
     """(out, back) bytes per second of the tier ``mode`` sends activations to."""
     if mode == SWAP:
         return hardware.d2h_bytes_per_s, hardware.h2d_bytes_per_s
-    return hardware.ssd_write_bytes_per_s, hardware.ssd_read_bytes_per_s
+    return hardware.ssd_rates()
 
 
 def _channels(hardware: HardwareProfile) -> tuple[str, ...]:

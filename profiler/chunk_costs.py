@@ -62,6 +62,9 @@ class ChunkCosts:
     host_frozen_bytes: tuple[int, ...]
     """A frozen chunk's host shard, were it offloaded."""
     trainable_chunks: tuple[int, ...]
+    nvme_starts: tuple[int, ...]
+    """For k = 0, 1, ...: the first chunk of the last k trainable ones (the NVMe tier's chunks
+    with ``n_optimizer`` = k, were they offloaded)."""
     unattributed_forward_s: float
     unattributed_backward_s: float
     direct_grads_possible: bool
@@ -163,7 +166,9 @@ def chunk_costs(
             rows["host_frozen_bytes"].append(host_bytes.tensor_bytes(stored, e))
     need = min_buffers_by_persist(packing, model.module_params)
     prefixed = {name: tuple(accumulate(values, initial=0)) for name, values in rows.items()}
+    trainable = [index for index, flag in enumerate(rows["trainable_chunks"]) if flag]
     return ChunkCosts(
+        nvme_starts=(packing.num_chunks, *reversed(trainable)),
         chunk_size=chunk_size,
         chunk_numel=chunk_numel,
         shard_numel=shard,

@@ -117,6 +117,10 @@ class Prediction:
     """The norm and zeroing passes after the optimizer."""
     workspace_bytes: int = 0
     """The math libraries' device workspaces (HardwareProfile.library_workspace_bytes)."""
+    nvme_bytes: int = 0
+    """Optimizer state on NVMe (``n_optimizer``), rank 0's: what each update writes there."""
+    nvme_read_bytes: int = 0
+    """What each update reads back from NVMe (the chunks that share a host slot)."""
 
 
 def _refreshed(updates: float, gathers: float, chunks: int, *, overlap: bool) -> float:
@@ -185,16 +189,16 @@ def predict(
     cpu_adam += _span(costs.adam_segments, p, n) * segment
     host_adds = _span(costs.host_adds if keeps_gradients else costs.host_widens, p, n)
     cpu_adam += host_adds  # the same host worker, in order
+    # Gradients applied as they arrive leave no offloaded shard to take a norm of or zero.
+    update = _span(costs.update_passes, r, p) + (_span(costs.host_update_passes, p, n) if keeps_gradients else 0.0)
+    read, written = nvme_io_bytes(costs, n_optimizer)
     if n_optimizer:
         # The I/O thread reads each NVMe chunk's state ahead of its update and writes it behind:
         # the host worker waits only for the first read and for I/O slower than the updates.
-        state = costs.optimizer_states * _span(costs.host_fp32_tensor_bytes, nvme_from, n)
-        first = state / max(1, n_optimizer)
-        read_rate, write_rate = hardware.ssd_read_bytes_per_s, hardware.ssd_write_bytes_per_s
+        write_rate, read_rate = hardware.ssd_rates()
         if read_rate > 0 and write_rate > 0:
-            cpu_adam = max(cpu_adam, state / read_rate + state / write_rate) + first / read_rate
-    # Gradients applied as they arrive leave no offloaded shard to take a norm of or zero.
-    update = _span(costs.update_passes, r, p) + (_span(costs.host_update_passes, p, n) if keeps_gradients else 0.0)
+            first = read / max(1, n_optimizer)
+            cpu_adam = max(cpu_adam, read / read_rate + written / write_rate) + first / read_rate
     times = _Times(forward, backward, device_adam, cpu_adam, host_adds, update)
     step = _step_s(hardware, times, after_norm=updates_after_norm)
 
@@ -228,6 +232,8 @@ def predict(
         transient_bytes=costs.transient_bytes,
         update_s=update,
         workspace_bytes=hardware.library_workspace_bytes,
+        nvme_bytes=written,
+        nvme_read_bytes=read,
     )
     return kept if activations is None else with_activations(kept, activations, hardware)
 
@@ -235,14 +241,27 @@ def predict(
 def nvme_start(costs: ChunkCosts, n_optimizer: int) -> int:
     """The first chunk of the last ``n_optimizer`` trainable ones (``num_chunks`` for none; -1
     when there are fewer): those keep their optimizer state on NVMe, were they offloaded."""
-    n = costs.num_chunks
-    if n_optimizer <= 0:
-        return n
-    trainable = costs.trainable_chunks
-    for start in range(n, -1, -1):
-        if trainable[n] - trainable[start] >= n_optimizer:
-            return start
+    if n_optimizer < len(costs.nvme_starts):
+        return costs.nvme_starts[max(0, n_optimizer)]
     return -1
+
+
+def nvme_io_bytes(costs: ChunkCosts, n_optimizer: int) -> tuple[int, int]:
+    """(read, written) bytes of NVMe state per update on rank 0: every NVMe chunk's state is
+    written back; read again only where the chunk shares its host slot with another (chunk i of
+    the NVMe ones uses slot i mod min(3, n); runtime/chunks/nvme_state.py)."""
+    if n_optimizer <= 0:
+        return 0, 0
+    slots = min(host_bytes.NVME_SLOTS, n_optimizer)
+    sharing = [0] * slots
+    per_chunk = []
+    for position in range(n_optimizer):
+        index = costs.nvme_starts[n_optimizer - position]
+        size = costs.host_fp32_tensor_bytes[index + 1] - costs.host_fp32_tensor_bytes[index]
+        per_chunk.append(costs.optimizer_states * host_bytes.round_up(size, host_bytes.NVME_BLOCK_BYTES))
+        sharing[position % slots] += 1
+    read = sum(size for position, size in enumerate(per_chunk) if sharing[position % slots] > 1)
+    return read, sum(per_chunk)
 
 
 def offloaded_host_bytes(costs: ChunkCosts, n_persist: int, *, keeps_gradients: bool, n_optimizer: int = 0) -> int:

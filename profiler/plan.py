@@ -111,6 +111,8 @@ class Plan:
     torch, what the caller holds) less the parameters the chunks take over, and an asynchronous
     save's staging."""
     predicted_ssd_bytes: int | None = None
+    predicted_nvme_bytes: int | None = None
+    """Optimizer state on NVMe per rank (``n_optimizer``): also what each update writes there."""
     notes: tuple[str, ...] = field(default=())
     update_mode: UpdateMode = UpdateMode.EARLY
     """How offloaded chunks are updated (``UpdateMode``)."""
@@ -142,6 +144,16 @@ class Plan:
         if self.world_size > 1 and self.n_replicate == self.num_chunks:
             return f"{self.n_replicate} (all: as DDP)"
         return str(self.n_replicate)
+
+    def _nvme_write_words(self) -> str | None:
+        """What the NVMe state writes per update and per day of updates (SSDs wear)."""
+        if not self.predicted_nvme_bytes:
+            return None
+        words = f"{format_bytes(self.predicted_nvme_bytes)} per update"
+        if self.predicted_step_s:
+            daily = self.predicted_nvme_bytes * 86_400 / self.predicted_step_s
+            words += f", {format_bytes(int(daily))} per day"
+        return words
 
     @property
     def num_blocks(self) -> int:
@@ -211,6 +223,8 @@ class Plan:
             ("predicted peak host", _opt_bytes(self.predicted_peak_host_bytes)),
             ("of which outside the plan", _opt_bytes(self.host_fixed_bytes or None)),
             ("predicted SSD bytes", _opt_bytes(self.predicted_ssd_bytes)),
+            ("NVMe optimizer state", _opt_bytes(self.predicted_nvme_bytes)),
+            ("NVMe writes", self._nvme_write_words()),
         ]
         rows += [(name, value, "model") for name, value in predictions if value is not None]
         return rows

@@ -28,8 +28,8 @@ class KnobRequest:
     n_persist: int | None = None
     n_buffer: int | None = None
     n_replicate: int | None = None
-    n_optimizer: int = 0
-    """Set by hand only (the search does not choose it yet)."""
+    n_optimizer: int | None = 0
+    """None: searched where a disk was measured (``ssd_available``), else 0."""
     n_swap: int | None = None
     n_checkpoint: int | None = None
     n_offload: int | None = None
@@ -85,7 +85,7 @@ def resident_plan(
         n_persist=n_persist,
         n_buffer=n_buffer,
         n_replicate=n_replicate,
-        n_optimizer=request.n_optimizer,
+        n_optimizer=request.n_optimizer or 0,
         **mode_counts(modes),
         device_budget_bytes=device_budget_bytes,
         host_budget_bytes=host_budget_bytes,
@@ -169,12 +169,15 @@ def searched_plan(
     update_mode: UpdateMode = UpdateMode.EARLY,
     host_fixed_bytes: int = 0,
     optimizer_states: int = ADAMW_STATES,
+    disk_room: int | None = None,
+    max_writes_per_day: float | None = None,
 ) -> tuple[Plan, SearchResult]:
     """The fastest plan that fits, by the cost model over the profiles; hand-set knobs stay.
     Activation counts left auto are searched with the chunk knobs (ssd only when
     ``ssd_available``: a path is set and its disk was measured; ``update_mode``: how offloaded
     chunks are updated, which the cost model times; ``optimizer_states``: the optimizer rule's
-    fp32 state tensors per parameter). Raises NoPlanFitsError (a
+    fp32 state tensors per parameter; ``disk_room`` and ``max_writes_per_day``: the disk's
+    bytes per rank and the NVMe tier's write limit, search.py's). Raises NoPlanFitsError (a
     ValueError) saying what would fit."""
     if request.n_persist is not None:
         replicated_count(request, request.n_persist)  # refused before the search, by name
@@ -205,7 +208,9 @@ def searched_plan(
         host_fixed=host_fixed_bytes,
         optimizer_states=optimizer_states,
         n_replicate=request.n_replicate,
-        n_optimizer=request.n_optimizer,
+        n_optimizer=request.n_optimizer if request.n_optimizer is not None or ssd_available else 0,
+        disk_room=disk_room,
+        max_writes_per_day=max_writes_per_day,
     )
     best = result.best
     if fixed is not None:
@@ -223,7 +228,7 @@ def searched_plan(
         n_persist=best.n_persist,
         n_buffer=best.n_buffer,
         n_replicate=best.n_replicate,
-        n_optimizer=request.n_optimizer,
+        n_optimizer=best.n_optimizer,
         **mode_counts(modes),
         device_budget_bytes=device_budget_bytes,
         host_budget_bytes=host_budget_bytes,
@@ -237,6 +242,7 @@ def searched_plan(
         predicted_peak_host_bytes=best.prediction.host_bytes + host_fixed_bytes,
         host_fixed_bytes=host_fixed_bytes,
         predicted_ssd_bytes=best.prediction.ssd_bytes or None,
+        predicted_nvme_bytes=best.prediction.nvme_bytes or None,
         notes=tuple(
             f"runner-up: chunk_size {format_bytes(c.chunk_size)}, n_persist={c.n_persist} of {c.num_chunks}, "
             f"n_buffer={c.n_buffer}{_layout_words(c.block_modes)}: "

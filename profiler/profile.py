@@ -74,6 +74,9 @@ class HardwareProfile:
     """Write rate of ``memory.ssd.path`` as activation files are written (O_DIRECT where the
     filesystem allows); 0 when no path was measured, and then no plan puts blocks on disk."""
     ssd_read_bytes_per_s: float = 0.0
+    ssd_ranks_sharing: int = 1
+    """Ranks of a host writing to the same drive at once (its local ranks): each gets this share
+    of the rates above, which are one process's."""
     library_workspace_bytes: int = 0
     """Device memory the math libraries keep beside the model (cuBLAS's workspace for each
     thread that runs matrix products; runtime/hw/math_workspaces.py): part of every plan's peak.
@@ -88,6 +91,11 @@ class HardwareProfile:
             self.host_downcast_bytes_per_s * share,
             self.host_add_bytes_per_s * share,
         )
+
+    def ssd_rates(self) -> tuple[float, float]:
+        """(write, read) bytes per second of the disk for one rank, its share of the drive."""
+        share = max(1, self.ssd_ranks_sharing)
+        return self.ssd_write_bytes_per_s / share, self.ssd_read_bytes_per_s / share
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -31,6 +31,7 @@ from protrain.profiler.cost_model import (
 )
 from protrain.profiler.feasibility import chunk_knob_conflict
 from protrain.profiler.host_bytes import ADAMW_STATES
+from protrain.profiler.nvme_cost import NvmeHosts, writes_per_day
 from protrain.profiler.profile import HardwareProfile, ModelProfile
 from protrain.profiler.search_pruning import buffer_candidates, most_saved_by_persisting
 from protrain.profiler.search_words import binding, hand_set, layout_words, managed, nothing_fits
@@ -51,6 +52,8 @@ class Candidate:
     n_buffer: int
     prediction: Prediction
     n_replicate: int = 0
+    n_optimizer: int = 0
+    """Offloaded chunks whose optimizer state is on NVMe (the last trainable ones)."""
     block_modes: tuple[str, ...] | None = None
     """The activation layout this plan runs (None: every block keeps, no activation cost)."""
     activations: ActivationCost | None = None
@@ -94,7 +97,9 @@ def search(
     host_fixed: int = 0,
     optimizer_states: int = ADAMW_STATES,
     n_replicate: int | None = 0,
-    n_optimizer: int = 0,
+    n_optimizer: int | None = 0,
+    disk_room: int | None = None,
+    max_writes_per_day: float | None = None,
 ) -> SearchResult:
     """The fastest plan that fits ``device_budget`` and ``host_budget`` (bytes per rank;
     ``n_replicate`` of the persistent chunks replicated, so every plan keeps that many, or None:
@@ -109,7 +114,12 @@ def search(
     (profiler.cost_model); ``keeps_gradients``: offloaded chunks keep a gradient shard on the
     host (clipping, fp16, accumulation), 4 bytes per parameter more; ``optimizer_states``: the
     optimizer rule's fp32 state tensors per parameter (AdamW: 2); ``n_optimizer``: the last
-    offloaded trainable chunks whose optimizer state is on NVMe (hand-set: every plan keeps it)."""
+    offloaded trainable chunks whose optimizer state is on NVMe (hand-set: every plan keeps it;
+    None: as few as make a plan fit host memory, none where it fits without; the search counts
+    them only where host memory binds, so the tier is used only for a plan that would not fit
+    otherwise, or for a faster activation layout that the RAM it frees lets fit); ``disk_room``:
+    bytes per rank the disk holds for activation files and NVMe state (None: no limit);
+    ``max_writes_per_day``: plans whose NVMe state writes more per day rank after the others."""
     started = time.perf_counter()
     layouts: list[Layout]
     if activation_layouts is not None:
@@ -128,8 +138,12 @@ def search(
 
     host_room = host_budget - host_fixed
 
+    def disk_fits(prediction: Prediction, cost: ActivationCost | None) -> bool:
+        used = prediction.nvme_bytes + (cost.ssd_bytes if cost is not None else prediction.ssd_bytes)
+        return disk_room is None or used <= disk_room
+
     def fits(prediction: Prediction) -> bool:
-        return device_fits(prediction) and prediction.host_bytes <= host_room
+        return device_fits(prediction) and prediction.host_bytes <= host_room and disk_fits(prediction, None)
 
     # Layouts by the forward time they add: a layout's step is at least the all-kept step plus
     # that, so the scan of a chunk plan stops once it cannot beat the fastest fitting layout.
@@ -143,7 +157,9 @@ def search(
     )
     leanest = min(layouts, key=lambda layout: layout[1].peak_bytes if layout[1] else 0)
 
-    def with_layout(costs: ChunkCosts, p: int, b: int, r: int, kept: Prediction, layout: Layout) -> Candidate:
+    def with_layout(
+        costs: ChunkCosts, p: int, b: int, r: int, kept: Prediction, layout: Layout, nvme: int = 0
+    ) -> Candidate:
         modes, cost = layout
         return Candidate(
             chunk_size=costs.chunk_size,
@@ -151,12 +167,13 @@ def search(
             n_persist=p,
             n_buffer=b,
             n_replicate=r,
+            n_optimizer=nvme,
             prediction=kept if cost is None else with_activations(kept, cost, hardware),
             block_modes=modes,
             activations=cost,
         )
 
-    def kept_prediction(costs: ChunkCosts, p: int, b: int, r: int | None = None) -> Prediction:
+    def kept_prediction(costs: ChunkCosts, p: int, b: int, r: int | None = None, nvme: int | None = None) -> Prediction:
         return predict(
             model,
             hardware,
@@ -166,8 +183,23 @@ def search(
             updates_after_norm=updates_after_norm,
             keeps_gradients=keeps_gradients,
             n_replicate=(n_replicate or 0) if r is None else r,
-            n_optimizer=n_optimizer,
+            n_optimizer=(n_optimizer or 0) if nvme is None else nvme,
         )
+
+    nvme_hosts: dict[tuple[int, int], NvmeHosts] = {}
+
+    def nvme_for(costs: ChunkCosts, p: int, kept: Prediction, cost: ActivationCost | None) -> int | None:
+        """Auto: the fewest NVMe chunks that bring the plan's host memory within the room with
+        this layout's (None: not even all of them; 0 where it fits already or is not auto)."""
+        over = kept.host_bytes + (cost.host_bytes if cost is not None else 0) - host_room
+        if n_optimizer is not None:  # hand-set: in ``kept`` already
+            return n_optimizer if over <= 0 else None
+        if over <= 0:
+            return 0
+        key = (costs.chunk_size, p)
+        if key not in nvme_hosts:
+            nvme_hosts[key] = NvmeHosts(costs, p, keeps_gradients=keeps_gradients)
+        return nvme_hosts[key].fewest_saving(over)
 
     def replicate_options(costs: ChunkCosts, p: int, b: int) -> list[int]:
         """The replicated counts worth predicting at (p, b): the hand-set one; else none, and on
@@ -187,28 +219,44 @@ def search(
         if cost is None:
             return fits(kept)
         peak, host = memory_with_activations(kept, cost)
-        return peak * (1 + margin) <= device_budget and host <= host_room
+        return peak * (1 + margin) <= device_budget and host <= host_room and disk_fits(kept, cost)
+
+    def wears(candidate: Candidate) -> bool:
+        """Its NVMe state writes more per day than ``max_writes_per_day``."""
+        daily = writes_per_day(candidate.prediction.nvme_bytes, candidate.prediction.step_s)
+        return max_writes_per_day is not None and daily > max_writes_per_day
 
     def evaluate(costs: ChunkCosts, p: int, b: int) -> tuple[Candidate, bool]:
-        """The fastest layout and replicated count that fit at (p, b), True; or, when none
-        fits, the one with the least device memory, False."""
+        """The fastest layout and replicated count that fit at (p, b) (one within the write
+        limit before any beyond it), True; or, when none fits, the one with the least device
+        memory, False."""
         nonlocal evaluated
         fastest: Candidate | None = None
         options = replicate_options(costs, p, b)
         for r in options:
             evaluated += 1
             kept = kept_prediction(costs, p, b, r)
+            with_nvme: dict[int, Prediction] = {n_optimizer or 0: kept}
             for layout in by_forward:
                 cost = layout[1]
-                if fastest is not None and cost is not None:
+                if fastest is not None and cost is not None and not wears(fastest):
                     if kept.step_s + cost.forward_extra_s >= fastest.prediction.step_s:
                         break
-                if not layout_fits(kept, cost):
+                nvme = nvme_for(costs, p, kept, cost)
+                if nvme is None:
+                    continue
+                if nvme not in with_nvme:
+                    evaluated += 1
+                    with_nvme[nvme] = kept_prediction(costs, p, b, r, nvme)
+                if not layout_fits(with_nvme[nvme], cost):
                     continue
                 if cost is not None:
                     evaluated += 1
-                option = with_layout(costs, p, b, r, kept, layout)
-                if fastest is None or option.prediction.step_s < fastest.prediction.step_s:
+                option = with_layout(costs, p, b, r, with_nvme[nvme], layout, nvme)
+                if fastest is None or (wears(option), option.prediction.step_s) < (
+                    wears(fastest),
+                    fastest.prediction.step_s,
+                ):
                     fastest = option
         if fastest is not None:
             return fastest, True
@@ -218,7 +266,11 @@ def search(
         nonlocal evaluated
         evaluated += 1
         kept = kept_prediction(costs, p, b)
-        return any(layout_fits(kept, cost) for _, cost in layouts)
+        for _, cost in layouts:
+            nvme = nvme_for(costs, p, kept, cost)
+            if nvme is not None and layout_fits(kept if nvme == 0 else kept_prediction(costs, p, b, None, nvme), cost):
+                return True
+        return False
 
     for costs in all_costs:
         n = costs.num_chunks
@@ -229,7 +281,7 @@ def search(
         if fewest > (n if n_persist is None else n_persist):
             continue  # not that many persistent chunks at this size
         for p in range(fewest, n + 1) if n_persist is None else [n_persist]:
-            if nvme_start(costs, n_optimizer) < p:
+            if nvme_start(costs, n_optimizer or 0) < p:
                 break  # fewer offloaded trainable chunks than n_optimizer: more persistent ones neither
             if p == n:
                 buffer_range: Iterable[int] = [0]
@@ -287,7 +339,7 @@ def search(
                 host_fixed=host_fixed,
             )
         )
-    ranked = _ranked(fitting)
+    ranked = _ranked(fitting, max_writes_per_day)
     best = ranked[0]
     return SearchResult(
         best=best,
@@ -326,17 +378,28 @@ def _costs_by_size(
             continue
 
 
-def _ranked(candidates: list[Candidate]) -> list[Candidate]:
+def _ranked(candidates: list[Candidate], max_writes_per_day: float | None = None) -> list[Candidate]:
     """Fastest first. Plans within ``SAME_SPEED`` of the fastest count as equally fast (the model
-    is not that exact); among them the one keeping the largest share of chunks on the device wins
+    is not that exact); among them the one with the fewest chunks' optimizer state on NVMe wins
+    (the tier only where it pays), then the one keeping the largest share of chunks on the device
     (less traffic that could go wrong in ways the model does not see), then the one managing the
     fewest blocks' activations (the same reason), then less device memory, then larger chunks
-    (fewer collectives)."""
+    (fewer collectives). Plans whose NVMe writes exceed ``max_writes_per_day`` come after all
+    the others, ranked the same way; when every plan does, the one writing least comes first."""
+    if max_writes_per_day is not None:
+        daily = [writes_per_day(c.prediction.nvme_bytes, c.prediction.step_s) for c in candidates]
+        gentle = [c for c, rate in zip(candidates, daily, strict=True) if rate <= max_writes_per_day]
+        if not gentle:  # every plan that fits wears the drive: the one writing least
+            return sorted(_ranked(candidates), key=lambda c: c.prediction.nvme_bytes)
+        if len(gentle) < len(candidates):
+            wearing = [c for c, rate in zip(candidates, daily, strict=True) if rate > max_writes_per_day]
+            return _ranked(gentle) + _ranked(wearing)
     by_speed = sorted(candidates, key=lambda c: (c.prediction.step_s, c.prediction.peak_device_bytes))
     fastest = by_speed[0].prediction.step_s
     tied = [c for c in by_speed if c.prediction.step_s <= fastest * (1 + SAME_SPEED)]
     tied.sort(
         key=lambda c: (
+            c.n_optimizer,
             -c.n_persist / c.num_chunks,
             managed(c),
             c.prediction.peak_device_bytes,

@@ -110,15 +110,16 @@ def plan_model(
     host_fixed_bytes: int = 0,
     optimizer_states: int = ADAMW_STATES,
 ) -> Plan:
-    """The fastest plan that fits, or NoPlanFitsError saying why; ``ssd``: activations may go to
-    the machine's disk (its rates must be known); ``updates_after_norm`` and ``keeps_gradients``
+    """The fastest plan that fits, or NoPlanFitsError saying why; ``ssd``: activations and
+    optimizer state may go to the machine's disk (its rates must be known; within its capacity);
+    ``updates_after_norm`` and ``keeps_gradients``
     as the spec's clipping, precision and accumulation set them (runtime.config.settings);
     ``knobs`` a job file's hand-set memory knobs; ``host_fixed_bytes`` what the host holds
     beside the plan (an async save's staging copy)."""
     if profile is None:
         profile = profile_model(shape, machine, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision)
     plan, _ = searched_plan(
-        request=knobs or KnobRequest(),
+        request=knobs or KnobRequest(n_optimizer=None),
         model=profile,
         hardware=machine.hardware,
         num_blocks=shape.layers,
@@ -134,6 +135,7 @@ def plan_model(
         ),
         host_fixed_bytes=host_fixed_bytes,
         optimizer_states=optimizer_states,
+        disk_room=machine.disk_bytes if ssd else None,
     )
     return plan
 
@@ -332,7 +334,7 @@ def _largest(console: Console, machine: Machine, name: str, request: WhatIfReque
         box=box.SIMPLE_HEAD,
         pad_edge=False,
     )
-    for column in ("model", "params", "fits", "step s", "tokens/s", "device", "host", "binds"):
+    for column in ("model", "params", "fits", "step s", "tokens/s", "device", "host", "nvme", "binds"):
         table.add_column(column, no_wrap=True, justify="left" if column in ("model", "binds") else "right")
     largest: tuple[str, int] | None = None
     first_miss: str | None = None
@@ -342,7 +344,7 @@ def _largest(console: Console, machine: Machine, name: str, request: WhatIfReque
             plan = plan_for(shape, machine, request)
         except NoPlanFitsError as err:
             reason = "host memory" if "host budget" in str(err) else "device memory"
-            table.add_row(shape.name, size, "no", "", "", "", "", reason)
+            table.add_row(shape.name, size, "no", "", "", "", "", "", reason)
             first_miss = first_miss or f"{shape.name} ({size}): {err}"
             continue
         step = plan.predicted_step_s or 0.0
@@ -354,6 +356,7 @@ def _largest(console: Console, machine: Machine, name: str, request: WhatIfReque
             f"{request.micro_batch_size * request.seq_len / step:,.0f}" if step else "",
             f"{(plan.predicted_peak_device_bytes or 0) / 2**30:.1f}",
             f"{(plan.predicted_peak_host_bytes or 0) / 2**30:.0f}",
+            f"{(plan.predicted_nvme_bytes or 0) / 2**30:.0f}" if plan.predicted_nvme_bytes else "",
             plan.rule.rsplit("; ", 1)[-1].split(":")[0],  # the binding, after the layout words
         )
         largest = (shape.name, shape.parameters)

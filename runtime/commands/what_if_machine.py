@@ -22,6 +22,8 @@ class Machine:
     device_budget: int
     host_budget: int
     sustained_flops: float
+    disk_bytes: int | None = None
+    """A rank's share of the drive (the hardware file's ssd capacity); None: not limited."""
 
 
 def machine_from_file(spec: HardwareFile) -> Machine:
@@ -47,12 +49,14 @@ def machine_from_file(spec: HardwareFile) -> Machine:
         copies_overlap_compute=True,
         ssd_write_bytes_per_s=float(spec.ssd.write_bandwidth) if spec.ssd else 0.0,
         ssd_read_bytes_per_s=float(spec.ssd.read_bandwidth) if spec.ssd else 0.0,
+        ssd_ranks_sharing=world,  # the host's GPUs' ranks share its drive
     )
     return Machine(
         hardware=hardware,
         device_budget=int(gpu.memory * (1 - DEVICE_RESERVE_FRACTION)),
         host_budget=max(0, spec.host.memory - HOST_RESERVE_BYTES) // world,
         sustained_flops=gpu.tflops * 1e12 * gpu.mfu,
+        disk_bytes=None if spec.ssd is None or spec.ssd.capacity is None else spec.ssd.capacity // world,
     )
 
 

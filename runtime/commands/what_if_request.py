@@ -13,7 +13,7 @@ from protrain.runtime.config.spec_io import load_spec
 from protrain.runtime.optim.registry import registered, rule_named
 from protrain.runtime.optim.rule import OptimizerRule
 
-SEARCHED_KNOBS = ("memory.chunk_size", "memory.n_persist", "memory.n_buffer")
+SEARCHED_KNOBS = ("memory.chunk_size", "memory.n_persist", "memory.n_buffer", "memory.ssd.n_optimizer")
 """The knobs the search fills when no spec sets any (activations are placed by it too)."""
 SPEC_DEFAULT = "the spec's default"
 

@@ -50,6 +50,9 @@ class HostSpec(SpecModel):
 class SsdSpec(SpecModel):
     read_bandwidth: Size
     write_bandwidth: Size
+    capacity: Size | None = None
+    """Bytes the drive holds for activation files and optimizer state, shared by the machine's
+    ranks; null: not limited."""
 
 
 class HardwareFile(SpecModel):

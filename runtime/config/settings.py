@@ -191,6 +191,8 @@ class PlanningSettings:
     """``memory.blocks``: the module path of the block list; None finds it."""
     ssd_path: Path | None
     """``memory.ssd.path``, expanded; None: no SSD tier."""
+    max_nvme_writes_per_day: int | None = None
+    """``memory.ssd.max_writes_per_day``: the NVMe tier's write rate the planner prefers to stay under."""
     device_budget_bytes: int | None
     """Per rank; None: "auto" (measured, see ``runtime.planning.budgets``)."""
     host_budget_bytes: int | None
@@ -235,6 +237,7 @@ def planning_settings_from_spec(spec: Spec) -> PlanningSettings:
         chosen=chosen_knobs(spec),
         blocks_path=None if memory.blocks == AUTO else str(memory.blocks),
         ssd_path=None if memory.ssd.path is None else Path(memory.ssd.path).expanduser(),
+        max_nvme_writes_per_day=memory.ssd.max_writes_per_day,
         device_budget_bytes=knob(memory.device_budget),
         host_budget_bytes=knob(memory.host_budget),
         cache_dir=Path(spec.profiler.cache_dir).expanduser(),
@@ -264,7 +267,8 @@ def knob_request(memory: MemorySpec) -> KnobRequest:
         n_persist=knob(memory.n_persist),
         n_buffer=knob(memory.n_buffer),
         n_replicate=knob(memory.n_replicate),
-        n_optimizer=memory.ssd.n_optimizer,
+        # auto without a path: no NVMe tier, nothing to choose.
+        n_optimizer=knob(memory.ssd.n_optimizer) if memory.ssd.path is not None else 0,
         n_swap=knob(memory.n_swap),
         n_checkpoint=knob(memory.n_checkpoint),
         n_offload=knob(memory.ssd.n_offload),

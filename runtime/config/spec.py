@@ -34,6 +34,7 @@ from protrain.runtime.config.spec_types import (
     PositiveFloat,
     PositiveInt,
     Resume,
+    Size,
     SpecModel,
     Text,
     TextList,
@@ -191,10 +192,14 @@ class SsdSpec(SpecModel):
     SSD tier."""
     n_offload: AutoNonNegInt = AUTO
     """Blocks whose activations go to files under path."""
-    n_optimizer: NonNegInt = 0
+    n_optimizer: AutoNonNegInt = AUTO
     """Offloaded chunks (the last ones holding trainable parameters) whose optimizer state
     lives in files under path instead of host memory, read ahead of each update and written
-    behind it. Set by hand; the planner does not choose it yet."""
+    behind it. auto: with path set, as few as let the fastest plan fit host memory (none where
+    everything fits without); without path, none."""
+    max_writes_per_day: Size | None = None
+    """Bytes a rank's NVMe optimizer state may write per day of training (SSDs wear) before the
+    planner prefers plans that write less; null: no limit (the plan table shows the rate)."""
 
 
 class MemorySpec(SpecModel):
@@ -233,7 +238,7 @@ class MemorySpec(SpecModel):
         explicit_offload = self.ssd.n_offload not in (AUTO, 0)
         if explicit_offload and self.ssd.path is None:
             raise cross_field_error("ssd.path", f"ssd.n_offload={self.ssd.n_offload} needs ssd.path (a directory)")
-        if self.ssd.n_optimizer and self.ssd.path is None:
+        if self.ssd.n_optimizer not in (AUTO, 0) and self.ssd.path is None:
             raise cross_field_error("ssd.path", f"ssd.n_optimizer={self.ssd.n_optimizer} needs ssd.path (a directory)")
         if self.block_modes is not None:
             if BlockMode.SSD in self.block_modes and self.ssd.path is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from typing import Any, TypeVar
 import torch
 
 from protrain.profiler.profile import HardwareProfile, cache_key
+from protrain.runtime.config.settings import PlanningSettings
 from protrain.runtime.hw import device_wall
 from protrain.runtime.hw.device import (
     DeviceInfo,
@@ -281,6 +283,17 @@ def _device_kind(device: DeviceInfo) -> str:
     return f"cpu:{platform.processor() or platform.machine()}x{os.cpu_count()}"
 
 
+def disk_inputs(settings: PlanningSettings, hardware: HardwareProfile) -> dict[str, Any]:
+    """What the search takes of the disk under ``memory.ssd.path``: whether activations and
+    optimizer state may go there (a path and its measured rates), the room it has for this rank
+    (its free bytes shared by the host's ranks) and the NVMe tier's write limit."""
+    available = hardware.ssd_write_bytes_per_s > 0 and settings.ssd_path is not None
+    room = None
+    if available and settings.ssd_path is not None and settings.ssd_path.exists():
+        room = shutil.disk_usage(settings.ssd_path).free // max(1, hardware.ssd_ranks_sharing)
+    return {"ssd_available": available, "disk_room": room, "max_writes_per_day": settings.max_nvme_writes_per_day}
+
+
 def with_disk_rates(
     hardware: HardwareProfile,
     directory: Path,
@@ -288,14 +301,24 @@ def with_disk_rates(
     *,
     nbytes: int = DISK_PROBE_BYTES,
 ) -> HardwareProfile:
-    """``hardware`` with the read and write rates of the filesystem under ``directory``, the
-    slowest of any rank's (measured each start, not cached: the drive's load and its filesystem
-    change between jobs)."""
-    write_bps, read_bps, _ = measure_disk_rates(directory, nbytes=nbytes)
-    rates = torch.tensor([write_bps, read_bps], dtype=torch.float64)
+    """``hardware`` with the read and write rates of the filesystem under ``directory`` as one
+    process sees them, measured by each host's first local rank alone (the others would share
+    the drive during the probe), the slowest host's; the local ranks are the ranks sharing it
+    (measured each start, not cached: the drive's load and its filesystem change between jobs)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    rates = torch.full((2,), float("inf"), dtype=torch.float64)
+    if local_rank == 0 or dist_ctx is None:
+        write_bps, read_bps, _ = measure_disk_rates(directory, nbytes=nbytes)
+        rates = torch.tensor([write_bps, read_bps], dtype=torch.float64)
     if dist_ctx is not None:
         all_reduce_min_(rates, dist_ctx)
-    return dataclasses.replace(hardware, ssd_write_bytes_per_s=float(rates[0]), ssd_read_bytes_per_s=float(rates[1]))
+    return dataclasses.replace(
+        hardware,
+        ssd_write_bytes_per_s=float(rates[0]),
+        ssd_read_bytes_per_s=float(rates[1]),
+        ssd_ranks_sharing=max(1, sharing),
+    )
 
 
 def hardware_key(device: DeviceInfo, world_size: int, optimizer: OptimizerProbe | None = None) -> str:

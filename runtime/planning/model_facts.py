@@ -83,7 +83,7 @@ def module_params(model: nn.Module, params: tuple[ParamInfo, ...]) -> list[list[
 def is_searchable(request: KnobRequest, *, num_blocks: int) -> bool:
     """Whether any knob is left to the search (and so a profile is wanted). Without blocks the
     activation knobs have nothing to choose: all chunk knobs set by hand leave nothing."""
-    return None in (request.chunk_size, request.n_persist, request.n_buffer) or (
+    return None in (request.chunk_size, request.n_persist, request.n_buffer, request.n_optimizer) or (
         num_blocks > 0 and activations_searchable(request)
     )
 

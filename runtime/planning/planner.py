@@ -48,7 +48,7 @@ from protrain.runtime.data.batches import batch_shape, call_model, default_loss
 from protrain.runtime.hw.device import DeviceInfo, counts_every_byte, release_free_memory
 from protrain.runtime.hw.distributed import DistContext, all_reduce_max, all_reduce_sum_
 from protrain.runtime.model_cache import cache_configs, caches_off
-from protrain.runtime.planning.hardware_probes import hardware_key, with_disk_rates
+from protrain.runtime.planning.hardware_probes import disk_inputs, hardware_key, with_disk_rates
 from protrain.runtime.planning.model_facts import (
     AUTOCAST_DTYPES,
     compute_element_size,
@@ -241,7 +241,7 @@ class Planner:
             device_budget_bytes=device_budget,
             host_budget_bytes=self.budgets[1],
             chosen=settings.chosen,
-            ssd_available=self.profiles.hardware.ssd_write_bytes_per_s > 0 and settings.ssd_path is not None,
+            **disk_inputs(settings, self.profiles.hardware),
             update_mode=self.update_mode,
             host_fixed_bytes=self.host_fixed_bytes,
             optimizer_states=settings.optimizer_states,
@@ -396,13 +396,13 @@ class Planner:
         )
 
     def _ssd_path(self) -> Path | None:
-        """The activation directory when the plan puts blocks on disk or may (``ssd.n_offload``
-        left to the search): its disk's rates are then measured."""
+        """The SSD directory when the plan puts blocks or optimizer state on disk or may
+        (``ssd.n_offload`` or ``ssd.n_optimizer`` left to the search): its rates are measured."""
         request, ssd_path = self.settings.request, self.settings.ssd_path
         if ssd_path is None:
             return None
         may_search = activations_searchable(request) and request.n_offload is None
-        if not may_search and BlockMode.SSD not in block_modes_for(request, len(self.subject.blocks)):
+        if not may_search and request.n_optimizer == 0 and BlockMode.SSD not in block_modes_for(request, len(self.subject.blocks)):
             return None
         return ssd_path
 

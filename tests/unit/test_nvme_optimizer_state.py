@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from protrain import runtime
-from protrain.profiler.host_bytes import nvme_file_bytes
+from protrain.profiler.host_bytes import nvme_file_bytes, offloaded_region_bytes
 from protrain.runtime.chunks.nvme_state import RUN_DIR_PREFIX
 from protrain.runtime.config.spec_io import SpecError
 from protrain.runtime.hw.ssd_io import SsdIoError
@@ -218,10 +219,8 @@ while True:
 """
 
 
-@pytest.mark.parametrize(("sig", "left"), [(signal.SIGINT, False), (signal.SIGKILL, True)], ids=["ctrl-c", "kill"])
-def test_no_file_outlives_its_process(tmp_path: Path, sig: signal.Signals, left: bool) -> None:
-    """Ctrl-C while training: the engine stops at the update's end and its files go. SIGKILL
-    leaves them; the next engine on the same path removes them (their process is gone)."""
+def test_ctrl_c_leaves_no_file(tmp_path: Path) -> None:
+    """Ctrl-C while training: the engine stops at the update's end and its files go."""
     root = Path(__file__).resolve().parents[2]
     script = ENGINE_THEN_WAIT.format(root=str(root), tmp=str(tmp_path))
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True)
@@ -232,11 +231,62 @@ def test_no_file_outlives_its_process(tmp_path: Path, sig: signal.Signals, left:
             line = child.stdout.readline()
         run_dir = Path(line.strip())
         assert run_dir.exists()
-        child.send_signal(sig)
+        child.send_signal(signal.SIGINT)
         child.wait(timeout=60)
     finally:
         child.kill()
-    assert run_dir.exists() == left
-    if left:
-        with runtime.initialize(tiny_gpt(0), config=job(tmp_path, n_optimizer=2)) as engine:
-            assert not run_dir.exists() and engine.chunks.store.tiers.nvme.run_dir.exists()
+    assert not run_dir.exists()
+
+
+def test_a_crashed_runs_files_go_with_the_next_engine_on_the_path(tmp_path: Path) -> None:
+    """A process killed outright (SIGKILL, the OOM killer) leaves its folder: the next engine on
+    the same path removes it, its process being gone."""
+    dead_pid = subprocess.Popen(["true"])
+    dead_pid.wait()
+    stale = tmp_path / "nvme" / f"{RUN_DIR_PREFIX}{socket.gethostname()}-{dead_pid.pid}-rank0"
+    stale.mkdir(parents=True)
+    (stale / "chunk00011.state").write_bytes(b"\0" * 4096)
+    with runtime.initialize(tiny_gpt(0), config=job(tmp_path, n_optimizer=2)) as engine:
+        assert not stale.exists() and engine.chunks.store.tiers.nvme.run_dir.exists()
+
+
+def test_auto_moves_state_to_nvme_only_when_host_memory_binds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``n_optimizer: auto`` with a path: none while the state fits host memory; with a budget
+    256 KiB short, the fewest chunks that free that much (each moved chunk frees its moments,
+    the first three bring a host slot of a whole shard's each), training exactly as before."""
+    from protrain.runtime.planning.planner import Planner
+
+    # What the process holds beside the plan is whatever this test process holds: made a
+    # constant, so that the budget below binds by the plan's own bytes.
+    monkeypatch.setattr(Planner, "host_fixed_bytes", property(lambda self: 0))
+    data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+    example = data.batch(0, 0, 0)
+
+    def auto(root: Path, host_budget: str = "auto") -> dict[str, Any]:
+        spec = job(root, n_optimizer=NVME_CHUNKS)
+        spec["memory"].update(host_budget=host_budget, n_swap=0, n_checkpoint=0)
+        spec["memory"]["ssd"] = {"path": str(root / "nvme"), "n_offload": 0}  # n_optimizer: auto
+        with runtime.initialize(tiny_gpt(0), config=spec, example_batch=example) as engine:
+            plan = engine.plan
+            offloaded = [(info.used, info.trainable) for info in engine.chunks.layout.chunks[plan.n_persist :]]
+            train_updates(engine, data, range(STEPS))
+            return {"plan": plan, "state": engine.state_dict(), "offloaded": offloaded}
+
+    roomy = auto(tmp_path / "roomy")
+    assert roomy["plan"].n_optimizer == 0 and "memory.ssd.n_optimizer" in roomy["plan"].chosen
+    needed = roomy["plan"].predicted_peak_host_bytes
+    tight = auto(tmp_path / "tight", host_budget=str(needed - (256 << 10)))
+    moved = tight["plan"].n_optimizer
+    assert tight["plan"].predicted_peak_host_bytes <= needed - (256 << 10)
+
+    def freed(n_nvme: int) -> int:
+        regions = [
+            offloaded_region_bytes(tight["offloaded"], 16 << 10, element_size=4, keeps_gradients=False, n_nvme=n)
+            for n in (0, n_nvme)
+        ]
+        return regions[0] - regions[1]
+
+    assert freed(moved) >= 256 << 10 > freed(moved - 1), "the fewest chunks that free enough"
+    on_nvme = tight["offloaded"][-moved:]
+    assert tight["plan"].predicted_nvme_bytes == sum(nvme_file_bytes(used, 2) for used, _ in on_nvme)
+    assert_state_equal(tight["state"], roomy["state"])

@@ -56,10 +56,11 @@ def test_analytic_profile_scales_with_the_batch() -> None:
 
 def test_the_shipped_hardware_files_load() -> None:
     names = sorted(path.stem for path in HARDWARE.glob("*.yaml"))
-    assert names == ["a100-80gb", "h100-80gb", "rtx3090-24gb"]
+    assert names == ["a100-80gb", "h100-80gb", "rtx3090-24gb", "rtx4090-64gb-nvme"]
     for path in HARDWARE.glob("*.yaml"):
         spec = load_hardware(path)
-        assert spec.gpu.memory > 20 << 30 and spec.host.memory > 300 << 30
+        assert spec.gpu.memory > 20 << 30 and spec.host.memory >= 64 * 10**9
+        assert spec.ssd is not None and spec.ssd.capacity is not None and spec.ssd.capacity >= 2 * 10**12
 
 
 HOST_BYTES_PER_PARAMETER = {"off": 12, "on": 16}
