@@ -61,6 +61,9 @@ class ChunkCosts:
     gradient when kept: each takes this), were the chunk offloaded."""
     host_frozen_bytes: tuple[int, ...]
     """A frozen chunk's host shard, were it offloaded."""
+    host_copy_bytes: tuple[int, ...]
+    """A trainable chunk's host shard in the compute dtype: what the host keeps of it when its
+    master is on NVMe (a compute dtype other than fp32)."""
     trainable_chunks: tuple[int, ...]
     nvme_starts: tuple[int, ...]
     """For k = 0, 1, ...: the first chunk of the last k trainable ones (the NVMe tier's chunks
@@ -161,7 +164,9 @@ def chunk_costs(
         if chunk.trainable:
             rows["host_fp32_tensor_bytes"].append(host_bytes.tensor_bytes(stored, 4))
             rows["host_frozen_bytes"].append(0)
+            rows["host_copy_bytes"].append(host_bytes.tensor_bytes(stored, e))
         else:
+            rows["host_copy_bytes"].append(0)
             rows["host_fp32_tensor_bytes"].append(0)
             rows["host_frozen_bytes"].append(host_bytes.tensor_bytes(stored, e))
     need = min_buffers_by_persist(packing, model.module_params)
@@ -207,6 +212,7 @@ _PREFIXED = (
     "replicated_bytes",
     "host_fp32_tensor_bytes",
     "host_frozen_bytes",
+    "host_copy_bytes",
     "trainable_chunks",
 )
 

@@ -258,7 +258,8 @@ def nvme_io_bytes(costs: ChunkCosts, n_optimizer: int) -> tuple[int, int]:
     for position in range(n_optimizer):
         index = costs.nvme_starts[n_optimizer - position]
         size = costs.host_fp32_tensor_bytes[index + 1] - costs.host_fp32_tensor_bytes[index]
-        per_chunk.append(costs.optimizer_states * host_bytes.round_up(size, host_bytes.NVME_BLOCK_BYTES))
+        tensors = host_bytes.nvme_tensors(costs.optimizer_states, costs.element_size)
+        per_chunk.append(tensors * host_bytes.round_up(size, host_bytes.NVME_BLOCK_BYTES))
         sharing[position % slots] += 1
     read = sum(size for position, size in enumerate(per_chunk) if sharing[position % slots] > 1)
     return read, sum(per_chunk)
@@ -271,11 +272,19 @@ def offloaded_host_bytes(costs: ChunkCosts, n_persist: int, *, keeps_gradients: 
     n = costs.num_chunks
     if n_persist >= n:
         return 0
-    tensors = 1 + costs.optimizer_states + (1 if keeps_gradients else 0)
-    payload = tensors * int(_span(costs.host_fp32_tensor_bytes, n_persist, n))
-    payload -= costs.optimizer_states * int(_span(costs.host_fp32_tensor_bytes, nvme_start(costs, n_optimizer), n))
+    payload = (1 + costs.optimizer_states + (1 if keeps_gradients else 0)) * int(
+        _span(costs.host_fp32_tensor_bytes, n_persist, n)
+    )
+    # The NVMe chunks' file tensors leave host memory; a master that goes leaves its compute copy.
+    start = nvme_start(costs, n_optimizer)
+    payload -= host_bytes.nvme_tensors(costs.optimizer_states, costs.element_size) * int(
+        _span(costs.host_fp32_tensor_bytes, start, n)
+    )
+    if costs.element_size != host_bytes.FP32_BYTES:
+        payload += int(_span(costs.host_copy_bytes, start, n))
     payload += int(_span(costs.host_frozen_bytes, n_persist, n))
-    slots = host_bytes.nvme_slot_bytes(costs.shard_numel, costs.optimizer_states, n_nvme=n_optimizer)
+    tensors = host_bytes.nvme_tensors(costs.optimizer_states, costs.element_size)
+    slots = host_bytes.nvme_slot_bytes(costs.shard_numel, tensors, n_nvme=n_optimizer)
     return (
         host_bytes.region_bytes(payload)
         + slots
@@ -284,6 +293,7 @@ def offloaded_host_bytes(costs: ChunkCosts, n_persist: int, *, keeps_gradients: 
             element_size=costs.element_size,
             offloaded_trainable=_span(costs.trainable_chunks, n_persist, n) > 0,
             keeps_gradients=keeps_gradients,
+            downcasts=_span(costs.trainable_chunks, n_persist, n) > n_optimizer,
         )
     )
 

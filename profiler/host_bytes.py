@@ -75,12 +75,23 @@ def chunk_state_bytes(
     on_nvme: bool = False,
 ) -> int:
     """One offloaded chunk's host state on a rank holding ``numel`` of its elements: trainable,
-    its fp32 master, the optimizer's ``optimizer_states`` tensors (in a file instead when the
-    chunk's state is ``on_nvme``) and (kept) its gradient."""
+    its fp32 master, the optimizer's ``optimizer_states`` tensors and (kept) its gradient. A
+    chunk whose state is ``on_nvme`` keeps its optimizer state in a file, and in a compute dtype
+    other than fp32 its master too, holding its compute copy instead (``nvme_tensors``)."""
     if not trainable:
         return tensor_bytes(numel, element_size)
+    gradient = tensor_bytes(numel, FP32_BYTES) if keeps_gradients else 0
+    if on_nvme and element_size != FP32_BYTES:
+        return tensor_bytes(numel, element_size) + gradient
     states = 0 if on_nvme else optimizer_states
-    return (1 + states + (1 if keeps_gradients else 0)) * tensor_bytes(numel, FP32_BYTES)
+    return (1 + states) * tensor_bytes(numel, FP32_BYTES) + gradient
+
+
+def nvme_tensors(optimizer_states: int, element_size: int) -> int:
+    """fp32 tensors an NVMe chunk keeps in its file: the optimizer's state and, in a compute
+    dtype other than fp32, the master (the host keeps the compute copy forward uploads; in fp32
+    the master is that copy and stays)."""
+    return optimizer_states + (1 if element_size != FP32_BYTES else 0)
 
 
 def nvme_positions(trainable: list[bool], n_nvme: int) -> set[int]:
@@ -95,17 +106,17 @@ def nvme_tensor_bytes(numel: int) -> int:
     return round_up(numel * FP32_BYTES, NVME_BLOCK_BYTES)
 
 
-def nvme_file_bytes(numel: int, optimizer_states: int) -> int:
-    """A chunk's NVMe state file on a rank holding ``numel`` of its elements."""
-    return optimizer_states * nvme_tensor_bytes(numel)
+def nvme_file_bytes(numel: int, tensors: int) -> int:
+    """A chunk's NVMe state file on a rank holding ``numel`` of its elements (``nvme_tensors``)."""
+    return tensors * nvme_tensor_bytes(numel)
 
 
-def nvme_slot_bytes(shard_numel: int, optimizer_states: int, *, n_nvme: int) -> int:
-    """The host slots NVMe chunk states are read into, updated in and written from (none
-    without an NVMe chunk)."""
-    if n_nvme <= 0 or optimizer_states <= 0:
+def nvme_slot_bytes(shard_numel: int, tensors: int, *, n_nvme: int) -> int:
+    """The host slots NVMe chunk states (``nvme_tensors`` each) are read into, updated in and
+    written from (none without an NVMe chunk)."""
+    if n_nvme <= 0 or tensors <= 0:
         return 0
-    return region_bytes(min(NVME_SLOTS, n_nvme) * optimizer_states * nvme_tensor_bytes(shard_numel))
+    return region_bytes(min(NVME_SLOTS, n_nvme) * tensors * nvme_tensor_bytes(shard_numel))
 
 
 def region_bytes(payload: int) -> int:
@@ -124,15 +135,19 @@ def gradient_staging_buffers(element_size: int, *, keeps_gradients: bool) -> int
     return STAGING_BUFFERS + (1 if not keeps_gradients and element_size == FP32_BYTES else 0)
 
 
-def staging_bytes(shard_numel: int, *, element_size: int, offloaded_trainable: bool, keeps_gradients: bool) -> int:
+def staging_bytes(
+    shard_numel: int, *, element_size: int, offloaded_trainable: bool, keeps_gradients: bool, downcasts: bool = True
+) -> int:
     """The fixed staging regions beside the chunk state (none without an offloaded trainable
-    chunk: frozen shards go up as they are stored)."""
+    chunk: frozen shards go up as they are stored). ``downcasts``: some offloaded chunk keeps
+    its fp32 master on the host (not every one's is on NVMe), so uploads downcast it."""
     if not offloaded_trainable:
         return 0
     gradients = gradient_staging_buffers(element_size, keeps_gradients=keeps_gradients)
     total = ring_bytes(shard_numel, element_size, gradients)  # reduced gradients, device -> host
     if element_size != FP32_BYTES:
-        total += ring_bytes(shard_numel, element_size)  # fp32 masters downcast for upload
+        if downcasts:
+            total += ring_bytes(shard_numel, element_size)  # fp32 masters downcast for upload
         # A gradient widened whole for CPU Adam, or slice by slice before its add.
         widened = shard_numel if not keeps_gradients else min(shard_numel, WIDEN_SLICE_NUMEL)
         total += region_bytes(widened * FP32_BYTES)
@@ -166,7 +181,7 @@ def offloaded_region_bytes(
         )
         for position, (used, trainable) in enumerate(chunks)
     )
-    slots = nvme_slot_bytes(shard_numel, optimizer_states, n_nvme=len(on_nvme))
+    slots = nvme_slot_bytes(shard_numel, nvme_tensors(optimizer_states, element_size), n_nvme=len(on_nvme))
     return (
         region_bytes(payload)
         + slots
@@ -175,6 +190,7 @@ def offloaded_region_bytes(
             element_size=element_size,
             offloaded_trainable=any(trainable for _, trainable in chunks),
             keeps_gradients=keeps_gradients,
+            downcasts=sum(trainable for _, trainable in chunks) > len(on_nvme),
         )
     )
 

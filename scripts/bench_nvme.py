@@ -5,9 +5,10 @@ in host memory, in one process, on this machine's disk.
     .venv/bin/python scripts/bench_nvme.py --ssd-path /nvme   # another disk
     .venv/bin/python scripts/bench_nvme.py --smoke            # two tiny steps of each (a test)
 
-Both engines offload every chunk (``n_persist: 0``, two buffers, fp32, AdamW, no clipping: each
-gradient is applied as it arrives, so the host holds 4 bytes per parameter of master with the
-state on NVMe, 12 without); the NVMe engine puts every chunk's state in files. They train the
+Both engines offload every chunk (``n_persist: 0``, two buffers, fp32 unless ``--precision bf16``,
+AdamW, no clipping: each gradient is applied as it arrives, so with the state on NVMe the host
+holds 4 bytes per parameter of fp32 master, or in bf16 2 of compute copy with the master in the
+files too; 12 without); the NVMe engine puts every chunk's state in files. They train the
 same batches, interleaved (a repeat times ``--steps`` steps of one, then of the other, the order
 alternating), and must end bit-identical. Reported:
 
@@ -55,6 +56,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=4, help="timed blocks of each engine, interleaved")
     parser.add_argument("--chunks", type=int, default=12, help="at least this many chunks")
     parser.add_argument("--ssd-path", default=None, help="where the state files go (default: a folder in /var/tmp)")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: the masters go too")
     parser.add_argument("--smoke", action="store_true", help="two tiny steps of each (a test)")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -82,7 +84,7 @@ def spec(args: argparse.Namespace, chunk_size: int, out: Path, nvme: int) -> dic
     return {
         "seed": 1,
         "micro_batch_size": args.batch,
-        "precision": "fp32",
+        "precision": args.precision,
         "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
         "memory": memory,
         "profiler": {"cache_dir": str(out / "cache")},
@@ -98,7 +100,7 @@ def expected_reads(engine: Any) -> int:
     slots = min(NVME_SLOTS, len(chunks))
     sharing = [sum(1 for i in range(len(chunks)) if i % slots == slot) for slot in range(slots)]
     return sum(
-        nvme_file_bytes(chunk.master.numel(), nvme.states) for i, chunk in enumerate(chunks) if sharing[i % slots] > 1
+        nvme_file_bytes(chunk.master.numel(), nvme.tensors) for i, chunk in enumerate(chunks) if sharing[i % slots] > 1
     )
 
 

@@ -145,7 +145,14 @@ class ParameterSpace:
         state.state_dict.update(steps)
         state.after_load.append(lambda: self._set_step_counts(steps))
         state.after_load.append(self._share_replicated)
+        state.after_load.append(self._refresh_copies)
         return state
+
+    @torch.no_grad()
+    def _refresh_copies(self) -> None:
+        """Chunks whose fp32 master the load wrote into its NVMe file: their compute copies."""
+        for chunk in self.chunks.chunks:
+            chunk.refresh_copy()
 
     @torch.no_grad()
     def _share_replicated(self) -> None:

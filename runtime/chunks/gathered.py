@@ -71,3 +71,5 @@ def _write_back(manager: ChunkManager, params: list[nn.Parameter]) -> None:
         high = min(offset + param.numel(), start + chunk.master.numel())
         if low < high and chunk.master.data_ptr() != full.data_ptr():
             chunk.master[low - start : high - start].copy_(full[low:high])
+            if chunk.master_on_nvme:  # the fp32 master in the NVMe file too
+                chunk.stored_master()[low - start : high - start].copy_(full[low:high])

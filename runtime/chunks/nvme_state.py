@@ -4,11 +4,13 @@ of the last offloaded chunks live in files under ``memory.ssd.path`` instead of 
 Per chunk one file in this rank's run directory (``protrain-optim-{host}-{pid}-rank{rank}``,
 removed when the tier closes, after a crash by the next run on that path), each state tensor at
 a 4 KiB-aligned offset, preallocated when the tier opens so that a full disk is refused before
-training, not in the middle of an update. The master (fp32) and, when kept, the gradient stay in
-host memory: the master is what forward uploads, so reading it back for every forward would
-double the tier's traffic.
+training, not in the middle of an update. In fp32 the master and, when kept, the gradient stay
+in host memory: the master is what forward uploads, so reading it back for every forward would
+double the tier's traffic. In a 16-bit compute dtype the fp32 master is the file's first tensor
+and the host keeps the compute copy forward uploads, refreshed by each update (``copy_out``)
+and after anything writes the file's master (a checkpoint load, a plan switch).
 
-The host keeps ``min(3, n)`` slots of a shard's state tensors (page-aligned, from their own
+The host keeps ``min(3, n)`` slots of a shard's file tensors (page-aligned, from their own
 mmap): the update of chunk ``i`` runs on slot ``i mod slots``, so each chunk's kernel
 (runtime/optim/) is built once over its slot's tensors and never rebound. One I/O thread moves
 bytes between slots and files with O_DIRECT where the filesystem allows it (buffered I/O that
@@ -95,15 +97,18 @@ class NvmeStateTier:
         root: Path,
         rank: int,
         chunks: Sequence[tuple[int, int]],
-        optimizer_states: int,
+        tensors: int,
         shard_numel: int,
         direct_io: bool | None = None,
     ) -> None:
         """``chunks``: (chunk index, this rank's real elements) of each NVMe chunk, in chunk
-        order; ``optimizer_states``: fp32 state tensors per element (the rule's)."""
-        if optimizer_states <= 0:
+        order; ``tensors``: fp32 tensors each keeps in its file (profiler/host_bytes.py's
+        ``nvme_tensors``: the rule's state, and the master in a 16-bit compute dtype, first)."""
+        if tensors <= 0:
             raise ValueError("the optimizer keeps no state per parameter: nothing to keep on NVMe")
-        self.states = optimizer_states
+        self.tensors = tensors
+        self._mapped: dict[int, weakref.ref[torch.Tensor]] = {}
+        """Storage address -> the file mapping ``mapped`` made there (``holds_tensor``)."""
         self.counters = NvmeCounters()
         self._lock = threading.Lock()
         self._closed = False
@@ -115,14 +120,14 @@ class NvmeStateTier:
         self._arena: MmapArena | None = None
         self._worker: HostWorker | None = None
         try:
-            needed = sum(nvme_file_bytes(numel, optimizer_states) for _, numel in chunks)
+            needed = sum(nvme_file_bytes(numel, tensors) for _, numel in chunks)
             check_free_space(self.run_dir, needed, what="optimizer state files", knob="memory.ssd.n_optimizer")
             self.direct_io = choose_direct_io(direct_io, self.run_dir, StagingBuffers(1, BLOCK_BYTES))
             count = min(NVME_SLOTS, len(chunks))
             tensor_bytes = nvme_tensor_bytes(shard_numel)
-            arena = self._arena = MmapArena(count * optimizer_states * tensor_bytes)
+            arena = self._arena = MmapArena(count * tensors * tensor_bytes)
             self._slots = [
-                _Slot(states=tuple(arena.allocate(tensor_bytes // 4, torch.float32) for _ in range(optimizer_states)))
+                _Slot(states=tuple(arena.allocate(tensor_bytes // 4, torch.float32) for _ in range(tensors)))
                 for _ in range(count)
             ]
             for position, (index, numel) in enumerate(chunks):
@@ -141,7 +146,7 @@ class NvmeStateTier:
             fd = os.open(path, flags, 0o600)
         except OSError as err:
             raise SsdIoError(err.errno, f"cannot create optimizer state file {path}: {err.strerror}") from err
-        size = nvme_file_bytes(numel, self.states)
+        size = nvme_file_bytes(numel, self.tensors)
         if size == 0:  # this rank holds none of the chunk (its shard is padding)
             return _StateFile(path=path, numel=numel, fd=fd, slot=slot)
         try:
@@ -235,7 +240,7 @@ class NvmeStateTier:
             slot.busy = False
             slot.last_io = self._submit(lambda: self._write(state_file, slot.states))
             self.counters.writes += 1
-            self.counters.bytes_written += nvme_file_bytes(state_file.numel, self.states)
+            self.counters.bytes_written += nvme_file_bytes(state_file.numel, self.tensors)
 
     def _queue_read(self, index: int, slot: _Slot) -> None:
         """(lock held) Read ``index`` into ``slot`` after the slot's last I/O (jobs run in order)."""
@@ -243,7 +248,7 @@ class NvmeStateTier:
         slot.occupant = index
         slot.last_io = self._submit(lambda: self._read(state_file, slot.states))
         self.counters.reads += 1
-        self.counters.bytes_read += nvme_file_bytes(state_file.numel, self.states)
+        self.counters.bytes_read += nvme_file_bytes(state_file.numel, self.tensors)
 
     def _submit(self, job: Callable[[], None]) -> DeviceEvent:
         if self._worker is None or self._closed:
@@ -271,22 +276,32 @@ class NvmeStateTier:
                 slot.occupant = None
         tensor_numel = nvme_tensor_bytes(state_file.numel) // 4
         if tensor_numel == 0:
-            return tuple(torch.empty(0) for _ in range(self.states))
-        whole = torch.from_file(str(state_file.path), shared=True, size=tensor_numel * self.states, dtype=torch.float32)
-        return tuple(whole[k * tensor_numel : k * tensor_numel + state_file.numel] for k in range(self.states))
+            return tuple(torch.empty(0) for _ in range(self.tensors))
+        size = tensor_numel * self.tensors
+        whole = torch.from_file(str(state_file.path), shared=True, size=size, dtype=torch.float32)
+        self._mapped[whole.untyped_storage().data_ptr()] = weakref.ref(whole)
+        return tuple(whole[k * tensor_numel : k * tensor_numel + state_file.numel] for k in range(self.tensors))
 
     @property
     def file_bytes(self) -> int:
         """Bytes the tier's files take on disk."""
-        return sum(nvme_file_bytes(f.numel, self.states) for f in self._files.values())
+        return sum(nvme_file_bytes(f.numel, self.tensors) for f in self._files.values())
 
     @property
     def slot_bytes(self) -> int:
         return 0 if self._arena is None else self._arena.capacity_bytes
 
     def holds_tensor(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is slot memory (host memory, not the device's)."""
-        return self._arena is not None and self._arena.contains(tensor)
+        """Whether ``tensor`` is slot memory or a view of a file ``mapped`` made (host memory,
+        not the device's)."""
+        if self._arena is not None and self._arena.contains(tensor):
+            return True
+        pointer = tensor.untyped_storage().data_ptr()
+        mapping = self._mapped.get(pointer)
+        alive = mapping is not None and mapping() is not None
+        if mapping is not None and not alive:
+            del self._mapped[pointer]
+        return alive
 
     # ------------------------------------------------------------------ the I/O thread
 

@@ -416,10 +416,12 @@ class ChunkOptimizer:
     def _update_shard(
         self, chunk: Chunk, grad: torch.Tensor, active: list[bool], lr: GroupValues, *, in_backward: bool
     ) -> None:
-        """The rule's kernel over the chunk's shard (an NVMe chunk's state in its slot meanwhile)."""
+        """The rule's kernel over the chunk's shard (an NVMe chunk's state in its slot meanwhile,
+        and its compute copy refreshed when its master is there too)."""
         nvme = self.store.tiers.nvme
+        copy_out = chunk.master if chunk.master_on_nvme else None
         with contextlib.nullcontext() if nvme is None else nvme.updating(chunk.index, descending=in_backward):
-            chunk.optimizer.step_(grad, active, lr=lr)
+            chunk.optimizer.step_(grad, active, lr=lr, copy_out=copy_out)
 
     def zero_grads(self) -> None:
         """Zero every gradient shard (the two-phase updates zero theirs on the host worker)."""

@@ -52,7 +52,7 @@ class ChunkReadout:
     def _read(self, index: int) -> torch.Tensor | None:
         store = self.store
         chunk = store.chunks[index]
-        master = chunk.master
+        master = chunk.stored_master()
         if store.dist_ctx.world_size == 1 or chunk.is_replicated:  # the whole chunk is here
             if store.on_host(master):
                 return master  # the real elements, where the layout's offsets find them

@@ -87,6 +87,9 @@ class ShardTraining:
     optimizer: ShardOptimizer
     nvme: NvmeStateTier | None = None
     """The tier holding the optimizer state in a file (the kernel's tensors are a slot's)."""
+    master_on_nvme: bool = False
+    """The fp32 master is in the file too (a 16-bit compute dtype): the chunk's ``master`` is its
+    compute copy, which each update refreshes (nvme_state.py)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -165,9 +168,25 @@ class Chunk:
         rule's state tensors, in its ``state_names`` order."""
         if self.training is None:
             return [self.master]
-        if self.training.nvme is not None:
-            return [self.master, *self.training.nvme.mapped(self.index)]  # the file, page by page
+        if self.training.nvme is not None:  # the file, page by page
+            mapped = list(self.training.nvme.mapped(self.index))
+            return mapped if self.training.master_on_nvme else [self.master, *mapped]
         return [self.master, *self.training.optimizer.states]
+
+    @property
+    def master_on_nvme(self) -> bool:
+        """``master`` is a compute copy: the fp32 master is in the NVMe tier's file."""
+        return self.training is not None and self.training.master_on_nvme
+
+    def stored_master(self) -> torch.Tensor:
+        """The master as stored, for reading: ``master``, or the file's fp32 one (mapped)."""
+        return self.state_tensors()[0] if self.master_on_nvme else self.master
+
+    def refresh_copy(self) -> None:
+        """After the file's master was written (a checkpoint load, a plan switch): the compute
+        copy follows it."""
+        if self.master_on_nvme:
+            self.master.copy_(self.state_tensors()[0])
 
     @property
     def state_on_nvme(self) -> bool:

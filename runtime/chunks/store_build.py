@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from protrain.profiler.chunking import persistent_full_numel
-from protrain.profiler.host_bytes import HOST_ALIGN_BYTES, chunk_state_bytes, nvme_positions, rank_numel
+from protrain.profiler.host_bytes import HOST_ALIGN_BYTES, chunk_state_bytes, nvme_positions, nvme_tensors, rank_numel
 from protrain.runtime.chunks.layout import ChunkInfo, ChunkLayout
 from protrain.runtime.chunks.nvme_state import NvmeStateTier
 from protrain.runtime.chunks.residency_states import Residency
@@ -59,12 +59,15 @@ def build_store(
     ``nvme_root`` (nvme_state.py)."""
     if n_replicate > n_persist:
         raise ValueError(f"n_replicate={n_replicate} exceeds n_persist={n_persist}: only persistent chunks replicate")
-    nvme = _build_nvme_tier(layout, n_persist, n_optimizer, nvme_root, rank=dist_ctx.rank, optimizer=optimizer)
+    element_size = torch.empty((), dtype=compute_dtype).element_size()
+    nvme = _build_nvme_tier(
+        layout, n_persist, n_optimizer, nvme_root, rank=dist_ctx.rank, optimizer=optimizer, element_size=element_size
+    )
     arena = _build_host_arena(
         layout,
         n_persist,
         rank=dist_ctx.rank,
-        element_size=torch.empty((), dtype=compute_dtype).element_size(),
+        element_size=element_size,
         keeps_gradients=keeps_gradients,
         optimizer_states=len(optimizer.state_names),
         pin=device.is_cuda,
@@ -121,6 +124,7 @@ def _build_nvme_tier(
     *,
     rank: int,
     optimizer: OptimizerRule,
+    element_size: int,
 ) -> NvmeStateTier | None:
     """The files of the last ``n_optimizer`` offloaded trainable chunks (profiler/host_bytes.py's
     ``nvme_positions``), or None."""
@@ -135,7 +139,8 @@ def _build_nvme_tier(
         )
     if root is None:
         raise ValueError(f"memory.ssd.n_optimizer={n_optimizer} needs memory.ssd.path (a directory)")
-    if not optimizer.state_names:
+    tensors = nvme_tensors(len(optimizer.state_names), element_size)
+    if not tensors:
         raise ValueError(
             f"memory.ssd.n_optimizer={n_optimizer}: the {optimizer.name} optimizer as configured keeps no state "
             "per parameter, so there is nothing to put on NVMe; set n_optimizer to 0"
@@ -148,7 +153,7 @@ def _build_nvme_tier(
         root=root,
         rank=rank,
         chunks=chunks,
-        optimizer_states=len(optimizer.state_names),
+        tensors=tensors,
         shard_numel=layout.shard_numel,
     )
 
@@ -233,8 +238,13 @@ class _ChunkBuilder:
             )
         else:
             whole = self.dist_ctx.world_size == 1 or replicated
+            nvme = self.tiers.nvme
             if full is not None and whole and self.compute_dtype == torch.float32:
                 master = full[:stored]  # fp32 compute over the whole chunk: the full copy is the master
+            elif nvme is not None and nvme.holds(info.index) and self.compute_dtype != torch.float32:
+                # The fp32 master goes to its file; the host keeps the compute copy forward uploads.
+                nvme.mapped(info.index)[0].copy_(mine)
+                master = self._place(mine.to(self.compute_dtype), persistent)
             else:
                 master = self._place(mine, persistent)
             training = self._training(master, segments, persistent, info.index)
@@ -267,18 +277,22 @@ class _ChunkBuilder:
         kept = persistent or self.keeps_gradients
         grad_shard = self._zeros(numel, persistent) if kept else None
         nvme = self.tiers.nvme if self.tiers.nvme is not None and self.tiers.nvme.holds(index) else None
+        master_on_nvme = nvme is not None and master.dtype != torch.float32
+        kernel_master = master
         if nvme is not None:
             states = nvme.slot_states(index)  # the chunk's state while it is resident in its slot
+            if master_on_nvme:
+                kernel_master, states = states[0], states[1:]
         else:
             states = tuple(self._zeros(numel, persistent) for _ in self.optimizer.state_names)
         hyper = self.hyper
         optimizer = self.optimizer.build(
-            master,
+            kernel_master,
             [(s.shard_offset, s.numel, hyper.weight_decay[s.param], hyper.group[s.param]) for s in segments],
             hyper=hyper,
             states=states,
         )
-        return ShardTraining(grad_shard=grad_shard, optimizer=optimizer, nvme=nvme)
+        return ShardTraining(grad_shard=grad_shard, optimizer=optimizer, nvme=nvme, master_on_nvme=master_on_nvme)
 
     def _place(self, tensor: torch.Tensor, persistent: bool) -> torch.Tensor:
         """A copy of ``tensor`` where the chunk's state lives (tiers.py)."""

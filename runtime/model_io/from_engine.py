@@ -191,7 +191,7 @@ class _Sink:
         self.module, self.selection, self.layout, self.kind, self.dtype = module, selection, chunks.layout, kind, dtype
         self.entries = [Entry(n, export_dtype(t.dtype, dtype), tuple(t.shape)) for n, t in selection.buffers.items()]
         for chunk in selection.chunks:
-            stored = chunks.chunks[chunk].master.dtype
+            stored = chunks.chunks[chunk].stored_master().dtype
             for index in self.layout.chunks[chunk].params:
                 shape = tuple(self.layout.params[index].shape)
                 self.entries += [

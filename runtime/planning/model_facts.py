@@ -9,6 +9,7 @@ The plan itself is made by ``runtime.planning.planner.Planner``; these functions
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,7 +84,7 @@ def module_params(model: nn.Module, params: tuple[ParamInfo, ...]) -> list[list[
 def is_searchable(request: KnobRequest, *, num_blocks: int) -> bool:
     """Whether any knob is left to the search (and so a profile is wanted). Without blocks the
     activation knobs have nothing to choose: all chunk knobs set by hand leave nothing."""
-    return None in (request.chunk_size, request.n_persist, request.n_buffer, request.n_optimizer) or (
+    return None in (request.chunk_size, request.n_persist, request.n_buffer) or (
         num_blocks > 0 and activations_searchable(request)
     )
 
@@ -107,6 +108,30 @@ def model_state_bytes(
         for chunk in packing.chunks[: plan.n_persist]
     )
     return persistent + plan.n_buffer * packing.chunk_numel * element_size
+
+
+def fit_host_with_nvme(plan: Plan, planning: PlanningSettings, param_sizes: Sequence[tuple[int, bool]]) -> Plan:
+    """A rule's plan (not searched) with ``n_optimizer: auto`` and a path: the fewest chunks'
+    state on NVMe that bring its host memory within the budget, counted as ``check_supported``
+    counts it (none where it fits already, or where even all of them do not help)."""
+    if plan.predicted_peak_host_bytes is not None or planning.request.n_optimizer is not None:
+        return plan
+    element_size = compute_element_size(planning.precision)
+    packing = pack(param_sizes, plan.chunk_size // element_size, plan.world_size)
+    offloaded = [(chunk.used, chunk.trainable) for chunk in packing.chunks[plan.n_persist :]]
+    room = plan.host_budget_bytes - plan.host_fixed_bytes
+    for n_nvme in range(sum(trainable for _, trainable in offloaded) + 1):
+        regions = offloaded_region_bytes(
+            offloaded,
+            packing.chunk_numel // plan.world_size,
+            element_size=element_size,
+            keeps_gradients=plan.update_mode.keeps_gradients,
+            optimizer_states=planning.optimizer_states,
+            n_nvme=n_nvme,
+        )
+        if regions <= room:
+            return plan if n_nvme == 0 else dataclasses.replace(plan, n_optimizer=n_nvme)
+    return plan
 
 
 def check_supported(plan: Plan, planning: PlanningSettings, param_sizes: Sequence[tuple[int, bool]]) -> None:

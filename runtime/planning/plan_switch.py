@@ -140,4 +140,6 @@ def move_state(old: HeldState, new: ChunkManager, dist_ctx: DistContext) -> None
     for chunk in new.trainable_chunks():
         for position, segment in enumerate(chunk.segments):
             chunk.optimizer.steps[position] = float(agreed[old_index[new.layout.params[segment.param].name]])
+    for chunk in new.chunks:
+        chunk.refresh_copy()  # masters moved into NVMe files: their compute copies
     new.refresh_full_copies(frozen_too=True)

@@ -52,6 +52,7 @@ from protrain.runtime.planning.hardware_probes import disk_inputs, hardware_key,
 from protrain.runtime.planning.model_facts import (
     AUTOCAST_DTYPES,
     compute_element_size,
+    fit_host_with_nvme,
     is_searchable,
     model_blocks,
     model_state_bytes,
@@ -144,8 +145,7 @@ class Planner:
     origin: ProfileOrigin = field(default_factory=ProfileOrigin)
     """The cache entries ``profiles`` were read from (the plan check drops stale ones)."""
     batch_tried: bool = False
-    """``plan_on`` ran (a batch is profiled through the chunk engine once, or twice: see
-    ``offloaded_plan``)."""
+    """``plan_on`` ran (a batch is profiled through the chunk engine once, or twice)."""
     failure: str | None = None
     """Why the last profiling step did not fit the device (its out-of-memory error), if so."""
     host_baseline_bytes: int = 0
@@ -261,7 +261,7 @@ class Planner:
         if request.n_persist is None and state > self.budgets[0]:
             rule = "conservative: the model state does not fit the device budget, so every chunk is offloaded"
             plan = self._offloaded(rule)
-        return plan
+        return fit_host_with_nvme(plan, self.settings, sizes)
 
     def _offloaded(self, rule: str) -> Plan:
         """Every chunk offloaded through the fewest buffers, of the smallest chunk size the
@@ -401,8 +401,8 @@ class Planner:
         request, ssd_path = self.settings.request, self.settings.ssd_path
         if ssd_path is None:
             return None
-        may_search = activations_searchable(request) and request.n_offload is None
-        if not may_search and request.n_optimizer == 0 and BlockMode.SSD not in block_modes_for(request, len(self.subject.blocks)):
+        may_search = (activations_searchable(request) and request.n_offload is None) or request.n_optimizer != 0
+        if not may_search and BlockMode.SSD not in block_modes_for(request, len(self.subject.blocks)):
             return None
         return ssd_path
 

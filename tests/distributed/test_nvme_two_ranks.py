@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(300)
 STEPS = 4
 
 
-def train(*, rank: int, root: str, n_optimizer: int, accumulation: int, clip: float) -> dict[str, Any]:
+def train(*, rank: int, root: str, n_optimizer: int, accumulation: int, clip: float, precision: str) -> dict[str, Any]:
     from protrain import runtime
 
     data = lm_batches(micro_batch_size=2, accumulation=accumulation, world_size=2)
@@ -26,6 +26,7 @@ def train(*, rank: int, root: str, n_optimizer: int, accumulation: int, clip: fl
         "micro_batch_size": 2,
         "gradient_accumulation_steps": accumulation,
         "gradient_clipping": clip,
+        "precision": precision,
         "optimizer": {"lr": 1e-3, "weight_decay": 0.1},
         "memory": {
             "chunk_size": "64KiB",
@@ -51,17 +52,21 @@ def train(*, rank: int, root: str, n_optimizer: int, accumulation: int, clip: fl
 
 
 @pytest.mark.parametrize(
-    ("accumulation", "clip"), [(1, 0.0), (2, 0.05)], ids=["accumulation-1", "accumulation-2-clipped"]
+    ("accumulation", "clip", "precision"),
+    [(1, 0.0, "fp32"), (2, 0.05, "fp32"), (1, 0.0, "bf16")],
+    ids=["accumulation-1", "accumulation-2-clipped", "bf16-masters-too"],
 )
 def test_two_ranks_train_bit_identically_with_state_on_nvme(
-    rank_pool: RankPool, tmp_path: Path, accumulation: int, clip: float
+    rank_pool: RankPool, tmp_path: Path, accumulation: int, clip: float, precision: str
 ) -> None:
-    kwargs = {"accumulation": accumulation, "clip": clip}
+    kwargs = {"accumulation": accumulation, "clip": clip, "precision": precision}
     in_memory = rank_pool.run(train, root=str(tmp_path / "ram"), n_optimizer=0, **kwargs)
-    on_nvme = rank_pool.run(train, root=str(tmp_path / "nvme"), n_optimizer=4, **kwargs)
+    moved = 4 if precision == "fp32" else 3  # of 10 offloaded chunks (3 in bf16)
+    on_nvme = rank_pool.run(train, root=str(tmp_path / "nvme"), n_optimizer=moved, **kwargs)
     for rank in (0, 1):
-        assert on_nvme[rank]["files"] == [f"chunk{index:05d}.state" for index in range(8, 12)]
-        assert on_nvme[rank]["writes"] == STEPS * 4
+        first = 8 if precision == "fp32" else 2  # the last ones of 12 chunks (5 in bf16)
+        assert on_nvme[rank]["files"] == [f"chunk{index:05d}.state" for index in range(first, first + moved)]
+        assert on_nvme[rank]["writes"] == STEPS * moved
         assert on_nvme[rank]["losses"] == in_memory[rank]["losses"]
     assert_state_equal(on_nvme[0]["state"], in_memory[0]["state"])
     assert_state_equal(on_nvme[1]["state"], on_nvme[0]["state"])

@@ -39,8 +39,9 @@ class Case:
     bytes_per_param: int
     accumulation: int = 1
     n_optimizer: int = 0
-    """Offloaded chunks whose optimizer state is in files (8 bytes per parameter fewer there,
-    and the NVMe tier's slots beside the staging)."""
+    """Offloaded chunks whose optimizer state is in files (8 bytes per parameter fewer there; in
+    bf16 the fp32 master too, the host keeping a 2-byte compute copy: 10 fewer), and the NVMe
+    tier's slots beside the staging."""
 
 
 CASES = {
@@ -49,6 +50,7 @@ CASES = {
     "applied-as-they-arrive": Case({}, 12),
     "applied-as-they-arrive-bf16": Case({"precision": "bf16"}, 12),
     "optimizer-state-on-nvme": Case({"gradient_clipping": 1.0}, 16, n_optimizer=2),
+    "master-and-state-on-nvme-bf16": Case({"precision": "bf16"}, 12, n_optimizer=4),
 }
 
 
@@ -126,7 +128,8 @@ def test_host_bytes_per_offloaded_parameter_are_counted_exactly(tmp_path: Path, 
         state_bytes = sum(t.numel() * t.element_size() for t in state)
         on_nvme = sum(chunk.master.numel() for chunk in engine.chunks.chunks if chunk.state_on_nvme)
         assert (on_nvme > 0) == (case.n_optimizer > 0)
-        assert state_bytes == case.bytes_per_param * parameters - 8 * on_nvme
+        bf16 = case.spec.get("precision") == "bf16"
+        assert state_bytes == case.bytes_per_param * parameters - (10 if bf16 else 8) * on_nvme
         regions = mapped_regions()
         for tensor in state:
             begin = tensor.data_ptr()
@@ -138,8 +141,9 @@ def test_host_bytes_per_offloaded_parameter_are_counted_exactly(tmp_path: Path, 
         chunk_fp32 = engine.chunks.layout.chunk_numel * 4
         nvme = engine.chunks.store.tiers.nvme
         slots = 0 if nvme is None else nvme.slot_bytes
-        # The NVMe tier's slots: one per NVMe chunk up to three, each a chunk's two moments.
-        assert slots == min(3, case.n_optimizer) * 2 * chunk_fp32
+        # The NVMe tier's slots: one per NVMe chunk up to three, each a chunk's two moments (and
+        # in bf16 its fp32 master).
+        assert slots == min(3, case.n_optimizer) * (3 if bf16 else 2) * chunk_fp32
 
     peak = max(samples)
     assert min(samples) == peak, "host regions are fixed for the run: mapped once, never grown"

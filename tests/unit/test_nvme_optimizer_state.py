@@ -102,76 +102,102 @@ def test_state_on_nvme_trains_bit_identically(tmp_path: Path, case: dict[str, An
     assert not on_nvme["dir"].exists(), "the engine's files went when it closed"
 
 
-def test_the_state_is_in_the_files(tmp_path: Path) -> None:
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_state_is_in_the_files(tmp_path: Path, precision: str) -> None:
     """Read from the files with plain file I/O (not through the tier): each NVMe chunk's moments
-    are the in-memory run's, and its host slot is not where they are kept."""
+    are the in-memory run's, and in bf16 its fp32 master too (first), the host keeping only the
+    master's bf16 copy; the host slots are not where any of it is kept."""
     data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
-    with runtime.initialize(tiny_gpt(0), config=job(tmp_path / "ram", n_optimizer=0)) as plain:
+    spec = job(tmp_path / "ram", n_optimizer=0, precision=precision)
+    with runtime.initialize(tiny_gpt(0), config=spec) as plain:
         train_updates(plain, data, range(STEPS))
         expected = {
-            chunk.index: [t.clone() for t in chunk.training.optimizer.states] for chunk in plain.chunks.chunks[1:]
+            chunk.index: ([chunk.master.clone()] if precision == "bf16" else [])
+            + [t.clone() for t in chunk.training.optimizer.states]
+            for chunk in plain.chunks.chunks[1:]
         }
-    with runtime.initialize(tiny_gpt(0), config=job(tmp_path / "nvme", n_optimizer=NVME_CHUNKS)) as engine:
+    spec = job(tmp_path / "nvme", n_optimizer=NVME_CHUNKS, precision=precision)
+    with runtime.initialize(tiny_gpt(0), config=spec) as engine:
         train_updates(engine, data, range(STEPS))
         nvme = engine.chunks.store.tiers.nvme
         assert nvme is not None
         nvme.drain()
         on_nvme = [chunk for chunk in engine.chunks.chunks if chunk.state_on_nvme]
-        assert [chunk.index for chunk in on_nvme] == list(range(12 - NVME_CHUNKS, 12))
+        count = len(engine.chunks.chunks)
+        assert [chunk.index for chunk in on_nvme] == list(range(count - NVME_CHUNKS, count))
         for chunk in on_nvme:
-            numel = chunk.master.numel()
+            numel, tensors = chunk.master.numel(), len(expected[chunk.index])
             path = nvme.run_dir / f"chunk{chunk.index:05d}.state"
             raw = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.float32)
-            assert raw.numel() * 4 == nvme_file_bytes(numel, 2)
-            stride = raw.numel() // 2
-            for k, moment in enumerate(expected[chunk.index]):
-                assert torch.equal(raw[k * stride : k * stride + numel], moment)
+            assert raw.numel() * 4 == nvme_file_bytes(numel, tensors)
+            stride = raw.numel() // tensors
+            for k, tensor in enumerate(expected[chunk.index]):
+                assert torch.equal(raw[k * stride : k * stride + numel], tensor)
+            if precision == "bf16":  # the host's copy is the file's master, rounded
+                assert chunk.master.dtype == torch.bfloat16
+                assert torch.equal(chunk.master, expected[chunk.index][0].to(torch.bfloat16))
             for slot_tensor in chunk.training.optimizer.states:  # the slot: updated, then reused
                 assert not nvme.holds_tensor(chunk.master) and nvme.holds_tensor(slot_tensor)
 
 
-def test_checkpoints_resume_onto_another_n_optimizer(tmp_path: Path) -> None:
-    """Saved from the files at update 3, resumed with the state in memory and with two NVMe
-    chunks: both end as the uninterrupted in-memory run does."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_checkpoints_resume_onto_another_n_optimizer(tmp_path: Path, precision: str) -> None:
+    """Saved from the files at update 3 (in bf16 the masters too), resumed with the state in
+    memory and with two NVMe chunks: both end as the uninterrupted in-memory run does."""
     memory = {"ssd": {"path": str(tmp_path / "nvme")}}
-    plain = train_until(checkpoint_job(str(tmp_path / "plain"), memory=memory), until=5)
-    saved_on_nvme = {**memory, "ssd": {**memory["ssd"], "n_optimizer": 4}}
-    first = train_until(
-        checkpoint_job(str(tmp_path / "a"), memory=saved_on_nvme, checkpoint={"interval_steps": 3}), until=3
-    )
+
+    def spec(root: str, n_optimizer: int | None = None, **overrides: Any) -> dict[str, Any]:
+        ssd = {**memory["ssd"], **({} if n_optimizer is None else {"n_optimizer": n_optimizer})}
+        return checkpoint_job(root, memory={"ssd": ssd}, precision=precision, **overrides)
+
+    plain = train_until(spec(str(tmp_path / "plain")), until=5)
+    first = train_until(spec(str(tmp_path / "a"), 4, checkpoint={"interval_steps": 3}), until=3)
     assert first["losses"] == plain["losses"][:3]
     for n_optimizer in (0, 2):
-        resumed_memory = {**memory, "ssd": {**memory["ssd"], "n_optimizer": n_optimizer}}
-        second = train_until(checkpoint_job(str(tmp_path / "a"), memory=resumed_memory), until=5)
+        second = train_until(spec(str(tmp_path / "a"), n_optimizer), until=5)
         assert second["started_at"] == 3
         assert first["losses"] + second["losses"] == plain["losses"]
         assert_state_equal(second["state"], plain["state"])
     assert [entry.name for entry in (tmp_path / "nvme").iterdir()] == []
 
 
-def test_a_plan_switch_moves_the_state_through_the_files(tmp_path: Path) -> None:
-    """64 KiB chunks with four NVMe ones, switched after two updates to 256 KiB chunks with two:
-    training goes on exactly as torch's fused AdamW."""
+def switched(root: Path, precision: str, before: int, after: int) -> dict[str, torch.Tensor]:
+    """Two updates at 64 KiB chunks (``before`` NVMe ones), switched to twice the chunk size,
+    all offloaded (``after`` NVMe ones), two more updates: the final state."""
     import dataclasses
 
     from protrain.runtime.chunks.layout import layout_from_params
 
     data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
-    expected, _ = train_reference(tiny_gpt(0), data, steps=STEPS, lr=1e-3, weight_decay=0.1)
-    engine = runtime.initialize(tiny_gpt(0), config=job(tmp_path, n_optimizer=NVME_CHUNKS))
+    engine = runtime.initialize(tiny_gpt(0), config=job(root, n_optimizer=before, precision=precision))
     with engine:
         train_updates(engine, data, range(2))
-        layout = layout_from_params(tuple(engine.chunks.layout.params), chunk_numel=256 * 1024 // 4, world_size=1)
-        engine.switch_plan(
-            dataclasses.replace(
-                engine.plan, chunk_size=256 * 1024, num_chunks=layout.num_chunks, n_persist=0, n_optimizer=2
-            )
+        numel = 2 * engine.chunks.layout.chunk_numel
+        layout = layout_from_params(tuple(engine.chunks.layout.params), chunk_numel=numel, world_size=1)
+        size = numel * (4 if precision == "fp32" else 2)
+        plan = dataclasses.replace(
+            engine.plan, chunk_size=size, num_chunks=layout.num_chunks, n_persist=0, n_optimizer=after
         )
+        engine.switch_plan(plan)
         nvme = engine.chunks.store.tiers.nvme
-        assert nvme is not None and sum(chunk.state_on_nvme for chunk in engine.chunks.chunks) == 2
-        assert len(list(nvme.run_dir.iterdir())) == 2, "the old layout's four files went"
+        assert sum(chunk.state_on_nvme for chunk in engine.chunks.chunks) == after
+        if nvme is not None:
+            assert len(list(nvme.run_dir.iterdir())) == after, "the old layout's files went"
         train_updates(engine, data, range(2, STEPS))
-        assert_state_equal(engine.state_dict(), expected)
+        return engine.state_dict()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_plan_switch_moves_the_state_through_the_files(tmp_path: Path, precision: str) -> None:
+    """From four NVMe chunks of 64 KiB to two of twice the size: training goes on exactly as
+    torch's fused AdamW (fp32), as the same switch with the state in memory (bf16)."""
+    state = switched(tmp_path / "nvme", precision, NVME_CHUNKS, 2)
+    if precision == "fp32":
+        data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
+        expected, _ = train_reference(tiny_gpt(0), data, steps=STEPS, lr=1e-3, weight_decay=0.1)
+    else:
+        expected = switched(tmp_path / "ram", precision, 0, 0)
+    assert_state_equal(state, expected)
 
 
 def test_a_full_disk_is_refused_before_training(tmp_path: Path) -> None:
@@ -262,9 +288,9 @@ def test_auto_moves_state_to_nvme_only_when_host_memory_binds(tmp_path: Path, mo
     data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
     example = data.batch(0, 0, 0)
 
-    def auto(root: Path, host_budget: str = "auto") -> dict[str, Any]:
+    def auto(root: Path, host_budget: str = "auto", n_buffer: int | str = "auto") -> dict[str, Any]:
         spec = job(root, n_optimizer=NVME_CHUNKS)
-        spec["memory"].update(host_budget=host_budget, n_swap=0, n_checkpoint=0)
+        spec["memory"].update(host_budget=host_budget, n_buffer=n_buffer, n_swap=0, n_checkpoint=0)
         spec["memory"]["ssd"] = {"path": str(root / "nvme"), "n_offload": 0}  # n_optimizer: auto
         with runtime.initialize(tiny_gpt(0), config=spec, example_batch=example) as engine:
             plan = engine.plan
@@ -290,3 +316,9 @@ def test_auto_moves_state_to_nvme_only_when_host_memory_binds(tmp_path: Path, mo
     on_nvme = tight["offloaded"][-moved:]
     assert tight["plan"].predicted_nvme_bytes == sum(nvme_file_bytes(used, 2) for used, _ in on_nvme)
     assert_state_equal(tight["state"], roomy["state"])
+    # Every other knob set by hand: no search, the rule's plan gets the fewest NVMe chunks that
+    # fit, counted as the search counts them.
+    by_hand = auto(tmp_path / "by-hand", host_budget=str(needed - (256 << 10)), n_buffer=tight["plan"].n_buffer)
+    assert by_hand["plan"].predicted_peak_host_bytes is None
+    assert by_hand["plan"].n_optimizer == moved
+    assert_state_equal(by_hand["state"], roomy["state"])
