@@ -76,6 +76,7 @@ class ChunkManager:
         n_replicate: int = 0,
         n_optimizer: int = 0,
         nvme_root: Path | None = None,
+        nvme_beside: tuple[int, str] = (0, ""),
     ) -> None:
         """``read_param(name)``, when given, supplies each parameter's value while its chunk is
         built (the model holds only stand-ins: weights streamed from a file, one at a time).
@@ -83,7 +84,8 @@ class ChunkManager:
         ``update_mode``: how offloaded chunks are updated (the plan's; ``on_arrival``: they keep
         no gradient shard and every backward must end its window). ``n_replicate``: of the
         persistent chunks, the first ones replicated on every rank (store.py). ``n_optimizer``:
-        the last offloaded chunks keep their optimizer state in files under ``nvme_root``."""
+        the last offloaded chunks keep their optimizer state in files under ``nvme_root``, whose
+        disk holds ``nvme_beside`` too ((bytes, in words): checked before the files are made)."""
         self.model = model
         self.optimizer_rule = optimizer
         self.layout = layout
@@ -106,6 +108,7 @@ class ChunkManager:
             n_replicate=n_replicate,
             n_optimizer=n_optimizer,
             nvme_root=nvme_root,
+            nvme_beside=nvme_beside,
         )
         self.collectives = CollectiveQueue(device)
         self._lazy_chaos = stream_chaos.mode() == "lazy"

@@ -139,6 +139,18 @@ class NvmeStateTier:
 
     # ------------------------------------------------------------------ setup
 
+    def check_room(self, beside: int, words: str) -> None:
+        """Refuse (``SsdIoError``) when the disk, holding the files now, has not ``beside`` bytes
+        more free for what else goes there (``words`` says what); the files are removed."""
+        if beside <= 0:
+            return
+        try:
+            what = f"{words} beside the optimizer state files"
+            check_free_space(self.run_dir, beside, what=what, knob="memory.ssd.n_optimizer")
+        except SsdIoError:
+            self.close()
+            raise
+
     def _create(self, index: int, numel: int, *, slot: int) -> _StateFile:
         path = self.run_dir / f"chunk{index:05d}.state"
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | (_O_DIRECT if self.direct_io else 0)

@@ -50,19 +50,22 @@ def build_store(
     n_replicate: int = 0,
     n_optimizer: int = 0,
     nvme_root: Path | None = None,
+    nvme_beside: tuple[int, str] = (0, ""),
 ) -> ChunkStore:
     """Copy each parameter into its chunk; keep this rank's shard (the whole chunk for the first
     ``n_replicate`` chunks, replicated: at most ``n_persist``); give up the originals (the
     parameters then view their chunk's full copy, or the placeholder). ``keeps_gradients``
     False: offloaded chunks get no gradient shard (their gradients are applied as they arrive).
     ``n_optimizer``: the last offloaded trainable chunks keep their optimizer state in files under
-    ``nvme_root`` (nvme_state.py)."""
+    ``nvme_root`` (nvme_state.py), whose disk must hold ``nvme_beside`` too (bytes, in words)."""
     if n_replicate > n_persist:
         raise ValueError(f"n_replicate={n_replicate} exceeds n_persist={n_persist}: only persistent chunks replicate")
     element_size = torch.empty((), dtype=compute_dtype).element_size()
     nvme = _build_nvme_tier(
         layout, n_persist, n_optimizer, nvme_root, rank=dist_ctx.rank, optimizer=optimizer, element_size=element_size
     )
+    if nvme is not None:
+        nvme.check_room(*nvme_beside)
     arena = _build_host_arena(
         layout,
         n_persist,

@@ -191,6 +191,10 @@ class PlanningSettings:
     """``memory.blocks``: the module path of the block list; None finds it."""
     ssd_path: Path | None
     """``memory.ssd.path``, expanded; None: no SSD tier."""
+    checkpoint_dir: Path | None = None
+    """``checkpoint.dir``, expanded: where the NVMe tier's disk may hold checkpoints too."""
+    checkpoints_kept: int = 0
+    """``checkpoint.keep_last``."""
     max_nvme_writes_per_day: int | None = None
     """``memory.ssd.max_writes_per_day``: the NVMe tier's write rate the planner prefers to stay under."""
     device_budget_bytes: int | None
@@ -238,6 +242,8 @@ def planning_settings_from_spec(spec: Spec) -> PlanningSettings:
         blocks_path=None if memory.blocks == AUTO else str(memory.blocks),
         ssd_path=None if memory.ssd.path is None else Path(memory.ssd.path).expanduser(),
         max_nvme_writes_per_day=memory.ssd.max_writes_per_day,
+        checkpoint_dir=None if spec.checkpoint.dir is None else Path(spec.checkpoint.dir).expanduser(),
+        checkpoints_kept=spec.checkpoint.keep_last,
         device_budget_bytes=knob(memory.device_budget),
         host_budget_bytes=knob(memory.host_budget),
         cache_dir=Path(spec.profiler.cache_dir).expanduser(),

@@ -32,6 +32,7 @@ from protrain.runtime.model_io.weights import WeightReader
 from protrain.runtime.optim.registry import rule_named
 from protrain.runtime.optim.rule import OptimizerHyper
 from protrain.runtime.param_groups import resolve_param_hyper
+from protrain.runtime.planning.disk_room import disk_neighbours
 from protrain.runtime.planning.model_facts import COMPUTE_DTYPES, compute_element_size, model_blocks
 from protrain.runtime.planning.plan_switch import HeldState, move_state
 
@@ -100,6 +101,9 @@ def _build_chunks(
             n_replicate=plan.n_replicate,
             n_optimizer=plan.n_optimizer,
             nvme_root=target.planning.ssd_path,
+            nvme_beside=disk_neighbours(
+                plan, target.planning, [(p.numel, p.trainable) for p in target.params], element_size
+            ),
             compute_dtype=COMPUTE_DTYPES[settings.precision],
             device=target.device,
             dist_ctx=target.dist_ctx,

@@ -209,6 +209,20 @@ def test_a_full_disk_is_refused_before_training(tmp_path: Path) -> None:
         assert list(disk.iterdir()) == [], "nothing left behind"
 
 
+def test_a_disk_without_room_for_the_checkpoints_beside_is_refused_before_training(tmp_path: Path) -> None:
+    """The state files fit the disk, but not with the checkpoints kept on the same filesystem:
+    refused at start, naming both, and nothing is left there."""
+    with small_tmpfs(tmp_path / "small", "2m") as disk:
+        spec = job(tmp_path, n_optimizer=NVME_CHUNKS)
+        spec["memory"]["ssd"]["path"] = str(disk / "nvme")
+        with runtime.initialize(tiny_gpt(0), config=spec):  # the files alone fit
+            pass
+        spec["checkpoint"] = {"dir": str(disk / "ckpt"), "keep_last": 2}
+        with pytest.raises(SpecError, match=r"checkpoints in .*ckpt \(3 of this rank's share\) beside the optimizer"):
+            runtime.initialize(tiny_gpt(0), config=spec)
+        assert list((disk / "nvme").iterdir()) == [], "nothing left behind"
+
+
 def test_a_file_cut_short_fails_naming_it(tmp_path: Path) -> None:
     data = lm_batches(micro_batch_size=2, accumulation=1, world_size=1)
     with runtime.initialize(tiny_gpt(0), config=job(tmp_path, n_optimizer=NVME_CHUNKS)) as engine:
