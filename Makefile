@@ -68,7 +68,7 @@ CHAOS_LAZY := \
 	tests/unit/test_mixed_precision.py::test_bf16_compute_tracks_the_fp32_reference \
 	"tests/distributed/test_engine_two_ranks.py::test_two_ranks_with_offloaded_chunks_match_plain_pytorch[all-offloaded-min-buffers]" \
 	"tests/distributed/test_activations_two_ranks.py::test_two_ranks_train_bit_identically_under_mixed_modes[offloaded-chunks]" \
-	"tests/distributed/test_nvme_two_ranks.py::test_two_ranks_train_bit_identically_with_state_on_nvme[accumulation-2-clipped]"
+	"tests/unit/test_nvme_optimizer_state.py::test_state_on_nvme_trains_bit_identically[clipped]"
 CHAOS_RANDOM := PROTRAIN_STREAM_CHAOS=1 PROTRAIN_STREAM_CHAOS_SEED=$(CHAOS_SEED)
 
 test-chaos: $(STAMP)
