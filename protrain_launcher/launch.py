@@ -172,9 +172,11 @@ def _elastic_run(request: LaunchRequest, spec: Spec, nproc: int, spec_path: Path
         if interrupt.received:
             return EXIT_INTERRUPTED
         return _report_failures(err)
-    except SignalException as err:
-        signum = int(err.sigval)
-        return EXIT_INTERRUPTED if interrupt.received or signum == signal.SIGINT else 128 + signum
+    except (SignalException, UnboundLocalError) as err:
+        code = signal_exit_code(err, interrupted=interrupt.received)
+        if code is None:
+            raise
+        return code
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     finally:
@@ -182,6 +184,21 @@ def _elastic_run(request: LaunchRequest, spec: Spec, nproc: int, spec_path: Path
         os.environ.clear()
         os.environ.update(saved_env)
     return EXIT_OK
+
+
+def signal_exit_code(err: BaseException, *, interrupted: bool) -> int | None:
+    """protrain-run's exit code when the agent stopped on a signal: ``err`` is torch's
+    SignalException, or the UnboundLocalError torch's elastic metrics wrapper (torch 2.13) raises
+    from its ``finally`` when the signal came before it read the clock, with the SignalException
+    as its context (the agent has stopped the ranks all the same). None for any other error."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    if isinstance(err, UnboundLocalError):
+        err = err.__context__  # type: ignore[assignment]
+    if not isinstance(err, SignalException):
+        return None
+    signum = int(err.sigval)
+    return EXIT_INTERRUPTED if interrupted or signum == signal.SIGINT else 128 + signum
 
 
 class _InterruptAsTerminate:

@@ -49,16 +49,10 @@ def test_the_rank_that_exited_is_named_before_one_the_agent_killed(
     assert "stopped rank(s) 0 after that failure" in err
 
 
-def test_within_one_second_the_earlier_error_file_wins(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_within_one_second_the_earlier_error_file_wins(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     second = 1_700_000_000
-    later = Failure(
-        1, second, _error_file(tmp_path, "r0", second * 10**9 + 900_000_000), "RuntimeError: late"
-    )
-    earlier = Failure(
-        1, second, _error_file(tmp_path, "r1", second * 10**9 + 100_000_000), "RuntimeError: first"
-    )
+    later = Failure(1, second, _error_file(tmp_path, "r0", second * 10**9 + 900_000_000), "RuntimeError: late")
+    earlier = Failure(1, second, _error_file(tmp_path, "r1", second * 10**9 + 100_000_000), "RuntimeError: first")
     _report_failures(ChildFailed({0: later, 1: earlier}))
     assert "rank 1 failed with exit code 1: RuntimeError: first" in capsys.readouterr().err
 
@@ -112,3 +106,29 @@ def test_a_rank_that_exited_143_on_the_agents_sigterm_was_stopped_not_the_cause(
     err = capsys.readouterr().err
     assert "rank 1 failed with exit code 1: RuntimeError: boom" in err
     assert "stopped rank(s) 0 after that failure" in err
+
+
+def test_a_signal_that_lands_inside_torchs_metrics_wrapper_still_exits_as_the_signal() -> None:
+    """Ctrl-C becomes a SIGTERM whose handler may raise before torch's elastic metrics wrapper
+    read its clock: its ``finally`` then raises UnboundLocalError with the SignalException as the
+    context. protrain-run exits 130 (143 for a SIGTERM of its own) either way, and any other
+    UnboundLocalError is not mistaken for one."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from protrain.launcher.launch import signal_exit_code
+
+    def wrapped(signum: int) -> UnboundLocalError:
+        try:
+            try:
+                raise SignalException("stopped", sigval=signal.Signals(signum))
+            finally:
+                raise UnboundLocalError("cannot access local variable 'start'")
+        except UnboundLocalError as err:
+            return err
+
+    assert signal_exit_code(wrapped(signal.SIGTERM), interrupted=True) == 130
+    assert signal_exit_code(wrapped(signal.SIGTERM), interrupted=False) == 143
+    assert signal_exit_code(SignalException("stopped", sigval=signal.SIGTERM), interrupted=False) == 143
+    assert signal_exit_code(UnboundLocalError("a bug of ours"), interrupted=True) is None
