@@ -291,6 +291,8 @@ class NvmeStateTier:
             return tuple(torch.empty(0) for _ in range(self.tensors))
         size = tensor_numel * self.tensors
         whole = torch.from_file(str(state_file.path), shared=True, size=size, dtype=torch.float32)
+        # Mappings go with their last view (each save makes new ones): forget those gone.
+        self._mapped = {pointer: ref for pointer, ref in self._mapped.items() if ref() is not None}
         self._mapped[whole.untyped_storage().data_ptr()] = weakref.ref(whole)
         return tuple(whole[k * tensor_numel : k * tensor_numel + state_file.numel] for k in range(self.tensors))
 
