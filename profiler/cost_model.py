@@ -191,7 +191,7 @@ def predict(
     cpu_adam += host_adds  # the same host worker, in order
     # Gradients applied as they arrive leave no offloaded shard to take a norm of or zero.
     update = _span(costs.update_passes, r, p) + (_span(costs.host_update_passes, p, n) if keeps_gradients else 0.0)
-    read, written = nvme_io_bytes(costs, n_optimizer)
+    read, written = nvme_io_bytes(costs, n_optimizer, keeps_gradients=keeps_gradients)
     if n_optimizer:
         # The I/O thread reads each NVMe chunk's state ahead of its update and writes it behind:
         # the host worker waits only for the first read and for I/O slower than the updates.
@@ -246,23 +246,30 @@ def nvme_start(costs: ChunkCosts, n_optimizer: int) -> int:
     return -1
 
 
-def nvme_io_bytes(costs: ChunkCosts, n_optimizer: int) -> tuple[int, int]:
-    """(read, written) bytes of NVMe state per update on rank 0: every NVMe chunk's state is
-    written back; read again only where the chunk shares its host slot with another (chunk i of
-    the NVMe ones uses slot i mod min(3, n); runtime/chunks/nvme_state.py)."""
+def nvme_io_bytes(costs: ChunkCosts, n_optimizer: int, *, keeps_gradients: bool = False) -> tuple[int, int]:
+    """(read, written) bytes of NVMe files per update on rank 0 (one micro-batch per window):
+    every NVMe chunk's state is written back, read again only where the chunk shares its host
+    slot with another (chunk i of the NVMe ones uses slot i mod min(3, n);
+    runtime/chunks/nvme_state.py). Kept gradients are written once; the update reads them back
+    but for the first two chunks it reaches, whose gradient buffers still hold them
+    (runtime/chunks/nvme_grads.py; each further micro-batch of a window adds a read and a write)."""
     if n_optimizer <= 0:
         return 0, 0
     slots = min(host_bytes.NVME_SLOTS, n_optimizer)
+    tensors = host_bytes.nvme_tensors(costs.optimizer_states, costs.element_size)
     sharing = [0] * slots
     per_chunk = []
     for position in range(n_optimizer):
         index = costs.nvme_starts[n_optimizer - position]
         size = costs.host_fp32_tensor_bytes[index + 1] - costs.host_fp32_tensor_bytes[index]
-        tensors = host_bytes.nvme_tensors(costs.optimizer_states, costs.element_size)
-        per_chunk.append(tensors * host_bytes.round_up(size, host_bytes.NVME_BLOCK_BYTES))
+        per_chunk.append(host_bytes.round_up(size, host_bytes.NVME_BLOCK_BYTES))
         sharing[position % slots] += 1
-    read = sum(size for position, size in enumerate(per_chunk) if sharing[position % slots] > 1)
-    return read, sum(per_chunk)
+    read = sum(tensors * size for position, size in enumerate(per_chunk) if sharing[position % slots] > 1)
+    written = tensors * sum(per_chunk)
+    if keeps_gradients:
+        read += sum(per_chunk[host_bytes.NVME_GRADIENT_BUFFERS :])
+        written += sum(per_chunk)
+    return read, written
 
 
 def offloaded_host_bytes(costs: ChunkCosts, n_persist: int, *, keeps_gradients: bool, n_optimizer: int = 0) -> int:
@@ -275,16 +282,17 @@ def offloaded_host_bytes(costs: ChunkCosts, n_persist: int, *, keeps_gradients: 
     payload = (1 + costs.optimizer_states + (1 if keeps_gradients else 0)) * int(
         _span(costs.host_fp32_tensor_bytes, n_persist, n)
     )
-    # The NVMe chunks' file tensors leave host memory; a master that goes leaves its compute copy.
+    # The NVMe chunks' file tensors and kept gradients leave host memory; a master that goes
+    # leaves its compute copy.
     start = nvme_start(costs, n_optimizer)
-    payload -= host_bytes.nvme_tensors(costs.optimizer_states, costs.element_size) * int(
-        _span(costs.host_fp32_tensor_bytes, start, n)
-    )
+    in_files = host_bytes.nvme_tensors(costs.optimizer_states, costs.element_size) + (1 if keeps_gradients else 0)
+    payload -= in_files * int(_span(costs.host_fp32_tensor_bytes, start, n))
     if costs.element_size != host_bytes.FP32_BYTES:
         payload += int(_span(costs.host_copy_bytes, start, n))
     payload += int(_span(costs.host_frozen_bytes, n_persist, n))
     tensors = host_bytes.nvme_tensors(costs.optimizer_states, costs.element_size)
     slots = host_bytes.nvme_slot_bytes(costs.shard_numel, tensors, n_nvme=n_optimizer)
+    slots += host_bytes.nvme_gradient_bytes(costs.shard_numel, n_nvme=n_optimizer, keeps_gradients=keeps_gradients)
     return (
         host_bytes.region_bytes(payload)
         + slots

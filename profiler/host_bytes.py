@@ -47,6 +47,9 @@ host worker adds it into a kept fp32 gradient shard (runtime/chunks/grad_add.py)
 NVME_SLOTS = 3
 """Host slots the NVMe tier's chunk states pass through (memory.ssd.n_optimizer): one being read
 ahead, one being updated, one being written behind."""
+NVME_GRADIENT_BUFFERS = 2
+"""Host buffers the kept gradients of NVMe chunks pass through (runtime/chunks/nvme_grads.py): one
+being added into while the other is written behind."""
 NVME_BLOCK_BYTES = 4096
 """O_DIRECT alignment of the NVMe tier's file offsets and lengths (runtime/hw/ssd_io.py)."""
 
@@ -76,15 +79,15 @@ def chunk_state_bytes(
 ) -> int:
     """One offloaded chunk's host state on a rank holding ``numel`` of its elements: trainable,
     its fp32 master, the optimizer's ``optimizer_states`` tensors and (kept) its gradient. A
-    chunk whose state is ``on_nvme`` keeps its optimizer state in a file, and in a compute dtype
-    other than fp32 its master too, holding its compute copy instead (``nvme_tensors``)."""
+    chunk whose state is ``on_nvme`` keeps its optimizer state and its kept gradient in files,
+    and in a compute dtype other than fp32 its master too, holding its compute copy instead
+    (``nvme_tensors``)."""
     if not trainable:
         return tensor_bytes(numel, element_size)
+    if on_nvme:
+        return tensor_bytes(numel, element_size)  # the master in fp32, else the compute copy
     gradient = tensor_bytes(numel, FP32_BYTES) if keeps_gradients else 0
-    if on_nvme and element_size != FP32_BYTES:
-        return tensor_bytes(numel, element_size) + gradient
-    states = 0 if on_nvme else optimizer_states
-    return (1 + states) * tensor_bytes(numel, FP32_BYTES) + gradient
+    return (1 + optimizer_states) * tensor_bytes(numel, FP32_BYTES) + gradient
 
 
 def nvme_tensors(optimizer_states: int, element_size: int) -> int:
@@ -117,6 +120,14 @@ def nvme_slot_bytes(shard_numel: int, tensors: int, *, n_nvme: int) -> int:
     if n_nvme <= 0 or tensors <= 0:
         return 0
     return region_bytes(min(NVME_SLOTS, n_nvme) * tensors * nvme_tensor_bytes(shard_numel))
+
+
+def nvme_gradient_bytes(shard_numel: int, *, n_nvme: int, keeps_gradients: bool) -> int:
+    """The host buffers NVMe chunks' kept gradients pass through (none when gradients are
+    applied as they arrive, or without an NVMe chunk)."""
+    if n_nvme <= 0 or not keeps_gradients:
+        return 0
+    return region_bytes(min(NVME_GRADIENT_BUFFERS, n_nvme) * nvme_tensor_bytes(shard_numel))
 
 
 def region_bytes(payload: int) -> int:
@@ -165,8 +176,8 @@ def offloaded_region_bytes(
 ) -> int:
     """What rank 0 (which holds the most) maps for the offloaded ``chunks`` ((used elements,
     trainable) each): their state's region and the staging regions, as the runtime sizes them.
-    ``n_nvme``: of them, the last trainable ones whose optimizer state is in files (their slots
-    counted instead)."""
+    ``n_nvme``: of them, the last trainable ones whose optimizer state (and kept gradient) is in
+    files (their slots and gradient buffers counted instead)."""
     if not chunks:
         return 0
     on_nvme = nvme_positions([trainable for _, trainable in chunks], n_nvme)
@@ -182,6 +193,7 @@ def offloaded_region_bytes(
         for position, (used, trainable) in enumerate(chunks)
     )
     slots = nvme_slot_bytes(shard_numel, nvme_tensors(optimizer_states, element_size), n_nvme=len(on_nvme))
+    slots += nvme_gradient_bytes(shard_numel, n_nvme=len(on_nvme), keeps_gradients=keeps_gradients)
     return (
         region_bytes(payload)
         + slots

@@ -3,20 +3,24 @@ in host memory, in one process, on this machine's disk.
 
     .venv/bin/python scripts/bench_nvme.py                    # GPT 6 x 512 (~19M params), under /var/tmp
     .venv/bin/python scripts/bench_nvme.py --ssd-path /nvme   # another disk
+    .venv/bin/python scripts/bench_nvme.py --clip             # clipping: gradients kept, in files too
     .venv/bin/python scripts/bench_nvme.py --smoke            # two tiny steps of each (a test)
 
 Both engines offload every chunk (``n_persist: 0``, two buffers, fp32 unless ``--precision bf16``,
 AdamW, no clipping: each gradient is applied as it arrives, so with the state on NVMe the host
 holds 4 bytes per parameter of fp32 master, or in bf16 2 of compute copy with the master in the
-files too; 12 without); the NVMe engine puts every chunk's state in files. They train the
+files too; 12 without; ``--clip``: clipping at 1.0, so each gradient is kept until the norm is
+known, in RAM 4 bytes more, with the state on NVMe in a gradient file beside it); the NVMe
+engine puts every chunk's state in files. They train the
 same batches, interleaved (a repeat times ``--steps`` steps of one, then of the other, the order
 alternating), and must end bit-identical. Reported:
 
 - the disk: its write and read rates where the files go, measured here the way the tier does I/O
   (O_DIRECT where the filesystem allows it; said), so the page cache cannot hold the state;
 - the bytes the process moved to and from the disk per step (``/proc/self/io``: with O_DIRECT
-  every byte is real disk I/O) against the plan's prediction (writes: the state once per step;
-  reads: the chunks sharing a host slot);
+  every byte is real disk I/O) against the plan's prediction (writes: the state, and kept
+  gradients, once per step; reads: the chunks sharing a host slot, and the kept gradients but
+  the two the update finds in their buffers);
 - the step time of each, their ratio, and the NVMe engine's against the cost model's prediction
   at the measured rates (the target: within 20%; at least 0.5x the in-memory step where the
   disk's rate allows it);
@@ -42,7 +46,7 @@ import torch
 from bench_common import add_model_arguments, build_gpt, derive_chunk_size, gpt_config, make_batches
 
 from protrain import runtime
-from protrain.profiler.host_bytes import NVME_SLOTS, nvme_file_bytes
+from protrain.profiler.host_bytes import NVME_GRADIENT_BUFFERS, NVME_SLOTS, nvme_file_bytes, nvme_tensor_bytes
 from protrain.runtime.hw.ssd_io import measure_disk_rates
 
 TARGET_PREDICTION = 0.20
@@ -57,6 +61,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chunks", type=int, default=12, help="at least this many chunks")
     parser.add_argument("--ssd-path", default=None, help="where the state files go (default: a folder in /var/tmp)")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: the masters go too")
+    parser.add_argument("--clip", action="store_true", help="clip gradients at 1.0 (they are kept: in files too)")
     parser.add_argument("--smoke", action="store_true", help="two tiny steps of each (a test)")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -86,6 +91,7 @@ def spec(args: argparse.Namespace, chunk_size: int, out: Path, nvme: int) -> dic
         "micro_batch_size": args.batch,
         "precision": args.precision,
         "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
+        "gradient_clipping": 1.0 if args.clip else 0.0,
         "memory": memory,
         "profiler": {"cache_dir": str(out / "cache")},
         "output_dir": str(out / f"runs-{nvme}"),
@@ -94,14 +100,18 @@ def spec(args: argparse.Namespace, chunk_size: int, out: Path, nvme: int) -> dic
 
 def expected_reads(engine: Any) -> int:
     """Bytes an update reads back: the NVMe chunks that share a host slot (chunk i of n uses slot
-    i mod min(3, n)), each its whole file."""
+    i mod min(3, n)), each its whole state file; kept gradients but those of the first two
+    chunks the update reaches (their buffers still hold them)."""
     nvme = engine.chunks.store.tiers.nvme
     chunks = [chunk for chunk in engine.chunks.chunks if chunk.state_on_nvme]
     slots = min(NVME_SLOTS, len(chunks))
     sharing = [sum(1 for i in range(len(chunks)) if i % slots == slot) for slot in range(slots)]
-    return sum(
+    states = sum(
         nvme_file_bytes(chunk.master.numel(), nvme.tensors) for i, chunk in enumerate(chunks) if sharing[i % slots] > 1
     )
+    if nvme.gradients is None:
+        return states
+    return states + sum(nvme_tensor_bytes(chunk.master.numel()) for chunk in chunks[NVME_GRADIENT_BUFFERS:])
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -180,7 +190,8 @@ def report(
     medians = {name: statistics.median(values) for name, values in times.items()}
     params = sum(p.numel() for p in ram.module.parameters()) / 1e6
     chunks = f"{plan.num_chunks} chunks of {plan.chunk_size / 2**20:.2f} MiB"
-    print(f"model: GPT {args.layers} x {args.width}, {params:.1f}M parameters, {chunks}, all offloaded")
+    clipped = ", clipped (gradients kept)" if args.clip else ""
+    print(f"model: GPT {args.layers} x {args.width}, {params:.1f}M parameters, {chunks}, all offloaded{clipped}")
     state = tier.file_bytes
     host = nvme.chunks.host_bytes()
     print(f"optimizer state on NVMe: {state / 2**20:.1f} MiB; host regions of the NVMe plan: {host / 2**20:.1f} MiB "

@@ -365,9 +365,9 @@ def train_engine(
         return engine.state_dict(), losses
 
 
-def run_script_smoke(script: str, *, timeout: float = 60) -> str:
-    """``python scripts/<script> --smoke`` from the repository root; its stdout, after
-    asserting exit code 0 (a benchmark's one-step check that it has not rotted)."""
+def run_script_smoke(script: str, *arguments: str, timeout: float = 60) -> str:
+    """``python scripts/<script> --smoke [arguments]`` from the repository root; its stdout,
+    after asserting exit code 0 (a benchmark's one-step check that it has not rotted)."""
     import os
     import subprocess
     import sys
@@ -375,7 +375,7 @@ def run_script_smoke(script: str, *, timeout: float = 60) -> str:
 
     root = Path(__file__).resolve().parents[1]
     result = subprocess.run(
-        [sys.executable, str(root / "scripts" / script), "--smoke"],
+        [sys.executable, str(root / "scripts" / script), "--smoke", *arguments],
         cwd=root,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "scripts")])},
         capture_output=True,

@@ -279,8 +279,9 @@ class ChunkManager:
         shard's squared norm as its gradient completes. ``local_nonfinite()``: whether a loss of
         the window was not finite here (read only for early updates: it waits for the device)."""
         self.reducer.closing_backward()
-        if self.optimizer.mode is UpdateMode.TWO_PHASE:
-            self.optimizer.arm_norms()
+        mode = self.optimizer.mode
+        if mode is UpdateMode.TWO_PHASE or (mode is UpdateMode.DEFERRED and self.gradients_in_files):
+            self.optimizer.arm_norms()  # deferred: NVMe chunks' norms while their gradients are here
             return
         if not self.optimizer.may_speculate():
             return
@@ -310,6 +311,12 @@ class ChunkManager:
         """The window's update is dropped: wait for the host worker (an early update made
         cannot be undone, and raises)."""
         self.optimizer.discard_speculation()
+
+    @property
+    def gradients_in_files(self) -> bool:
+        """NVMe chunks keep their gradients in files (an update takes its factors, unscale and
+        clip, rather than passes over the gradients: nvme_grads.py)."""
+        return self.optimizer.gradients.files is not None
 
     def grad_norm(self) -> float:
         self.drain()

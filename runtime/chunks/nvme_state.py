@@ -4,11 +4,13 @@ of the last offloaded chunks live in files under ``memory.ssd.path`` instead of 
 Per chunk one file in this rank's run directory (``protrain-optim-{host}-{pid}-rank{rank}``,
 removed when the tier closes, after a crash by the next run on that path), each state tensor at
 a 4 KiB-aligned offset, preallocated when the tier opens so that a full disk is refused before
-training, not in the middle of an update. In fp32 the master and, when kept, the gradient stay
-in host memory: the master is what forward uploads, so reading it back for every forward would
-double the tier's traffic. In a 16-bit compute dtype the fp32 master is the file's first tensor
-and the host keeps the compute copy forward uploads, refreshed by each update (``copy_out``)
-and after anything writes the file's master (a checkpoint load, a plan switch).
+training, not in the middle of an update. In fp32 the master stays in host memory: it is what
+forward uploads, so reading it back for every forward would double the tier's traffic. In a
+16-bit compute dtype the fp32 master is the file's first tensor and the host keeps the compute
+copy forward uploads, refreshed by each update (``copy_out``) and after anything writes the
+file's master (a checkpoint load, a plan switch). Kept gradients (clipping, fp16, accumulation)
+go to files of their own beside the state (nvme_grads.py): the host holds no gradient shard of
+an NVMe chunk.
 
 The host keeps ``min(3, n)`` slots of a shard's file tensors (page-aligned, from their own
 mmap): the update of chunk ``i`` runs on slot ``i mod slots``, so each chunk's kernel
@@ -35,8 +37,6 @@ be on disk), as a failed CUDA stream is.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import os
 import threading
 import weakref
@@ -47,13 +47,24 @@ from pathlib import Path
 import torch
 
 from protrain.profiler.host_bytes import NVME_SLOTS, nvme_file_bytes, nvme_tensor_bytes
+from protrain.runtime.chunks.nvme_files import (
+    NvmeCounters,
+    TierFile,
+    create_file,
+    drop_cache,
+    flush,
+    host_view,
+    read_into,
+    wait_io,
+    write_from,
+)
+from protrain.runtime.chunks.nvme_grads import NvmeGradients
 from protrain.runtime.hw import run_dirs
 from protrain.runtime.hw.device import DeviceEvent, HostWorker
 from protrain.runtime.hw.host_memory import MmapArena
 from protrain.runtime.hw.ssd_io import BLOCK_BYTES, SsdIoError, StagingBuffers, check_free_space, choose_direct_io
 
 RUN_DIR_PREFIX = "protrain-optim-"
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 @dataclass(slots=True)
@@ -69,25 +80,6 @@ class _Slot:
     """The slot's latest read or write on the I/O thread."""
 
 
-@dataclass(slots=True)
-class _StateFile:
-    path: Path
-    numel: int
-    """This rank's real elements of the chunk (each state tensor's length)."""
-    fd: int
-    slot: int
-
-
-@dataclass(slots=True)
-class NvmeCounters:
-    """Bytes the tier moved since the engine started (the figures a benchmark compares)."""
-
-    bytes_read: int = 0
-    bytes_written: int = 0
-    reads: int = 0
-    writes: int = 0
-
-
 class NvmeStateTier:
     """The files and slots of one chunk store's NVMe chunks (see the module docstring)."""
 
@@ -99,11 +91,13 @@ class NvmeStateTier:
         chunks: Sequence[tuple[int, int]],
         tensors: int,
         shard_numel: int,
+        gradients: bool = False,
         direct_io: bool | None = None,
     ) -> None:
         """``chunks``: (chunk index, this rank's real elements) of each NVMe chunk, in chunk
         order; ``tensors``: fp32 tensors each keeps in its file (profiler/host_bytes.py's
-        ``nvme_tensors``: the rule's state, and the master in a 16-bit compute dtype, first)."""
+        ``nvme_tensors``: the rule's state, and the master in a 16-bit compute dtype, first);
+        ``gradients``: the chunks keep their gradients (in files too: nvme_grads.py)."""
         if tensors <= 0:
             raise ValueError("the optimizer keeps no state per parameter: nothing to keep on NVMe")
         self.tensors = tensors
@@ -115,12 +109,14 @@ class NvmeStateTier:
         self.run_dir = run_dirs.create_run_dir(root, rank, prefix=RUN_DIR_PREFIX, what="optimizer state files")
         # Dropped without close, or the interpreter exits (Ctrl-C): the files go all the same.
         self._remove_dir = weakref.finalize(self, _remove_quietly, self.run_dir)
-        self._files: dict[int, _StateFile] = {}
+        self._files: dict[int, TierFile] = {}
         self._slots: list[_Slot] = []
         self._arena: MmapArena | None = None
         self._worker: HostWorker | None = None
+        self.gradients: NvmeGradients | None = None
+        """The chunks' kept gradients (clipping, fp16, accumulation), if they keep them."""
         try:
-            needed = sum(nvme_file_bytes(numel, tensors) for _, numel in chunks)
+            needed = sum(nvme_file_bytes(numel, tensors + (1 if gradients else 0)) for _, numel in chunks)
             check_free_space(self.run_dir, needed, what="optimizer state files", knob="memory.ssd.n_optimizer")
             self.direct_io = choose_direct_io(direct_io, self.run_dir, StagingBuffers(1, BLOCK_BYTES))
             count = min(NVME_SLOTS, len(chunks))
@@ -133,6 +129,15 @@ class NvmeStateTier:
             for position, (index, numel) in enumerate(chunks):
                 self._files[index] = self._create(index, numel, slot=position % max(1, count))
             self._worker = HostWorker("protrain-nvme-io", kind="the NVMe I/O thread")
+            if gradients:
+                self.gradients = NvmeGradients(
+                    run_dir=self.run_dir,
+                    chunks=chunks,
+                    shard_numel=shard_numel,
+                    direct_io=self.direct_io,
+                    submit=self._submit,
+                    counters=self.counters,
+                )
         except BaseException:
             self.close()
             raise
@@ -151,27 +156,15 @@ class NvmeStateTier:
             self.close()
             raise
 
-    def _create(self, index: int, numel: int, *, slot: int) -> _StateFile:
-        path = self.run_dir / f"chunk{index:05d}.state"
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | (_O_DIRECT if self.direct_io else 0)
-        try:
-            fd = os.open(path, flags, 0o600)
-        except OSError as err:
-            raise SsdIoError(err.errno, f"cannot create optimizer state file {path}: {err.strerror}") from err
-        size = nvme_file_bytes(numel, self.tensors)
-        if size == 0:  # this rank holds none of the chunk (its shard is padding)
-            return _StateFile(path=path, numel=numel, fd=fd, slot=slot)
-        try:
-            # Blocks reserved now: a later write overwrites them and cannot find the disk full.
-            os.posix_fallocate(fd, 0, size)
-        except OSError as err:
-            os.close(fd)
-            raise SsdIoError(
-                err.errno,
-                f"cannot reserve {size:,} bytes for optimizer state file {path}: {err.strerror}; "
-                "free some space, point memory.ssd.path at a larger disk or lower memory.ssd.n_optimizer",
-            ) from err
-        return _StateFile(path=path, numel=numel, fd=fd, slot=slot)
+    def _create(self, index: int, numel: int, *, slot: int) -> TierFile:
+        return create_file(
+            self.run_dir / f"chunk{index:05d}.state",
+            nvme_file_bytes(numel, self.tensors),
+            what="optimizer state file",
+            numel=numel,
+            slot=slot,
+            direct_io=self.direct_io,
+        )
 
     # ------------------------------------------------------------------ what the update sees
 
@@ -241,7 +234,7 @@ class NvmeStateTier:
             loaded = slot.last_io
         try:
             if loaded is not None:
-                _wait(loaded)
+                wait_io(loaded)
             yield
         except BaseException:
             with self._lock:
@@ -271,8 +264,10 @@ class NvmeStateTier:
         """Wait for every read and write queued; raise the first failure."""
         with self._lock:
             pending = [slot.last_io for slot in self._slots if slot.last_io is not None]
+        if self.gradients is not None:
+            pending += self.gradients.pending_io()
         for event in pending:
-            _wait(event)
+            wait_io(event)
 
     # ------------------------------------------------------------------ checkpoints, re-plans
 
@@ -299,16 +294,21 @@ class NvmeStateTier:
     @property
     def file_bytes(self) -> int:
         """Bytes the tier's files take on disk."""
-        return sum(nvme_file_bytes(f.numel, self.tensors) for f in self._files.values())
+        states = sum(nvme_file_bytes(f.numel, self.tensors) for f in self._files.values())
+        return states + (0 if self.gradients is None else self.gradients.file_bytes)
 
     @property
     def slot_bytes(self) -> int:
-        return 0 if self._arena is None else self._arena.capacity_bytes
+        """Host memory the tier maps: its state slots and gradient buffers."""
+        slots = 0 if self._arena is None else self._arena.capacity_bytes
+        return slots + (0 if self.gradients is None else self.gradients.buffer_bytes)
 
     def holds_tensor(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is slot memory or a view of a file ``mapped`` made (host memory,
         not the device's)."""
         if self._arena is not None and self._arena.contains(tensor):
+            return True
+        if self.gradients is not None and self.gradients.contains(tensor):
             return True
         pointer = tensor.untyped_storage().data_ptr()
         mapping = self._mapped.get(pointer)
@@ -319,19 +319,19 @@ class NvmeStateTier:
 
     # ------------------------------------------------------------------ the I/O thread
 
-    def _read(self, state_file: _StateFile, states: tuple[torch.Tensor, ...]) -> None:
+    def _read(self, state_file: TierFile, states: tuple[torch.Tensor, ...]) -> None:
         length = nvme_tensor_bytes(state_file.numel)
         for k, tensor in enumerate(states):
-            _pread_into(state_file, _buffer(tensor, length), k * length)
+            read_into(state_file, host_view(tensor, length), k * length)
         if not self.direct_io:
-            _drop_cache(state_file.fd)
+            drop_cache(state_file.fd)
 
-    def _write(self, state_file: _StateFile, states: tuple[torch.Tensor, ...]) -> None:
+    def _write(self, state_file: TierFile, states: tuple[torch.Tensor, ...]) -> None:
         length = nvme_tensor_bytes(state_file.numel)
         for k, tensor in enumerate(states):
-            _pwrite_from(state_file, _buffer(tensor, length), k * length)
+            write_from(state_file, host_view(tensor, length), k * length)
         if not self.direct_io:
-            _flush(state_file)
+            flush(state_file)
 
     # ------------------------------------------------------------------ closing
 
@@ -353,6 +353,8 @@ class NvmeStateTier:
             with contextlib.suppress(OSError):
                 os.close(state_file.fd)
         self._files.clear()
+        if self.gradients is not None:
+            self.gradients.close()
         self._remove_dir()
         if self._arena is not None:
             self._slots = []
@@ -362,64 +364,3 @@ class NvmeStateTier:
 def _remove_quietly(run_dir: Path) -> None:
     with contextlib.suppress(SsdIoError):
         run_dirs.remove_run_dir(run_dir)
-
-
-def _wait(event: DeviceEvent) -> None:
-    """Wait for an I/O job; its ``SsdIoError`` (the path and the cause) is what the caller sees."""
-    try:
-        event.wait()
-    except RuntimeError as err:
-        cause = err.__cause__
-        if isinstance(cause, SsdIoError):
-            raise cause from None
-        raise
-
-
-def _buffer(tensor: torch.Tensor, length: int) -> memoryview:
-    """``length`` bytes of slot memory from ``tensor``'s start (page-aligned) for the system calls."""
-    return memoryview((ctypes.c_char * length).from_address(tensor.data_ptr())).cast("B")
-
-
-def _pread_into(state_file: _StateFile, view: memoryview, offset: int) -> None:
-    done = 0
-    try:
-        while done < len(view):
-            count = os.preadv(state_file.fd, [view[done:]], offset + done)
-            if count == 0:
-                raise SsdIoError(
-                    errno.EIO,
-                    f"read of optimizer state file {state_file.path} failed: it ends at byte "
-                    f"{offset + done:,} (truncated by someone else?)",
-                )
-            done += count
-    except SsdIoError:
-        raise
-    except OSError as err:
-        raise SsdIoError(err.errno, f"read of optimizer state file {state_file.path} failed: {err.strerror}") from err
-
-
-def _pwrite_from(state_file: _StateFile, view: memoryview, offset: int) -> None:
-    done = 0
-    try:
-        while done < len(view):
-            count = os.pwrite(state_file.fd, view[done:], offset + done)
-            if count == 0:
-                raise OSError(errno.EIO, "the device accepted no bytes")
-            done += count
-    except OSError as err:
-        raise SsdIoError(err.errno, f"write of optimizer state file {state_file.path} failed: {err.strerror}") from err
-
-
-def _flush(state_file: _StateFile) -> None:
-    """Buffered I/O: make the write durable, then drop its pages (the page cache would hold the
-    state the tier exists to keep out of memory)."""
-    try:
-        os.fdatasync(state_file.fd)
-    except OSError as err:
-        raise SsdIoError(err.errno, f"write of optimizer state file {state_file.path} failed: {err.strerror}") from err
-    _drop_cache(state_file.fd)
-
-
-def _drop_cache(fd: int) -> None:
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

@@ -13,9 +13,8 @@ fp16's overflow check), which is known only after the last gradient:
   one on another rank, which only the step's agreement tells: its reduced gradient is held until
   then (the one gradient kept; none where every rank uses every parameter). The ranks agree
   before that backward whether any saw a non-finite loss (then the step is skipped and nothing
-  is updated early). A segment that had no gradient here but had one on
-  another rank is updated at the boundary. Nothing can undo an early update (no snapshot is
-  kept), so a backward that fails after one leaves the engine torn until a checkpoint is loaded.
+  is updated early). Nothing can undo an early update (no snapshot is kept), so a backward that
+  fails after one leaves the engine torn until a checkpoint is loaded.
 - yes, where host work runs beside compute (CUDA): two-phase. The last backward only takes each
   offloaded shard's squared norm on the host worker; the step computes the norm from them and
   queues each offloaded chunk's update (unscale and clip factors applied there, then the
@@ -27,7 +26,8 @@ No mode updates early and undoes from a snapshot when the clip triggers: that wa
 both and held more host memory (docs/decisions/0001-offloaded-update-modes.md).
 
 An NVMe chunk (``memory.ssd.n_optimizer``) is updated the same way, its optimizer state brought
-into a host slot around each update and the next one's read ahead (nvme_state.py).
+into a host slot around each update and the next one's read ahead (nvme_state.py), its kept
+gradient in a file passing through a host buffer (nvme_grads.py, ``KeptGradients``).
 
 This side receives reduced gradients through ``ReducedGradientSink`` (reduce.py) and nothing
 else from the device side. What it keeps per chunk for one window (early updates made, norms,
@@ -46,6 +46,7 @@ from protrain.profiler.host_bytes import FP32_BYTES, WIDEN_SLICE_NUMEL
 from protrain.profiler.plan import UpdateMode
 from protrain.runtime.chunks.early_updates import Armed, Speculation
 from protrain.runtime.chunks.grad_add import add_widened
+from protrain.runtime.chunks.kept_gradients import KeptGradients
 from protrain.runtime.chunks.store import Chunk, ChunkStore
 from protrain.runtime.chunks.trace_labels import job_label
 from protrain.runtime.chunks.waits import ExposedWaits
@@ -67,6 +68,7 @@ class ChunkOptimizer:
         self.waits = waits if waits is not None else ExposedWaits()
         """Where the main thread's waits for the host worker are counted (``host``)."""
         self.mode = mode
+        self.gradients = KeptGradients(None if store.tiers.nvme is None else store.tiers.nvme.gradients)
         self._norms_armed = False
         self._norm_squares: dict[int, torch.Tensor] = {}
         """Two-phase: each offloaded shard's squared gradient norm (float64), taken on the host
@@ -85,8 +87,8 @@ class ChunkOptimizer:
         self.applies_on_arrival = any(c.training is not None and not c.keeps_gradient for c in store.trainable_chunks())
         """Offloaded chunks keep no gradient shard: each reduced gradient is applied as it arrives."""
         self._held: dict[int, dict[int, torch.Tensor]] = {}
-        """Applied on arrival, several ranks: per chunk, per segment position, the reduced gradient
-        of a segment that had none here, until the step says whether another rank had one."""
+        """Applied on arrival, several ranks: per chunk and segment position, the reduced gradient of
+        a segment that had none here, until the step says whether another rank had one."""
         self._widen: MmapArena | None = None
         self._widened: torch.Tensor | None = None
         """Offloaded trainable chunks in a compute dtype other than fp32: the fp32 scratch a staged
@@ -94,7 +96,6 @@ class ChunkOptimizer:
         for CPU Adam when applied on arrival, a slice before each add when kept (grad_add.py)."""
         offloaded = any(not c.persistent for c in store.trainable_chunks())
         if offloaded and store.compute_dtype != torch.float32:
-            # Applied on arrival: a whole shard for CPU Adam; kept: a slice for each add.
             shard = store.layout.shard_numel
             numel = shard if self.applies_on_arrival else min(shard, WIDEN_SLICE_NUMEL)
             self._widen = MmapArena(numel * FP32_BYTES)
@@ -118,8 +119,8 @@ class ChunkOptimizer:
 
         def add() -> None:
             copied.wait()  # the copy into the staging buffer has landed
-            with torch.no_grad(), job_label("host_add", chunk.index):
-                add_widened(chunk.grad_shard, staged, self._widened)
+            with torch.no_grad(), job_label("host_add", chunk.index), self.gradients.held(chunk, writes=True) as grad:
+                add_widened(grad, staged, self._widened)
             release()
 
         return self._submit(add)
@@ -153,8 +154,10 @@ class ChunkOptimizer:
         if not chunk.keeps_gradient:
             return  # applied as it arrived (add_staged), or no rank had a gradient here
         if self._norms_armed and not chunk.persistent:
-            # After the chunk's adds on the same worker: its gradient is complete for the window.
-            self._submit(lambda: self._take_norm(chunk))
+            # After the chunk's adds on the same worker: its gradient is complete for the window
+            # (and an NVMe chunk's still in its buffer: the step's norm would read it back).
+            if self.mode is UpdateMode.TWO_PHASE or self.gradients.in_file(chunk):
+                self._submit(lambda: self._take_norm(chunk))
             return
         armed = self._armed
         if armed is not None and not chunk.persistent:
@@ -196,8 +199,8 @@ class ChunkOptimizer:
     @torch.no_grad()
     def _take_norm(self, chunk: Chunk) -> None:
         # The same fp32 pass and float64 square as ``grad_norm`` takes on the main thread.
-        with job_label("norm", chunk.index):
-            square = torch.linalg.vector_norm(chunk.grad_shard).double().cpu().square()
+        with job_label("norm", chunk.index), self.gradients.held(chunk, writes=False) as grad:
+            square = torch.linalg.vector_norm(grad).double().cpu().square()
         self._norm_squares[chunk.index] = square
 
     def _speculate(self, chunk: Chunk, reduced: DeviceEvent, active: list[bool], armed: Armed) -> None:
@@ -207,8 +210,10 @@ class ChunkOptimizer:
         if float(armed.any_nonfinite) > 0:
             return  # the step will be skipped on every rank
         reduced.wait()
-        with job_label("adam", chunk.index):
-            self._update_shard(chunk, chunk.grad_shard, active, armed.lr, in_backward=True)
+        with job_label("adam", chunk.index), self.gradients.held(chunk, writes=False) as grad:
+            if self.gradients.in_file(chunk):  # its norm while it is here, for the step's
+                self._norm_squares[chunk.index] = torch.linalg.vector_norm(grad).double().cpu().square()
+            self._update_shard(chunk, grad, active, armed.lr, in_backward=True)
         self._speculated[chunk.index] = Speculation(active=active)
         self.num_speculations += 1
 
@@ -334,24 +339,26 @@ class ChunkOptimizer:
             if square is None and not chunk.keeps_gradient:
                 continue  # applied on arrival, and no gradient arrived here this window
             if square is None:
-                square = torch.linalg.vector_norm(self._own_share(chunk, dist_ctx)).double().cpu().square()
+                with self.gradients.held(chunk, writes=False) as grad:
+                    square = torch.linalg.vector_norm(self._own_share(chunk, grad, dist_ctx)).double().cpu().square()
             squares += square
         all_reduce_sum_(squares, dist_ctx)
         return math.sqrt(float(squares))
 
-    def _own_share(self, chunk: Chunk, dist_ctx: DistContext) -> torch.Tensor:
+    def _own_share(self, chunk: Chunk, grad: torch.Tensor, dist_ctx: DistContext) -> torch.Tensor:
         """The gradient this rank's norm counts: its shard, or of a replicated chunk (whose whole
         gradient every rank holds) the slice its shard would be, so the ranks split the pass
         and the squares sum as the sharded chunk's do."""
         if not chunk.is_replicated:
-            return chunk.grad_shard
+            return grad
         shard_numel = self.store.layout.shard_numel
-        return chunk.grad_shard[dist_ctx.rank * shard_numel : (dist_ctx.rank + 1) * shard_numel]
+        return grad[dist_ctx.rank * shard_numel : (dist_ctx.rank + 1) * shard_numel]
 
     def scale_grads_(self, factor: float) -> None:
         self._norm_squares.clear()  # taken before the scaling
         for chunk in self.trainable_chunks():
-            chunk.grad_shard.mul_(factor)
+            with self.gradients.held(chunk, writes=True) as grad:
+                grad.mul_(factor)
 
     def step(
         self,
@@ -404,12 +411,12 @@ class ChunkOptimizer:
     ) -> Callable[[], None]:
         @torch.no_grad()
         def update() -> None:
-            with job_label("adam", chunk.index):
+            with job_label("adam", chunk.index), self.gradients.held(chunk, writes=not zero) as grad:
                 for factor in grad_factors:
-                    chunk.grad_shard.mul_(factor)
-                self._update_shard(chunk, chunk.grad_shard, wanted, lr, in_backward=False)
-                if zero:
-                    chunk.grad_shard.zero_()
+                    grad.mul_(factor)
+                self._update_shard(chunk, grad, wanted, lr, in_backward=False)
+            if zero:
+                self.gradients.zero(chunk, grad)
 
         return update
 
@@ -434,7 +441,7 @@ class ChunkOptimizer:
             if chunk.index in self._pending_updates or not chunk.keeps_gradient or chunk.index in zeroed:
                 continue
             if not self.store.direct_grads(chunk):  # direct: copied over next window (reduce.py)
-                chunk.grad_shard.zero_()
+                self.gradients.zero(chunk)
 
     def close(self) -> None:
         self._worker.close()

@@ -90,6 +90,8 @@ class ShardTraining:
     master_on_nvme: bool = False
     """The fp32 master is in the file too (a 16-bit compute dtype): the chunk's ``master`` is its
     compute copy, which each update refreshes (nvme_state.py)."""
+    grad_in_file: bool = False
+    """The kept gradient is in a file of the tier (``grad_shard`` None; nvme_grads.py)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -139,14 +141,18 @@ class Chunk:
     def grad_shard(self) -> torch.Tensor:
         grad_shard = self._training().grad_shard
         if grad_shard is None:
-            raise RuntimeError(f"chunk {self.index} applies each gradient as it arrives: it keeps no gradient shard")
+            in_file = self._training().grad_in_file
+            where = "keeps its gradient in a file" if in_file else "applies each gradient as it arrives"
+            raise RuntimeError(f"chunk {self.index} {where}: it keeps no gradient shard")
         return grad_shard
 
     @property
     def keeps_gradient(self) -> bool:
         """A trainable chunk with a gradient shard (every persistent one; offloaded ones when
-        gradients must be kept across micro-batches or until the norm is known)."""
-        return self.training is not None and self.training.grad_shard is not None
+        gradients must be kept across micro-batches or until the norm is known; an NVMe chunk's
+        is in a file)."""
+        training = self.training
+        return training is not None and (training.grad_shard is not None or training.grad_in_file)
 
     @property
     def numel(self) -> int:

@@ -62,7 +62,14 @@ def build_store(
         raise ValueError(f"n_replicate={n_replicate} exceeds n_persist={n_persist}: only persistent chunks replicate")
     element_size = torch.empty((), dtype=compute_dtype).element_size()
     nvme = _build_nvme_tier(
-        layout, n_persist, n_optimizer, nvme_root, rank=dist_ctx.rank, optimizer=optimizer, element_size=element_size
+        layout,
+        n_persist,
+        n_optimizer,
+        nvme_root,
+        rank=dist_ctx.rank,
+        optimizer=optimizer,
+        element_size=element_size,
+        gradients=keeps_gradients,
     )
     if nvme is not None:
         nvme.check_room(*nvme_beside)
@@ -128,9 +135,10 @@ def _build_nvme_tier(
     rank: int,
     optimizer: OptimizerRule,
     element_size: int,
+    gradients: bool,
 ) -> NvmeStateTier | None:
     """The files of the last ``n_optimizer`` offloaded trainable chunks (profiler/host_bytes.py's
-    ``nvme_positions``), or None."""
+    ``nvme_positions``; with their gradients when kept), or None."""
     if n_optimizer <= 0:
         return None
     offloaded = [info for info in layout.chunks if info.index >= n_persist]
@@ -158,6 +166,7 @@ def _build_nvme_tier(
         chunks=chunks,
         tensors=tensors,
         shard_numel=layout.shard_numel,
+        gradients=gradients,
     )
 
 
@@ -277,9 +286,10 @@ class _ChunkBuilder:
 
     def _training(self, master: torch.Tensor, segments: list[Segment], persistent: bool, index: int) -> ShardTraining:
         numel = master.numel()
-        kept = persistent or self.keeps_gradients
-        grad_shard = self._zeros(numel, persistent) if kept else None
         nvme = self.tiers.nvme if self.tiers.nvme is not None and self.tiers.nvme.holds(index) else None
+        grad_in_file = nvme is not None and nvme.gradients is not None
+        kept = (persistent or self.keeps_gradients) and not grad_in_file
+        grad_shard = self._zeros(numel, persistent) if kept else None
         master_on_nvme = nvme is not None and master.dtype != torch.float32
         kernel_master = master
         if nvme is not None:
@@ -295,7 +305,13 @@ class _ChunkBuilder:
             hyper=hyper,
             states=states,
         )
-        return ShardTraining(grad_shard=grad_shard, optimizer=optimizer, nvme=nvme, master_on_nvme=master_on_nvme)
+        return ShardTraining(
+            grad_shard=grad_shard,
+            optimizer=optimizer,
+            nvme=nvme,
+            master_on_nvme=master_on_nvme,
+            grad_in_file=grad_in_file,
+        )
 
     def _place(self, tensor: torch.Tensor, persistent: bool) -> torch.Tensor:
         """A copy of ``tensor`` where the chunk's state lives (tiers.py)."""

@@ -184,7 +184,8 @@ def update_shards(
         # applied as they arrived, the squares the host worker took of each gradient).
         grad_norm = chunks.grad_norm()
     if not skipped and (settings.gradient_clipping > 0 or loss_scaler is not None):
-        if chunks.update_mode is UpdateMode.TWO_PHASE and (loss_scaler is None or _power_of_two(loss_scaler.scale)):
+        factored = chunks.update_mode is UpdateMode.TWO_PHASE or chunks.gradients_in_files
+        if factored and (loss_scaler is None or _power_of_two(loss_scaler.scale)):
             grad_norm, factors = _norm_and_factors(chunks, loss_scaler, settings.gradient_clipping)
         else:
             grad_norm = _unscale_and_clip(chunks, loss_scaler, settings.gradient_clipping)

@@ -40,8 +40,12 @@ class Case:
     accumulation: int = 1
     n_optimizer: int = 0
     """Offloaded chunks whose optimizer state is in files (8 bytes per parameter fewer there; in
-    bf16 the fp32 master too, the host keeping a 2-byte compute copy: 10 fewer), and the NVMe
-    tier's slots beside the staging."""
+    bf16 the fp32 master too, the host keeping a 2-byte compute copy: 10 fewer; a kept gradient
+    too: 4 more), and the NVMe tier's slots and gradient buffers beside the staging."""
+
+    @property
+    def keeps_gradients(self) -> bool:
+        return "gradient_clipping" in self.spec or self.accumulation > 1
 
 
 CASES = {
@@ -51,6 +55,9 @@ CASES = {
     "applied-as-they-arrive-bf16": Case({"precision": "bf16"}, 12),
     "optimizer-state-on-nvme": Case({"gradient_clipping": 1.0}, 16, n_optimizer=2),
     "master-and-state-on-nvme-bf16": Case({"precision": "bf16"}, 12, n_optimizer=4),
+    "gradients-on-nvme-bf16": Case(
+        {"precision": "bf16", "gradient_accumulation_steps": 2}, 16, accumulation=2, n_optimizer=4
+    ),
 }
 
 
@@ -71,8 +78,7 @@ def host_state(engine: Any) -> Iterator[torch.Tensor]:
             continue
         yield chunk.master
         if chunk.training is not None and chunk.state_on_nvme:
-            if chunk.training.grad_shard is not None:
-                yield chunk.training.grad_shard
+            assert chunk.training.grad_shard is None, "an NVMe chunk's kept gradient is in a file"
         elif chunk.training is not None:
             yield chunk.training.optimizer.exp_avg
             yield chunk.training.optimizer.exp_avg_sq
@@ -129,7 +135,8 @@ def test_host_bytes_per_offloaded_parameter_are_counted_exactly(tmp_path: Path, 
         on_nvme = sum(chunk.master.numel() for chunk in engine.chunks.chunks if chunk.state_on_nvme)
         assert (on_nvme > 0) == (case.n_optimizer > 0)
         bf16 = case.spec.get("precision") == "bf16"
-        assert state_bytes == case.bytes_per_param * parameters - (10 if bf16 else 8) * on_nvme
+        in_files = (10 if bf16 else 8) + (4 if case.keeps_gradients else 0)
+        assert state_bytes == case.bytes_per_param * parameters - in_files * on_nvme
         regions = mapped_regions()
         for tensor in state:
             begin = tensor.data_ptr()
@@ -142,8 +149,9 @@ def test_host_bytes_per_offloaded_parameter_are_counted_exactly(tmp_path: Path, 
         nvme = engine.chunks.store.tiers.nvme
         slots = 0 if nvme is None else nvme.slot_bytes
         # The NVMe tier's slots: one per NVMe chunk up to three, each a chunk's two moments (and
-        # in bf16 its fp32 master).
-        assert slots == min(3, case.n_optimizer) * (3 if bf16 else 2) * chunk_fp32
+        # in bf16 its fp32 master); kept gradients pass through two buffers of a chunk each.
+        gradient_buffers = min(2, case.n_optimizer) if case.keeps_gradients else 0
+        assert slots == (min(3, case.n_optimizer) * (3 if bf16 else 2) + gradient_buffers) * chunk_fp32
 
     peak = max(samples)
     assert min(samples) == peak, "host regions are fixed for the run: mapped once, never grown"

@@ -82,8 +82,23 @@ CASES = {
     "bf16": {"precision": "bf16"},
     "accumulation-2": {"accumulation": 2},
     "clipped": {"gradient_clipping": 0.05},
+    "bf16-clipped": {"precision": "bf16", "gradient_clipping": 0.05},
     "lion": {"optimizer": {"type": "lion", "lr": 1e-4}},
 }
+
+
+def expected_io(case: dict[str, Any]) -> tuple[int, int]:
+    """(reads, writes) of the tier's files over the run. State: every update writes each NVMe
+    chunk's back; the chunks alone in their slot are read once, the two sharing one every update.
+    Kept gradients (nvme_grads.py): written by every micro-batch's add; read by each add after a
+    window's first, and by the update unless a buffer still holds it (the first two chunks the
+    update reaches) or, updated early, it follows the add."""
+    reads, writes = NVME_CHUNKS + 2 * (STEPS - 1), STEPS * NVME_CHUNKS
+    if "gradient_clipping" in case:  # one micro-batch; updated at the step
+        return reads + STEPS * (NVME_CHUNKS - 2), writes + STEPS * NVME_CHUNKS
+    if case.get("accumulation", 1) == 2:  # the second micro-batch reads each; updated early
+        return reads + STEPS * NVME_CHUNKS, writes + 2 * STEPS * NVME_CHUNKS
+    return reads, writes
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
@@ -93,13 +108,49 @@ def test_state_on_nvme_trains_bit_identically(tmp_path: Path, case: dict[str, An
     assert_state_equal(on_nvme["state"], in_memory["state"])
     assert on_nvme["losses"] == in_memory["losses"]
     counters, files = on_nvme["counters"], on_nvme["files"]
-    # One file per NVMe chunk, each state tensor 4 KiB-aligned; every update writes each back.
-    assert len(files) == NVME_CHUNKS and all(size % 4096 == 0 and size > 0 for size in files.values())
-    assert counters.writes == STEPS * NVME_CHUNKS
-    assert counters.bytes_written == STEPS * sum(files.values())
-    # The chunks alone in their slot are read once; the two sharing one, every update.
-    assert counters.reads == NVME_CHUNKS + 2 * (STEPS - 1)
+    # One state file per NVMe chunk (and a gradient file when gradients are kept), each tensor
+    # 4 KiB-aligned.
+    kept = "gradient_clipping" in case or case.get("accumulation", 1) > 1
+    assert len(files) == NVME_CHUNKS * (2 if kept else 1)
+    assert all(size % 4096 == 0 and size > 0 for size in files.values())
+    assert (counters.reads, counters.writes) == expected_io(case)
+    state_bytes = sum(size for name, size in files.items() if name.endswith(".state"))
+    grad_bytes = sum(size for name, size in files.items() if name.endswith(".grad"))
+    grad_writes = counters.writes - STEPS * NVME_CHUNKS
+    assert counters.bytes_written == STEPS * state_bytes + grad_writes // NVME_CHUNKS * grad_bytes
     assert not on_nvme["dir"].exists(), "the engine's files went when it closed"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_kept_gradients_are_in_the_files(tmp_path: Path, precision: str) -> None:
+    """Mid-window (accumulation 2, the first micro-batch's backward done) each NVMe chunk's
+    gradient, read from its file with plain file I/O, is the in-memory run's gradient shard; the
+    host holds no gradient shard of those chunks, only the tier's two buffers of a chunk each."""
+    data = lm_batches(micro_batch_size=2, accumulation=2, world_size=1)
+
+    def first_micro_batch(engine: Any) -> None:
+        engine.backward(engine(**data.batch(0, 0, 0)).loss)
+        engine.chunks.drain()
+
+    spec = job(tmp_path / "ram", n_optimizer=0, precision=precision, gradient_accumulation_steps=2)
+    with runtime.initialize(tiny_gpt(0), config=spec) as plain:
+        first_micro_batch(plain)
+        expected = {c.index: c.grad_shard.clone() for c in plain.chunks.chunks if c.training is not None}
+    spec = job(tmp_path / "nvme", n_optimizer=NVME_CHUNKS, precision=precision, gradient_accumulation_steps=2)
+    with runtime.initialize(tiny_gpt(0), config=spec) as engine:
+        first_micro_batch(engine)
+        nvme = engine.chunks.store.tiers.nvme
+        assert nvme is not None and nvme.gradients is not None
+        nvme.drain()
+        on_nvme = [chunk for chunk in engine.chunks.chunks if chunk.state_on_nvme]
+        assert len(on_nvme) == NVME_CHUNKS
+        for chunk in on_nvme:
+            assert chunk.training is not None and chunk.training.grad_shard is None
+            path = nvme.run_dir / f"chunk{chunk.index:05d}.grad"
+            raw = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.float32)
+            assert torch.equal(raw[: chunk.master.numel()], expected[chunk.index])
+        assert nvme.gradients.buffer_bytes == 2 * engine.chunks.layout.shard_numel * 4
+        engine.step()  # the window ends normally
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -171,3 +171,22 @@ def test_a_4_tb_drive_beside_1_tb_fits_models_twice_as_large_on_an_a100(capsys: 
     assert main(["--what-if", str(HARDWARE / "rtx4090-64gb-nvme.yaml"), "--model-config", "llama-2-7b", "--ssd"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "NVMe optimizer state" in out and "per update" in out and "per day" in out
+
+
+def test_kept_gradients_go_to_files_too() -> None:
+    """With gradients kept (clipping, accumulation) an NVMe chunk's gradient is in a file of its
+    own: written every update, read back for the update but by the first two chunks it reaches
+    (their buffers still hold them); the host keeps two gradient buffers instead of a gradient
+    shard per NVMe chunk."""
+    costs = chunk_costs(four_blocks(), hardware(**DISK), CHUNK)
+    state, grad = 2 * 4 * MIB, 4 * MIB
+    assert nvme_io_bytes(costs, 1, keeps_gradients=True) == (0, state + grad)
+    assert nvme_io_bytes(costs, 4, keeps_gradients=True) == (2 * state + 2 * grad, 4 * (state + grad))
+
+    def kept_gradient_bytes(n_optimizer: int) -> int:
+        kept = offloaded_host_bytes(costs, 0, keeps_gradients=True, n_optimizer=n_optimizer)
+        return kept - offloaded_host_bytes(costs, 0, keeps_gradients=False, n_optimizer=n_optimizer)
+
+    staging = kept_gradient_bytes(0) - 4 * grad  # the four shards in RAM; the rest is staging
+    assert kept_gradient_bytes(4) == 2 * grad + staging
+    assert kept_gradient_bytes(1) == 3 * grad + grad + staging  # three in RAM, one buffer
