@@ -59,10 +59,11 @@ class GradientBufferPool:
         """The most buffers alive at once since the pool was made (for tests and benchmarks)."""
         self._chaos = stream_chaos.enabled()
 
-    def take(self) -> torch.Tensor:
-        """A zeroed buffer: the oldest one whose reduction has run, a new one below capacity, or
-        else the oldest one, whose reduction compute waits for here (the host on CPU, the
-        compute stream on CUDA)."""
+    def take(self, *, zeroed: bool = True) -> torch.Tensor:
+        """A buffer (zeroed, unless the caller writes or zeroes every element itself): the oldest
+        one whose reduction has run, a new one below capacity, or else the oldest one, whose
+        reduction compute waits for here (the host on CPU, the compute stream on CUDA). Under
+        stream chaos a buffer not zeroed is NaN, so an element the caller missed shows."""
         # Buffers allocated past capacity (nothing was in flight to wait for) are freed as soon
         # as their reduction has run, not kept for the rest of backward.
         while self.allocated > self.capacity and self._reducing and self._reducing[0][0].query():
@@ -75,10 +76,15 @@ class GradientBufferPool:
             if self._chaos:
                 self._check_reduced(event)
                 stream_chaos.poison_(buffer)
-            return buffer.zero_()
+            return buffer.zero_() if zeroed else buffer
         self.allocated += 1
         self.most_allocated = max(self.most_allocated, self.allocated)
-        return torch.zeros(self.numel, dtype=self.dtype, device=self.device.device)
+        if zeroed:
+            return torch.zeros(self.numel, dtype=self.dtype, device=self.device.device)
+        fresh = torch.empty(self.numel, dtype=self.dtype, device=self.device.device)
+        if self._chaos:
+            stream_chaos.poison_(fresh)
+        return fresh
 
     def reducing(self, buffer: torch.Tensor, done: DeviceEvent) -> None:
         """``buffer`` is read by side-stream work until ``done``; it may be reused after that."""

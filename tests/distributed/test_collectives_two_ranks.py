@@ -105,8 +105,8 @@ def train_counting_gradient_buffers(*, rank: int, output_dir: str) -> dict[str, 
     taken: dict[int, weakref.ref[torch.Tensor]] = {}
     take = chunks.reducer.grad_pool.take
 
-    def take_and_watch() -> torch.Tensor:
-        buffer = take()
+    def take_and_watch(*, zeroed: bool = True) -> torch.Tensor:
+        buffer = take(zeroed=zeroed)
         taken[id(buffer)] = weakref.ref(buffer)
         return buffer
 

@@ -60,11 +60,11 @@ def _skip_gradient_buffer_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     # GradientBufferPool.take's wait for the oldest reduction before its buffer is reused.
     original = GradientBufferPool.take
 
-    def without_wait(self: GradientBufferPool) -> torch.Tensor:
+    def without_wait(self: GradientBufferPool, *, zeroed: bool = True) -> torch.Tensor:
         stream = self.stream
         self.stream = SimpleNamespace(make_compute_wait=lambda event: None)  # type: ignore[assignment]
         try:
-            return original(self)
+            return original(self, zeroed=zeroed)
         finally:
             self.stream = stream
 
