@@ -609,6 +609,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per candidate first (>= 1)")
     parser.add_argument("--memory-steps", type=int, default=2, help="steps after warm-up in the memory phase")
     parser.add_argument("--timeout-s", type=float, default=900, help="per phase, for the ranks' results")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=[kind.value for kind in Kind if kind is not Kind.DDP],
+        help="time and measure only these candidates beside DDP (the minimum-buffer plan comes along "
+        "when another all-offloaded one is named: theirs derive from it)",
+    )
     parser.add_argument("--smoke", action="store_true", help="one tiny step of each (a test)")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -691,7 +698,7 @@ def print_table(
         f"ProTrain peak MiB includes profiling: each memory run started from an empty profile cache, "
         f"as a user's first run does (profiled in {profiled} of {len(measured)} runs)"
     )
-    for kind in PROTRAIN_KINDS:
+    for kind in (kind for kind in PROTRAIN_KINDS if "reason" not in rows[kind]):
         versus, mib = vs_fsdp2(kind), peak(kind)
         if versus is None or ddp_mib is None or mib is None:
             print(f"{rows[kind]['label']}: target not checkable (DDP or FSDP2 did not run)")
@@ -744,6 +751,11 @@ def print_table(
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     kinds = [kind for kind in Kind if kind is not Kind.DEEPSPEED or deepspeed_importable()]
+    if args.only:
+        wanted = {Kind.DDP, *(Kind(value) for value in args.only)}
+        if wanted & {Kind.PROTRAIN_MORE, Kind.PROTRAIN_ALL}:
+            wanted.add(Kind.PROTRAIN_MIN)
+        kinds = [kind for kind in kinds if kind in wanted]
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as output_dir:
 
         def empty_cache(name: str) -> str:
@@ -755,7 +767,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         timed = run_ranks(timing_job, args.timeout_s)[0]
         rows = {Kind(key): value for key, value in timed["rows"].items()}
         plans: dict[Kind, dict[str, int]] = {}
-        for kind in PROTRAIN_KINDS:  # each in a pair of its own, beside a DDP of its own
+        for kind in (kind for kind in PROTRAIN_KINDS if kind in kinds):  # each beside a DDP of its own
             pair_job = Job(
                 phase=Phase.TIME,
                 kinds=(Kind.DDP, kind),
@@ -769,6 +781,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             plans[kind] = pair["plan"][kind.value]
         if Kind.DEEPSPEED not in rows:
             rows[Kind.DEEPSPEED] = {"label": PEER_LABELS[Kind.DEEPSPEED], "reason": "not installed"}
+        for kind in Kind:
+            rows.setdefault(kind, {"label": PEER_LABELS.get(kind, kind.value), "reason": "not asked for (--only)"})
         memory: dict[Kind, dict[str, Any]] = {}
         for kind in kinds:
             if "reason" in rows[kind]:

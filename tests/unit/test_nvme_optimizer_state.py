@@ -286,6 +286,27 @@ def test_a_file_cut_short_fails_naming_it(tmp_path: Path) -> None:
             train_updates(engine, data, range(1, 2))
         error = caught.value if isinstance(caught.value, SsdIoError) else caught.value.__cause__
         assert isinstance(error, SsdIoError) and str(victim) in str(error) and "truncated" in str(error)
+    assert not nvme.run_dir.exists(), "the files went with the engine"
+
+
+def test_a_gradient_file_cut_short_fails_naming_it(tmp_path: Path) -> None:
+    """Mid-window (accumulation 2) a kept gradient is read back by the next micro-batch's add: a
+    file cut short behind the engine's back fails there, naming it, and the files still go."""
+    data = lm_batches(micro_batch_size=2, accumulation=2, world_size=1)
+    spec = job(tmp_path, n_optimizer=NVME_CHUNKS, gradient_accumulation_steps=2)
+    with runtime.initialize(tiny_gpt(0), config=spec) as engine:
+        engine.backward(engine(**data.batch(0, 0, 0)).loss)
+        engine.chunks.drain()
+        nvme = engine.chunks.store.tiers.nvme
+        nvme.drain()
+        victim = nvme.run_dir / "chunk00011.grad"
+        os.truncate(victim, 0)
+        with pytest.raises((SsdIoError, RuntimeError)) as caught:
+            engine.backward(engine(**data.batch(0, 1, 0)).loss)
+            engine.step()
+        error = caught.value if isinstance(caught.value, SsdIoError) else caught.value.__cause__
+        assert isinstance(error, SsdIoError) and str(victim) in str(error) and "truncated" in str(error)
+    assert not nvme.run_dir.exists(), "the files went with the engine"
 
 
 def test_spec_needs_a_path() -> None:
