@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,6 +99,24 @@ def write_from(tier_file: TierFile, view: memoryview, offset: int) -> None:
             done += count
     except OSError as err:
         raise SsdIoError(err.errno, f"write of {tier_file.what} {tier_file.path} failed: {err.strerror}") from err
+
+
+def read_tensors(tier_file: TierFile, tensors: Sequence[torch.Tensor], length: int, *, direct_io: bool) -> None:
+    """The file into ``tensors``: ``length`` bytes each, tensor k from offset k x ``length``
+    (buffered I/O: the pages dropped after)."""
+    for k, tensor in enumerate(tensors):
+        read_into(tier_file, host_view(tensor, length), k * length)
+    if not direct_io:
+        drop_cache(tier_file.fd)
+
+
+def write_tensors(tier_file: TierFile, tensors: Sequence[torch.Tensor], length: int, *, direct_io: bool) -> None:
+    """``tensors`` into the file as ``read_tensors`` reads them (buffered I/O: made durable, then
+    the pages dropped)."""
+    for k, tensor in enumerate(tensors):
+        write_from(tier_file, host_view(tensor, length), k * length)
+    if not direct_io:
+        flush(tier_file)
 
 
 def flush(tier_file: TierFile) -> None:

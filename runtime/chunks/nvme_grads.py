@@ -31,17 +31,7 @@ from pathlib import Path
 import torch
 
 from protrain.profiler.host_bytes import NVME_GRADIENT_BUFFERS, nvme_tensor_bytes
-from protrain.runtime.chunks.nvme_files import (
-    NvmeCounters,
-    TierFile,
-    create_file,
-    drop_cache,
-    flush,
-    host_view,
-    read_into,
-    wait_io,
-    write_from,
-)
+from protrain.runtime.chunks.nvme_files import NvmeCounters, TierFile, create_file, read_tensors, wait_io, write_tensors
 from protrain.runtime.hw.device import DeviceEvent
 from protrain.runtime.hw.host_memory import MmapArena
 
@@ -161,14 +151,10 @@ class NvmeGradients:
             return [buffer.last_io for buffer in self._buffers if buffer.last_io is not None]
 
     def _read(self, grad_file: TierFile, tensor: torch.Tensor) -> None:
-        read_into(grad_file, host_view(tensor, nvme_tensor_bytes(grad_file.numel)), 0)
-        if not self.direct_io:
-            drop_cache(grad_file.fd)
+        read_tensors(grad_file, (tensor,), nvme_tensor_bytes(grad_file.numel), direct_io=self.direct_io)
 
     def _write(self, grad_file: TierFile, tensor: torch.Tensor) -> None:
-        write_from(grad_file, host_view(tensor, nvme_tensor_bytes(grad_file.numel)), 0)
-        if not self.direct_io:
-            flush(grad_file)
+        write_tensors(grad_file, (tensor,), nvme_tensor_bytes(grad_file.numel), direct_io=self.direct_io)
 
     def close(self) -> None:
         """Close the files (the tier removes its run directory) and unmap the buffers; the I/O

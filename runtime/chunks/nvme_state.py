@@ -47,17 +47,7 @@ from pathlib import Path
 import torch
 
 from protrain.profiler.host_bytes import NVME_SLOTS, nvme_file_bytes, nvme_tensor_bytes
-from protrain.runtime.chunks.nvme_files import (
-    NvmeCounters,
-    TierFile,
-    create_file,
-    drop_cache,
-    flush,
-    host_view,
-    read_into,
-    wait_io,
-    write_from,
-)
+from protrain.runtime.chunks.nvme_files import NvmeCounters, TierFile, create_file, read_tensors, wait_io, write_tensors
 from protrain.runtime.chunks.nvme_grads import NvmeGradients
 from protrain.runtime.hw import run_dirs
 from protrain.runtime.hw.device import DeviceEvent, HostWorker
@@ -320,18 +310,10 @@ class NvmeStateTier:
     # ------------------------------------------------------------------ the I/O thread
 
     def _read(self, state_file: TierFile, states: tuple[torch.Tensor, ...]) -> None:
-        length = nvme_tensor_bytes(state_file.numel)
-        for k, tensor in enumerate(states):
-            read_into(state_file, host_view(tensor, length), k * length)
-        if not self.direct_io:
-            drop_cache(state_file.fd)
+        read_tensors(state_file, states, nvme_tensor_bytes(state_file.numel), direct_io=self.direct_io)
 
     def _write(self, state_file: TierFile, states: tuple[torch.Tensor, ...]) -> None:
-        length = nvme_tensor_bytes(state_file.numel)
-        for k, tensor in enumerate(states):
-            write_from(state_file, host_view(tensor, length), k * length)
-        if not self.direct_io:
-            flush(state_file)
+        write_tensors(state_file, states, nvme_tensor_bytes(state_file.numel), direct_io=self.direct_io)
 
     # ------------------------------------------------------------------ closing
 
