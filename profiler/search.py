@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from protrain.profiler.activation_cost import ActivationCost, ActivationOption, activation_cost
-from protrain.profiler.chunking import ChunkTooSmallError, search_chunk_bytes
+from protrain.profiler.chunking import ChunkTooSmallError, candidate_chunk_bytes
 from protrain.profiler.cost_model import (
     ChunkCosts,
     Prediction,
@@ -368,7 +368,10 @@ def _costs_by_size(
     if chunk_size is not None:
         yield chunk_costs(model, hardware, chunk_size, optimizer_states=optimizer_states)
         return
-    for size in search_chunk_bytes(model.param_sizes, model.element_size, hardware.world_size):
+    e = model.element_size
+    total = sum(numel for numel, _ in model.param_sizes) * e
+    largest = max((numel for numel, _ in model.param_sizes), default=1) * e
+    for size in candidate_chunk_bytes(total, largest):
         try:
             yield chunk_costs(model, hardware, size, optimizer_states=optimizer_states)
         except ChunkTooSmallError:

@@ -209,10 +209,13 @@ def random_model(rng: random.Random, blocks: int) -> ModelProfile:
 
 
 def chunk_plans(model: ModelProfile, hw: HardwareProfile) -> Iterator[tuple[ChunkCosts, int, int]]:
-    """Every valid (chunk costs, n_persist, n_buffer) over the search's chunk sizes."""
-    from protrain.profiler.chunking import search_chunk_bytes
+    """Every valid (chunk costs, n_persist, n_buffer) over the candidate chunk sizes."""
+    from protrain.profiler.chunking import candidate_chunk_bytes
 
-    for size in search_chunk_bytes(model.param_sizes, model.element_size, hw.world_size):
+    e = model.element_size
+    total = sum(n for n, _ in model.param_sizes) * e
+    largest = max(n for n, _ in model.param_sizes) * e
+    for size in candidate_chunk_bytes(total, largest):
         costs = chunk_costs(model, hw, size)
         n = costs.num_chunks
         for p in range(n + 1):
@@ -257,12 +260,13 @@ def test_search_equals_brute_force_and_prunes(seed: int) -> None:
 
 
 def smallest_plan_bytes(model: ModelProfile, hw: HardwareProfile) -> int:
-    from protrain.profiler.chunking import search_chunk_bytes
+    from protrain.profiler.chunking import candidate_chunk_bytes
 
-    sizes = search_chunk_bytes(model.param_sizes, model.element_size, hw.world_size)
+    total = sum(n for n, _ in model.param_sizes) * model.element_size
+    largest = max(n for n, _ in model.param_sizes) * model.element_size
     return min(
         predict(model, hw, costs, n_persist=0, n_buffer=costs.need[0]).peak_device_bytes
-        for costs in (chunk_costs(model, hw, size) for size in sizes)
+        for costs in (chunk_costs(model, hw, size) for size in candidate_chunk_bytes(total, largest))
     )
 
 
