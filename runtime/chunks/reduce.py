@@ -40,7 +40,7 @@ from protrain.runtime.chunks.staging import Staged, StagingRing
 from protrain.runtime.chunks.store import Chunk, ChunkStore
 from protrain.runtime.chunks.trace_labels import job_label
 from protrain.runtime.hw.device import DeviceEvent, used_on_this_stream
-from protrain.runtime.hw.distributed import all_reduce_flat_, reduce_scatter_flat_
+from protrain.runtime.hw.distributed import all_reduce_flat_, reduce_scatter_flat_, reduce_scatter_into
 
 
 class ReducedGradientSink(Protocol):
@@ -378,7 +378,13 @@ class GradientReducer:
     def _copy_to_host(self, buffer: torch.Tensor, staged: Staged, numel: int) -> None:
         """On the side stream: this rank's reduced part (its ``numel`` real elements: the host
         shard holds no padding) into the staging buffer, asynchronously on CUDA (pinned
-        memory), once the buffer's previous user has added it."""
+        memory), once the buffer's previous user has added it. CPU ranks reduce straight into
+        the staging buffer (two gloo ranks: the other's part is received there, no copy after)."""
+        world = self.store.dist_ctx.world_size
+        if world > 1 and not buffer.is_cuda:
+            staged.wait_until_free()
+            reduce_scatter_into(staged.buffer, buffer, self.store.dist_ctx.group)[:numel].div_(world)
+            return
         reduced = self._reduce_part(buffer)
         staged.wait_until_free()
         staged.buffer[:numel].copy_(reduced[:numel], non_blocking=True)

@@ -1,8 +1,8 @@
 """The engine's flat collectives on two gloo ranks, and the gradient buffers backward reuses.
 
-On gloo the chunk engine all-gathers with one broadcast per rank and reduce-scatters with one
-in-place reduce per rank (runtime/hw/distributed.py says why); these must give exactly what torch's
-own flat collectives give. Backward's gradient buffers come from a small pool: a step with many
+On gloo the chunk engine all-gathers and reduce-scatters with one exchange between two ranks, or
+one broadcast or in-place reduce per rank (runtime/hw/distributed.py says why); these must give
+exactly what torch's own flat collectives give. Backward's gradient buffers come from a small pool: a step with many
 offloaded chunks keeps only a few alive, counted here from the live tensors themselves."""
 
 from __future__ import annotations
@@ -24,19 +24,20 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def flat_collectives(*, rank: int) -> list[str]:
-    """Every case where ours and torch's differ (empty: all equal)."""
+    """Every case where ours and torch's differ (empty: all equal), at the pool's world size."""
     import torch.distributed as dist
 
-    from protrain.runtime.hw.distributed import all_gather_flat, reduce_scatter_flat_
+    from protrain.runtime.hw.distributed import all_gather_flat, reduce_scatter_flat_, reduce_scatter_into
 
+    world = dist.get_world_size()
     mismatches = []
     for shard_numel in (3, 1023, 1 << 16):
         for dtype in (torch.float32, torch.bfloat16):
             generator = torch.Generator().manual_seed(1000 * rank + shard_numel)
-            full = torch.randn(2 * shard_numel, generator=generator).to(dtype)
+            full = torch.randn(world * shard_numel, generator=generator).to(dtype)
             shard = full[rank * shard_numel :][:shard_numel].clone()
 
-            gathered = torch.full((2 * shard_numel,), float("nan"), dtype=dtype)
+            gathered = torch.full((world * shard_numel,), float("nan"), dtype=dtype)
             all_gather_flat(gathered, shard)
             expected = torch.empty_like(gathered)
             dist.all_gather_into_tensor(expected, shard)
@@ -44,7 +45,7 @@ def flat_collectives(*, rank: int) -> list[str]:
                 mismatches.append(f"all-gather {shard_numel} {dtype}")
 
             # The shard may already be this rank's slice of the output (no copy then).
-            in_place = torch.zeros(2 * shard_numel, dtype=dtype)
+            in_place = torch.zeros(world * shard_numel, dtype=dtype)
             in_place[rank * shard_numel :][:shard_numel] = shard
             all_gather_flat(in_place, in_place[rank * shard_numel :][:shard_numel])
             if not torch.equal(in_place, expected):
@@ -53,13 +54,37 @@ def flat_collectives(*, rank: int) -> list[str]:
             reduced = reduce_scatter_flat_(full.clone())  # its input is scratch
             expected_shard = torch.empty(shard_numel, dtype=dtype)
             dist.reduce_scatter_tensor(expected_shard, full.clone())
-            if not torch.equal(reduced, expected_shard):
+            if not same_sum(reduced, expected_shard, world):
                 mismatches.append(f"reduce-scatter {shard_numel} {dtype}")
+
+            # Into a buffer of the caller's (a staging buffer): over whatever it held.
+            into = torch.full((shard_numel,), float("nan"), dtype=dtype)
+            if reduce_scatter_into(into, full.clone()) is not into or not same_sum(into, expected_shard, world):
+                mismatches.append(f"reduce-scatter into a buffer {shard_numel} {dtype}")
     return mismatches
 
 
+def same_sum(ours: torch.Tensor, torchs: torch.Tensor, world: int) -> bool:
+    """Two addends sum to the same bits in either order; more may be added in another order
+    than torch's, which moves each element by a rounding of the partial sums at most."""
+    if world == 2:
+        return torch.equal(ours, torchs)
+    ulp = torch.finfo(ours.dtype).eps * torchs.float().abs().max().clamp(min=1.0)
+    return bool(((ours.float() - torchs.float()).abs() <= 4 * world * ulp).all())
+
+
 def test_gloo_flat_collectives_equal_torchs(rank_pool: RankPool) -> None:
+    """Two ranks: one exchange each way (the reduce-scatter into a buffer), or a reduce per rank."""
     assert rank_pool.run(flat_collectives) == [[], []]
+
+
+def test_gloo_flat_collectives_equal_torchs_on_three_ranks() -> None:
+    """More than two ranks: a broadcast per rank, a reduce per rank."""
+    pool = RankPool(world_size=3)
+    try:
+        assert pool.run(flat_collectives) == [[], [], []]
+    finally:
+        pool.shutdown()
 
 
 def train_counting_gradient_buffers(*, rank: int, output_dir: str) -> dict[str, Any]:
