@@ -119,13 +119,40 @@ def candidate_chunk_bytes(total_bytes: int, largest_param_bytes: int) -> list[in
     return sorted(grid)
 
 
-def search_chunk_size(sizes: Sequence[tuple[int, bool]], element_size: int, world_size: int) -> int:
-    """The chunk size in bytes that wastes the fewest bytes over the grid; ties go to the larger
-    size (fewer chunks, fewer collectives)."""
+SHRINK_WRAP_ALIGN_BYTES = 64 << 10
+"""A shrink-wrapped chunk size is rounded up to this (64 KiB: sizes stay readable)."""
+
+
+def search_chunk_bytes(sizes: Sequence[tuple[int, bool]], element_size: int, world_size: int) -> list[int]:
+    """The chunk sizes a search tries: the grid (``candidate_chunk_bytes``) and each grid size
+    shrink-wrapped, cut to its fullest chunk (rounded up to 64 KiB). A shrink-wrapped size packs
+    the parameters exactly as its grid size does (packing is next-fit in order: every chunk's
+    contents still fit, and a parameter that opened a new chunk still does not fit the one
+    before), without the padding every chunk carries past the fullest one into its device
+    buffer, its collectives and its copies: whole parameters of a few sizes pack badly into a
+    power-of-two grid (GPT 6 x 512 in 8 MiB chunks: 1.42x its bytes; shrink-wrapped from
+    4 MiB + a quarter: 1.06x)."""
     total = sum(numel for numel, _ in sizes) * element_size
     largest = max((numel for numel, _ in sizes), default=1) * element_size
+    grid = candidate_chunk_bytes(total, largest)
+    chosen = set(grid)
+    for size_bytes in grid:
+        try:
+            packing = pack(sizes, max(1, size_bytes // element_size), world_size)
+        except ChunkTooSmallError:
+            continue
+        fullest = max((chunk.used for chunk in packing.chunks), default=0) * element_size
+        wrapped = round_up(max(fullest, 1), SHRINK_WRAP_ALIGN_BYTES)
+        if wrapped < size_bytes:
+            chosen.add(wrapped)
+    return sorted(chosen)
+
+
+def search_chunk_size(sizes: Sequence[tuple[int, bool]], element_size: int, world_size: int) -> int:
+    """The chunk size in bytes that wastes the fewest bytes over the search's sizes; ties go to
+    the larger size (fewer chunks, fewer collectives)."""
     best: tuple[int, int] | None = None
-    for size_bytes in candidate_chunk_bytes(total, largest):
+    for size_bytes in search_chunk_bytes(sizes, element_size, world_size):
         packing = pack(sizes, max(1, size_bytes // element_size), world_size)
         key = (packing.wasted_numel * element_size, -size_bytes)
         if best is None or key < best:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from protrain.profiler.activation_cost import ActivationCost, ActivationOption, activation_cost
-from protrain.profiler.chunking import ChunkTooSmallError, candidate_chunk_bytes
+from protrain.profiler.chunking import ChunkTooSmallError, search_chunk_bytes
 from protrain.profiler.cost_model import (
     ChunkCosts,
     Prediction,
@@ -34,7 +34,14 @@ from protrain.profiler.host_bytes import ADAMW_STATES
 from protrain.profiler.nvme_cost import NvmeHosts, writes_per_day
 from protrain.profiler.profile import HardwareProfile, ModelProfile
 from protrain.profiler.search_pruning import buffer_candidates, most_saved_by_persisting
-from protrain.profiler.search_words import binding, hand_set, layout_words, managed, nothing_fits
+from protrain.profiler.search_words import (
+    binding,
+    hand_set,
+    layout_words,
+    managed,
+    nothing_fits,
+    waits_for_fetches,
+)
 
 SAME_SPEED = 0.02
 """Relative step-time difference below which two plans count as equally fast: the cost model is
@@ -368,10 +375,7 @@ def _costs_by_size(
     if chunk_size is not None:
         yield chunk_costs(model, hardware, chunk_size, optimizer_states=optimizer_states)
         return
-    e = model.element_size
-    total = sum(numel for numel, _ in model.param_sizes) * e
-    largest = max((numel for numel, _ in model.param_sizes), default=1) * e
-    for size in candidate_chunk_bytes(total, largest):
+    for size in search_chunk_bytes(model.param_sizes, model.element_size, hardware.world_size):
         try:
             yield chunk_costs(model, hardware, size, optimizer_states=optimizer_states)
         except ChunkTooSmallError:
@@ -382,8 +386,9 @@ def _ranked(candidates: list[Candidate], max_writes_per_day: float | None = None
     """Fastest first. Plans within ``SAME_SPEED`` of the fastest count as equally fast (the model
     is not that exact); among them the one with the fewest chunks' optimizer state on NVMe wins
     (the tier only where it pays), then the one keeping the largest share of chunks on the device
-    (less traffic that could go wrong in ways the model does not see), then the one managing the
-    fewest blocks' activations (the same reason), then less device memory, then larger chunks
+    (less traffic that could go wrong in ways the model does not see), then one that prefetches
+    offloaded chunks over one that waits for each fetch (the same reason), then the one managing
+    the fewest blocks' activations (the same reason), then less device memory, then larger chunks
     (fewer collectives). Plans whose NVMe writes exceed ``max_writes_per_day`` come after all
     the others, ranked the same way; when every plan does, the one writing least comes first."""
     if max_writes_per_day is not None:
@@ -401,6 +406,7 @@ def _ranked(candidates: list[Candidate], max_writes_per_day: float | None = None
         key=lambda c: (
             c.n_optimizer,
             -c.n_persist / c.num_chunks,
+            waits_for_fetches(c),
             managed(c),
             c.prediction.peak_device_bytes,
             -c.chunk_size,

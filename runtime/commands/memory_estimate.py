@@ -23,7 +23,7 @@ from rich import box
 from rich.table import Table
 
 from protrain.profiler.activation_cost import CHECKPOINT, KEEP, SSD, SWAP, ActivationCost, activation_cost
-from protrain.profiler.chunking import ChunkTooSmallError, candidate_chunk_bytes
+from protrain.profiler.chunking import ChunkTooSmallError, search_chunk_bytes
 from protrain.profiler.cost_model import ChunkCosts, Prediction, chunk_costs, predict
 from protrain.profiler.host_bytes import ADAMW_STATES
 from protrain.profiler.plan import Plan
@@ -237,11 +237,8 @@ def _need(prediction: Prediction) -> tuple[int, float]:
 
 def _chunk_costs(model: ModelProfile, hardware: HardwareProfile, optimizer_states: int) -> list[ChunkCosts]:
     """The per-chunk terms at every chunk size of the search's grid."""
-    e = model.element_size
-    total = sum(numel for numel, _ in model.param_sizes) * e
-    largest = max((numel for numel, _ in model.param_sizes), default=1) * e
     sizes = []
-    for size in candidate_chunk_bytes(total, largest):
+    for size in search_chunk_bytes(model.param_sizes, model.element_size, hardware.world_size):
         try:
             sizes.append(chunk_costs(model, hardware, size, optimizer_states=optimizer_states))
         except ChunkTooSmallError:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from protrain.profiler.chunking import candidate_chunk_bytes, pack, persistent_chunk_bytes
+from protrain.profiler.chunking import pack, persistent_chunk_bytes, search_chunk_bytes
 from protrain.profiler.feasibility import chunk_knob_conflict, spec_size
 from protrain.profiler.host_bytes import offloaded_region_bytes
 from protrain.profiler.plan import Plan
@@ -199,8 +199,7 @@ def refuse_impossible_knobs(
     if request.chunk_size is not None:
         chunk_sizes = [request.chunk_size]
     else:  # the sizes the search tries
-        numels = [numel for numel, _ in sizes]
-        chunk_sizes = candidate_chunk_bytes(sum(numels) * element_size, max(numels) * element_size)
+        chunk_sizes = search_chunk_bytes(sizes, element_size, world_size)
     conflict = chunk_knob_conflict(
         sizes,
         owned,

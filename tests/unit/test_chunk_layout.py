@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from protrain.profiler.chunking import candidate_chunk_bytes, pack, search_chunk_size
+from protrain.profiler.chunking import candidate_chunk_bytes, pack, search_chunk_bytes, search_chunk_size
 from protrain.runtime.chunks.layout import ChunkLayout, first_use_order, layout_from_params, model_params
 from tests.helpers import tiny_gpt
 
@@ -36,6 +36,35 @@ def test_search_minimises_waste_over_a_grid_scaled_to_the_model() -> None:
     waste = pack(sizes, best // 4, 1).wasted_numel
     assert waste == min(pack(sizes, size // 4, 1).wasted_numel for size in grid) == 0
     assert best == 24 << 20  # ties go to the largest size
+
+
+def gpt_sizes(layers: int, width: int, vocab: int = 256, seq: int = 256) -> list[tuple[int, bool]]:
+    """A GPT's parameters in first-use order: embeddings, then per block its norms, attention
+    (qkv, out) and MLP (4x width) with biases, then the final norm."""
+    sizes = [(vocab * width, True), (seq * width, True)]
+    for _ in range(layers):
+        sizes += [(width, True)] * 2 + [(width * 3 * width, True), (3 * width, True)]
+        sizes += [(width * width, True), (width, True)] + [(width, True)] * 2
+        sizes += [(width * 4 * width, True), (4 * width, True), (4 * width * width, True), (width, True)]
+    return sizes + [(width, True)] * 2
+
+
+def test_shrink_wrapped_sizes_pack_alike_with_less_padding() -> None:
+    """Whole parameters of a few sizes pack badly into the power-of-two grid; each grid size cut
+    to its fullest chunk packs the same parameters into the same places with less padding, and
+    the search tries both."""
+    sizes = gpt_sizes(6, 512)
+    total = sum(numel for numel, _ in sizes) * 4
+    grid = candidate_chunk_bytes(total, max(numel for numel, _ in sizes) * 4)
+    tried = search_chunk_bytes(sizes, element_size=4, world_size=2)
+    assert set(grid) < set(tried)
+    for size in grid:
+        packing = pack(sizes, size // 4, 2)
+        wrapped = min(t for t in tried if t <= size and pack(sizes, t // 4, 2).placement == packing.placement)
+        fullest = max(chunk.used for chunk in packing.chunks) * 4
+        assert wrapped == size or (wrapped % (64 << 10) == 0 and fullest <= wrapped < fullest + (64 << 10))
+    padding = {size: pack(sizes, size // 4, 2).num_chunks * size / total for size in tried}
+    assert padding[8 << 20] > 1.4 and min(padding[t] for t in tried if t < 8 << 20 and t > 4 << 20) < 1.07
 
 
 def test_big_models_use_the_papers_range() -> None:

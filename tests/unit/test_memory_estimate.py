@@ -141,7 +141,7 @@ def test_the_command_prints_the_table_the_summary_and_the_plan(capsys: pytest.Ca
     # A 24 GB card holds none of the resident placements and all of the offloaded ones.
     assert [row[-1] for row in rows[:8]] == ["no: device"] * 4 + ["yes"] * 4
     search = rows[8]  # its words wrap onto a ninth line in an 80-column console
-    assert search[0].startswith("search: 8/45") and search[-1] == "yes"
+    assert search[0].startswith("search: 7/45") and search[-1] == "yes"
     # The search's row repeats the plan table's predictions (to the table's 0.1 GiB).
     device = re.search(r"predicted peak device\s*│\s*([\d.]+) GiB", out)
     host = re.search(r"predicted peak host\s*│\s*([\d.]+) GiB", out)
