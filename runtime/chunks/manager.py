@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from protrain.profiler.plan import UpdateMode
+from protrain.runtime.chunks.grad_buffers import GRADIENT_BUFFERS
 from protrain.runtime.chunks.layout import ChunkLayout, check_buffers
 from protrain.runtime.chunks.optimizer import ChunkOptimizer
 from protrain.runtime.chunks.readout import ChunkReadout
@@ -77,6 +78,7 @@ class ChunkManager:
         n_optimizer: int = 0,
         nvme_root: Path | None = None,
         nvme_beside: tuple[int, str] = (0, ""),
+        gradient_buffers: int = GRADIENT_BUFFERS,
     ) -> None:
         """``read_param(name)``, when given, supplies each parameter's value while its chunk is
         built (the model holds only stand-ins: weights streamed from a file, one at a time).
@@ -85,7 +87,8 @@ class ChunkManager:
         no gradient shard and every backward must end its window). ``n_replicate``: of the
         persistent chunks, the first ones replicated on every rank (store.py). ``n_optimizer``:
         the last offloaded chunks keep their optimizer state in files under ``nvme_root``, whose
-        disk holds ``nvme_beside`` too ((bytes, in words): checked before the files are made)."""
+        disk holds ``nvme_beside`` too ((bytes, in words): checked before the files are made).
+        ``gradient_buffers``: backward's pool of chunk-sized gradient buffers (grad_buffers.py)."""
         self.model = model
         self.optimizer_rule = optimizer
         self.layout = layout
@@ -114,7 +117,9 @@ class ChunkManager:
         self._lazy_chaos = stream_chaos.mode() == "lazy"
         self._drains = 0
         self.optimizer = ChunkOptimizer(store=self.store, mode=update_mode, waits=self.collectives.waits)
-        self.reducer = GradientReducer(store=self.store, queue=self.collectives, sink=self.optimizer)
+        self.reducer = GradientReducer(
+            store=self.store, queue=self.collectives, sink=self.optimizer, gradient_buffers=gradient_buffers
+        )
         self.residency = ChunkResidency(
             store=self.store,
             n_buffer=n_buffer,

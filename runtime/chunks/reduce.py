@@ -74,13 +74,19 @@ class ReducedGradientSink(Protocol):
 class GradientReducer:
     """Gradient hooks, buffers and the ordered reduce-scatters (see the module docstring)."""
 
-    def __init__(self, *, store: ChunkStore, queue: CollectiveQueue, sink: ReducedGradientSink) -> None:
+    def __init__(
+        self, *, store: ChunkStore, queue: CollectiveQueue, sink: ReducedGradientSink, gradient_buffers: int
+    ) -> None:
         self.store = store
         self.chunks = store.chunks
         self.queue = queue
         self.sink = sink
         self.grad_pool = GradientBufferPool(
-            numel=store.layout.chunk_numel, dtype=store.compute_dtype, device=store.device, stream=queue.stream
+            numel=store.layout.chunk_numel,
+            dtype=store.compute_dtype,
+            device=store.device,
+            stream=queue.stream,
+            capacity=gradient_buffers,
         )
         offloaded = [c for c in self.chunks if not c.persistent and c.info.trainable]
         kept = all(c.keeps_gradient for c in offloaded)

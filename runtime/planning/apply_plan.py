@@ -20,8 +20,10 @@ import torch
 from torch import nn
 
 from protrain.profiler.plan import BlockMode, Plan, UpdateMode
+from protrain.profiler.search import MEMORY_MARGIN
 from protrain.runtime.activations.manager import ActivationManager
 from protrain.runtime.activations.ssd_store import ActivationFileStore, SsdIoError
+from protrain.runtime.chunks.grad_buffers import gradient_buffer_count
 from protrain.runtime.chunks.layout import ParamInfo, layout_from_params
 from protrain.runtime.chunks.manager import ChunkManager
 from protrain.runtime.config.settings import PlanningSettings, TrainingSettings
@@ -120,6 +122,12 @@ def _build_chunks(
             ),
             read_param=read_param,
             update_mode=checked_update_mode(plan.update_mode, settings),
+            gradient_buffers=gradient_buffer_count(
+                budget_bytes=plan.device_budget_bytes,
+                peak_bytes=plan.predicted_peak_device_bytes,
+                chunk_bytes=plan.chunk_size,
+                margin=MEMORY_MARGIN,
+            ),
         )
     except ValueError as err:
         raise SpecError(str(err)) from None

@@ -96,3 +96,18 @@ def test_with_nothing_to_wait_for_the_pool_grows_and_release_drops_everything(
     pool.release()
     assert pool.allocated == 0 and pool.most_allocated == 3
     assert all(ref() is None for ref in alive), "the pool still holds buffers after release"
+
+
+def test_more_buffers_only_where_the_budget_has_room_beyond_the_predicted_peak() -> None:
+    from protrain.runtime.chunks.grad_buffers import gradient_buffer_count
+
+    mib = 1 << 20
+
+    def count(budget: int, peak: int | None) -> int:
+        return gradient_buffer_count(budget_bytes=budget * mib, peak_bytes=peak, chunk_bytes=4 * mib, margin=0.05)
+
+    assert count(1000, 100 * mib) == 4  # room for many: two more at most
+    assert count(100, 89 * mib) == 3  # 95 MiB usable, 6 beyond the peak: one more chunk
+    assert count(100, 92 * mib) == 2  # 3 MiB beyond the peak: less than a chunk
+    assert count(100, 99 * mib) == 2  # the peak already in the margin: never fewer than two
+    assert count(1000, None) == 2  # a plan without a predicted peak: the two the model counts
