@@ -19,14 +19,15 @@ own share of the same batches, so their final losses should agree, all but the f
 - DeepSpeed ZeRO-3 with ``offload_optimizer: cpu``: only if ``deepspeed`` is importable (never
   installed for this; the row says "not installed" otherwise);
 - ProTrain with ``n_persist=0`` (every chunk's fp32 master, gradient and Adam state in the host
-  tier), with the fewest ``n_buffer`` that ``runtime.initialize`` accepts, with one more, and with
-  one buffer per chunk: each chunk is then gathered once per step (forward's copies serve
-  backward), so the collectives move what DDP's all-reduce moves (an all-gather and a
-  reduce-scatter) instead of a second all-gather in backward, while the optimizer state and its
-  update stay sharded and in the host tier;
-- ProTrain auto: every memory knob but the budget and chunk size left to the planner, which may
-  keep chunks on the device and replicate them (``n_replicate``: all-reduced gradients, as DDP;
-  issue 29's target: at most 1.02x DDP's step time).
+  tier) at the chunk size the planner picks for ``n_persist=0`` (``--chunk-size auto``, planned
+  once by a pair of ranks; or the size given), with the fewest ``n_buffer`` that
+  ``runtime.initialize`` accepts, with one more, and with one buffer per chunk: each chunk is
+  then gathered once per step (forward's copies serve backward), so the collectives move what
+  DDP's all-reduce moves (an all-gather and a reduce-scatter) instead of a second all-gather in
+  backward, while the optimizer state and its update stay sharded and in the host tier;
+- ProTrain auto: every memory knob but the budget (and ``--chunk-size`` when given) left to the
+  planner, which may keep chunks on the device and replicate them (``n_replicate``: all-reduced
+  gradients, as DDP; issue 29's target: at most 1.02x DDP's step time).
 
 How it is measured (two separate phases, so that neither disturbs the other):
 
@@ -148,6 +149,8 @@ class Phase(Enum):
     """Build every candidate and time them interleaved."""
     MEMORY = "memory"
     """Build one candidate alone and measure its resident set."""
+    PLAN = "plan"
+    """Plan ProTrain with n_persist=0 and every other knob auto: the chunk size it picks."""
 
 
 class Unavailable(Exception):
@@ -166,6 +169,8 @@ class Job:
     """ProTrain's profiler.cache_dir: empty when the job starts (see the module docstring)."""
     n_buffer: dict[Kind, int] = field(default_factory=dict)
     """Memory phase: ProTrain's n_buffer found by the timing phase (no refused attempts here)."""
+    chunk_size: str = "auto"
+    """The all-offloaded candidates' ``memory.chunk_size``: ``--chunk-size``, or the planned one."""
 
 
 @dataclass
@@ -277,9 +282,11 @@ def torch_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Call
     return train_step
 
 
-def protrain_spec(args: argparse.Namespace, job: Job, n_buffer: int | None) -> dict[str, Any]:
+def protrain_spec(args: argparse.Namespace, job: Job, n_buffer: int | str | None) -> dict[str, Any]:
     """The update the torch peers make: AdamW with torch's defaults but lr, decay on everything.
-    ``n_buffer`` None: every knob but the budget and chunk size left to the planner (auto)."""
+    ``n_buffer`` None: every knob but the budget and ``--chunk-size`` left to the planner (auto);
+    otherwise ``n_persist=0`` with those buffers (or "auto") at the job's chunk size."""
+    auto = n_buffer is None
     return {
         "seed": SEED,
         "micro_batch_size": args.batch,
@@ -293,8 +300,8 @@ def protrain_spec(args: argparse.Namespace, job: Job, n_buffer: int | None) -> d
         },
         # A set budget, not auto: the timing phase keeps three engines alive in one process, and
         # only one engine of a process may plan for the whole device.
-        "memory": {"device_budget": args.device_budget, "chunk_size": args.chunk_size}
-        | ({} if n_buffer is None else {"n_persist": 0, "n_buffer": n_buffer}),
+        "memory": {"device_budget": args.device_budget, "chunk_size": args.chunk_size if auto else job.chunk_size}
+        | ({} if auto else {"n_persist": 0, "n_buffer": n_buffer}),
         "profiler": {"cache_dir": job.profile_cache_dir},
         "output_dir": job.output_dir,
     }
@@ -346,6 +353,21 @@ def build_protrain(kind: Kind, job: Job, example: Batch, *, first_n_buffer: int 
         return {"arena": host_arena_bytes()[0], "device_tier": plan.n_buffer * plan.chunk_size + persistent}
 
     return Trainer(kind, label, train_step, close=engine.close, plan_info=plan_info, state_bytes=state_bytes)
+
+
+def plan_phase(job: Job, rank: int) -> dict[str, Any]:
+    """The chunk size the planner picks for ``n_persist=0`` (every other knob auto), which the
+    all-offloaded candidates then take (``--chunk-size auto``)."""
+    from protrain import runtime
+
+    batches = rank_batches(job.args, rank, 1)
+    with contextlib.redirect_stdout(io.StringIO()):
+        engine = runtime.initialize(
+            build_gpt(gpt_config(job.args)), config=protrain_spec(job.args, job, "auto"), example_batch=batches[0]
+        )
+    plan = engine.plan
+    engine.close()
+    return {"chunk_size": plan.chunk_size, "n_buffer": plan.n_buffer, "num_chunks": plan.num_chunks}
 
 
 def derived_n_buffer(kind: Kind, min_plan: dict[str, int] | None) -> dict[Kind, int]:
@@ -539,7 +561,7 @@ def rank_main(rank: int, port: int, job: Job, results: Any) -> None:
     )
     dist.init_process_group("gloo", timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
     try:
-        phase = time_phase if job.phase is Phase.TIME else memory_phase
+        phase = {Phase.TIME: time_phase, Phase.MEMORY: memory_phase, Phase.PLAN: plan_phase}[job.phase]
         results.put((rank, True, phase(job, rank)))
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the run
         results.put((rank, False, traceback.format_exc()))
@@ -594,10 +616,24 @@ def run_ranks(job: Job, timeout_s: float) -> list[dict[str, Any]]:
     return [got[rank] for rank in range(WORLD_SIZE)]
 
 
+def planned_chunk_size(args: argparse.Namespace, kinds: Sequence[Kind], output_dir: str, cache: str) -> str:
+    """``--chunk-size``, or (auto) the size a pair of ranks plans for ``n_persist=0``."""
+    if args.chunk_size != "auto" or not any(k in PROTRAIN_KINDS and k is not Kind.PROTRAIN_AUTO for k in kinds):
+        return str(args.chunk_size)
+    job = Job(phase=Phase.PLAN, kinds=(), args=args, output_dir=output_dir, profile_cache_dir=cache)
+    planned = run_ranks(job, args.timeout_s)[0]
+    return f"{planned['chunk_size']}B"
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
-    parser.add_argument("--chunk-size", default="8MiB", help="ProTrain memory.chunk_size (e.g. 8MiB)")
+    parser.add_argument(
+        "--chunk-size",
+        default="auto",
+        help="ProTrain memory.chunk_size (e.g. 8MiB); auto: the size the planner picks for n_persist=0 "
+        "(planned once, then set for every all-offloaded candidate; the auto candidate plans its own)",
+    )
     parser.add_argument(
         "--device-budget",
         default="4GiB",
@@ -620,11 +656,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.smoke:
         args.layers, args.width, args.heads, args.seq_len, args.batch = 2, 64, 2, 32, 2
-        args.chunk_size, args.steps, args.repeats, args.warmup, args.memory_steps = "128KiB", 1, 1, 1, 1
+        args.steps, args.repeats, args.warmup, args.memory_steps = 1, 1, 1, 1
     sizes = (args.layers, args.width, args.heads, args.seq_len, args.batch)
     if min(*sizes, args.steps, args.repeats, args.warmup, args.memory_steps) < 1:
         parser.error("sizes, --steps, --repeats, --warmup and --memory-steps must be positive")
     return args
+
+
+def chunk_words(args: argparse.Namespace, plan: dict[str, int]) -> str:
+    """The all-offloaded candidates' chunk size as the header gives it."""
+    size = plan.get("chunk_bytes")
+    if size is None:
+        return str(args.chunk_size)
+    planned = " as planned for n_persist=0" if args.chunk_size == "auto" else ""
+    return f"{size / 2**20:.2f} MiB{planned}"
 
 
 def deepspeed_importable() -> bool:
@@ -762,6 +807,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             return tempfile.mkdtemp(prefix=f"profile-cache-{name}-", dir=output_dir)
 
         time_cache = empty_cache("time")
+        chunk_size = planned_chunk_size(args, kinds, output_dir, time_cache)
         peers = tuple(kind for kind in kinds if kind not in PROTRAIN_KINDS)
         timing_job = Job(phase=Phase.TIME, kinds=peers, args=args, output_dir=output_dir, profile_cache_dir=time_cache)
         timed = run_ranks(timing_job, args.timeout_s)[0]
@@ -775,6 +821,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 output_dir=output_dir,
                 profile_cache_dir=time_cache,
                 n_buffer=derived_n_buffer(kind, plans.get(Kind.PROTRAIN_MIN)),
+                chunk_size=chunk_size,
             )
             pair = run_ranks(pair_job, args.timeout_s)[0]
             rows[kind] = {**pair["rows"][kind.value], "ddp_seconds": pair["rows"][Kind.DDP.value].get("seconds")}
@@ -796,6 +843,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 output_dir=output_dir,
                 profile_cache_dir=empty_cache(kind.value),
                 n_buffer=n_buffer,
+                chunk_size=chunk_size,
             )
             per_rank = run_ranks(job, args.timeout_s)
             if any("reason" in result for result in per_rank):
@@ -819,7 +867,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"ProTrain (all optimizer state offloaded) vs peers on {WORLD_SIZE} CPU ranks (gloo, 1 thread each); "
         f"CPU figures, torch {torch.__version__}, fp32, AdamW lr {LR:g}\n"
         f"model: GPT {args.layers} layers x width {args.width}, {num_params / 1e6:.1f}M parameters; batch "
-        f"{args.batch} x {args.seq_len} tokens per rank; ProTrain chunk_size {args.chunk_size} "
+        f"{args.batch} x {args.seq_len} tokens per rank; ProTrain chunk_size {chunk_words(args, protrain)} "
         f"({protrain.get('num_chunks', '?')} chunks, {chunked:.2f}x the fp32 parameter bytes), n_persist=0"
     )
     print_table(rows, memory, header=header, args=args)

@@ -27,3 +27,5 @@ def test_bench_peers_smoke() -> None:
     assert any(line.startswith("ProTrain auto: n_persist") for line in lines), stdout
     assert any(line.startswith("target (issue 29) for ProTrain auto") for line in lines), stdout
     assert "CPU figures" in stdout
+    # The all-offloaded candidates take the chunk size the planner picks for n_persist=0.
+    assert "as planned for n_persist=0" in stdout, stdout
