@@ -512,3 +512,43 @@ def test_equally_fast_offloaded_plans_prefetch_rather_than_wait_for_each_fetch()
         and plan.peak_device_bytes < best.prediction.peak_device_bytes
         for plan in one_buffer
     ), (best, one_buffer)
+
+
+def test_on_cpu_equally_fast_plans_take_chunks_near_ddps_bucket_size() -> None:
+    """On CPU a collective interleaved with compute slows it and one chunk leaves the whole
+    reduction exposed, neither of which the additive model sees: among equally fast plans the
+    chunk size nearest to DDP's bucket (25 MiB) wins over less padding. On a GPU, where the
+    model overlaps them, the rule does not apply."""
+    import math
+
+    from protrain.profiler.chunking import search_chunk_bytes
+    from protrain.profiler.search import SHARED_CORES_CHUNK_BYTES
+
+    blocks = 16
+    model = ModelProfile(
+        batch_shape=(1, 8),
+        precision="fp32",
+        element_size=4,
+        param_sizes=((3 << 19, True),) * blocks,  # 6 MiB each, 96 MiB in all
+        param_block=tuple(range(blocks)),
+        module_params=tuple((i,) for i in range(blocks)),
+        blocks=(BlockProfile(forward_s=1e-3, backward_s=2e-3, activation_bytes=MIB),) * blocks,
+        other_forward_s=0.5e-3,
+        other_backward_s=0.5e-3,
+        other_activation_bytes=0,
+        transient_bytes=0,
+    )
+    rates = {f"{name}_bytes_per_s": 1e12 for name in ("h2d", "d2h", "all_gather", "reduce_scatter", "all_reduce")}
+
+    def best(overlap: bool) -> int:
+        hw = hardware(2, copies_overlap_compute=overlap, collective_latency_s=0.0, **rates)
+        return search(model, hw, device_budget=1 << 40, host_budget=1 << 40).best.chunk_size
+
+    def distance(size: int) -> float:
+        return abs(math.log2(size / SHARED_CORES_CHUNK_BYTES))
+
+    sizes = search_chunk_bytes(model.param_sizes, model.element_size, 2)
+    on_cpu = best(overlap=False)
+    assert distance(on_cpu) == min(distance(size) for size in sizes), (on_cpu, sizes)
+    assert 16 * MIB <= on_cpu <= 32 * MIB
+    assert best(overlap=True) != on_cpu  # the GPU's ties go to less device memory
