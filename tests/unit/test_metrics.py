@@ -133,8 +133,11 @@ def test_metrics_file_has_the_new_keys_with_sane_values(tensorboard_run: Path) -
         # Every chunk is offloaded: its state lives in a host arena (not pinned on CPU).
         assert r["memory/host_in_use(GiB)"] > 0 and r["memory/host_pinned(GiB)"] == 0
         assert r["memory/host_max_rss(GiB)"] > 0
-        # The ssd block's activations are written in forward and read back in backward.
-        assert r["ssd/written(GiB)"] > 0 and r["ssd/read(GiB)"] > 0
+        # The ssd block's activations are written in forward and read back in backward, unless
+        # backward reaches the block while its write is still in flight: then it takes the
+        # original from memory (forwarding) and reads nothing, as happened under CI's load.
+        # (test_ssd_store.py counts reads exactly.)
+        assert r["ssd/written(GiB)"] > 0 and 0 <= r["ssd/read(GiB)"] <= r["ssd/written(GiB)"]
         assert r["time_metrics/predicted_end_to_end(s)"] > 0 and r["memory/predicted_max_active(GiB)"] > 0
     # The logger's own time is reported from the second update on (it is measured last).
     assert "time_metrics/logging(s)" not in found[0]
