@@ -48,8 +48,9 @@ SAME_SPEED = 0.02
 """Relative step-time difference below which two plans count as equally fast: the cost model is
 not more exact than that (its CPU target is 10%), and persistence is the safer bet."""
 SHARED_CORES_CHUNK_BYTES = 25 << 20
-"""Where collectives run on the cores compute uses (CPU), equally fast plans take the chunk size
-nearest to DDP's bucket size: a collective interleaved with compute slows it (the same cores and
+"""Where collectives run on the cores compute uses (CPU), equally fast plans take a chunk size
+within a factor of sqrt(2) of DDP's bucket size (among those, the least padding: every
+collective moves it): a collective interleaved with compute slows it (the same cores and
 memory), which the model's sums do not see, while one chunk leaves the whole reduction exposed
 after backward. Measured on 2 gloo ranks (GPT 6x512, 19.2M parameters): every chunk replicated,
 4 MiB chunks 2.5% slower than 27 MiB ones (backward +41 ms with 19 all-reduces inside it, 27 ms
@@ -400,8 +401,9 @@ def _ranked(
     (the tier only where it pays), then the one keeping the largest share of chunks on the device
     (less traffic that could go wrong in ways the model does not see), then one that prefetches
     offloaded chunks over one that waits for each fetch (the same reason), then the one managing
-    the fewest blocks' activations (the same reason), then (``bucket_bytes``: CPU) the chunk size
-    nearest to it, then less device memory, then larger chunks (fewer collectives). Plans whose
+    the fewest blocks' activations (the same reason), then (``bucket_bytes``: CPU) a chunk size
+    within a factor of sqrt(2) of it and among those the least padded bytes, then less device
+    memory, then larger chunks (fewer collectives). Plans whose
     NVMe writes exceed ``max_writes_per_day`` come after all the others, ranked the same way;
     when every plan does, the one writing least comes first."""
     if max_writes_per_day is not None:
@@ -421,7 +423,8 @@ def _ranked(
             -c.n_persist / c.num_chunks,
             waits_for_fetches(c),
             managed(c),
-            abs(math.log2(c.chunk_size / bucket_bytes)) if bucket_bytes else 0.0,
+            round(abs(math.log2(c.chunk_size / bucket_bytes))) if bucket_bytes else 0,
+            c.num_chunks * c.chunk_size if bucket_bytes else 0,
             c.prediction.peak_device_bytes,
             -c.chunk_size,
         )
