@@ -4,6 +4,7 @@ predictions, hand-set knobs kept, and the measured step time beside the predicte
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,17 @@ def test_auto_knobs_are_searched_and_the_prediction_is_in_range(job: Job) -> Non
     # Step time: the 2 ranks share 2 cores with whatever else runs, so this guards only gross
     # cost-model errors (a phase left out or counted twice is 2x); the tight figures live in
     # scripts/bench_cost_model.py. Measured predicted/measured over 11 runs on the loaded 2-core
-    # machine (the distributed tests running beside them): 0.69 to 1.53.
+    # machine (the distributed tests running beside them): 0.69 to 1.53; and 0.38 and 0.47 in CI
+    # where the tests beside it started between its profiling and its measuring (alone the same
+    # plans measured 0.82-1.02). A load that comes and goes does not land alike on a second run,
+    # profiled again; a gross error does: that one must hold too.
     ratio = check["predicted_step_s"] / check["measured_step_s"]
+    if not 0.5 < ratio < 2.0:
+        for made in ("runs", "cache"):
+            shutil.rmtree(job.workdir / made, ignore_errors=True)
+        first, (_, check) = check, run_demo(job)
+        ratio = check["predicted_step_s"] / check["measured_step_s"]
+        assert 0.5 < ratio < 2.0, {"first": first, "again": check}
     assert 0.5 < ratio < 2.0, check
     # Peak device memory is counted in bytes, not timed: no noise. Measured +9.1% (over-predicted)
     # in all 11 runs, so 15% leaves 6 points for allocator differences between machines while a
@@ -60,8 +70,6 @@ def test_hand_set_knobs_are_kept_through_the_launcher(job: Job) -> None:
     assert (plan["n_persist"], plan["chunk_size"]) == (1, 256 * 1024)
     # The activation knobs reach the engine: one block swapped, one recomputed, the rest kept.
     assert (plan["n_swap"], plan["n_checkpoint"]) == (1, 1)
-    assert sorted(plan["block_modes"]) == sorted(
-        ["swap", "checkpoint"] + ["keep"] * (len(plan["block_modes"]) - 2)
-    )
+    assert sorted(plan["block_modes"]) == sorted(["swap", "checkpoint"] + ["keep"] * (len(plan["block_modes"]) - 2))
     assert plan["rule"].startswith("search") and plan["n_buffer"] >= 1
     assert "memory.n_persist" not in plan["chosen"] and "memory.n_buffer" in plan["chosen"]
