@@ -29,7 +29,7 @@ An NVMe chunk (``memory.ssd.n_optimizer``) is updated the same way, its optimize
 into a host slot around each update and the next one's read ahead (nvme_state.py), its kept
 gradient in a file passing through a host buffer (nvme_grads.py, ``KeptGradients``).
 
-This side receives reduced gradients through ``ReducedGradientSink`` (reduce.py) and nothing
+This side receives reduced gradients through ``ReducedGradientSink`` (gradient_sink.py) and nothing
 else from the device side. What it keeps per chunk for one window (early updates made, norms,
 pending two-phase updates) lives in side tables here keyed by chunk index, not on the chunk.
 """

@@ -11,64 +11,38 @@ the ranks, as DDP does. A further backward in that window finds those chunks' gr
 unpointed and goes through the buffers.
 Ready chunks are reduce-scattered strictly in reverse chunk order, the same on every rank
 (chunks left incomplete by unused parameters are flushed, in that order, when backward ends),
-on the collective queue (side_stream.py) while backward goes on.
+on the collective queue (side_stream.py) while backward goes on. Every reduction averages over
+the ranks; where that is exact, gradients take the 1/world factor as they enter the buffer or
+shard instead of in a pass after (rank_average.py).
 
 The device/host seam: the side stream (a worker thread; on CUDA it issues on a CUDA stream) runs
 the device work of a reduction and nothing else: the reduce-scatter, then for a persistent chunk
 the fp32 add into its shard on the device, or for an offloaded one a copy of the reduced part,
 in the compute dtype, into a pinned buffer of a bounded staging ring (staging.py),
 ``non_blocking``. What happens then is the host side's (optimizer.py), behind the two calls of
-``ReducedGradientSink``: ``add_staged`` (the host worker waits for the copy, adds the buffer into
-the fp32 shard, or applies it by CPU Adam where no gradient shard is kept, and hands the buffer
-back) and ``reduction_queued`` (told on the main thread, with
-the event that says when the reduced gradient is in the shard and which parameters had a
-gradient, so the host side may update the chunk early). Nothing here waits on the main thread.
+``ReducedGradientSink`` (gradient_sink.py): ``add_staged`` (the host worker waits for the copy,
+adds the buffer into the fp32 shard, or applies it by CPU Adam where no gradient shard is kept,
+and hands the buffer back) and ``reduction_queued`` (told on the main thread, with the event
+that says when the reduced gradient is in the shard and which parameters had a gradient, so the
+host side may update the chunk early). Nothing here waits on the main thread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from protrain.profiler.host_bytes import gradient_staging_buffers
 from protrain.runtime.chunks.grad_buffers import GradientBufferPool
+from protrain.runtime.chunks.gradient_sink import ReducedGradientSink
+from protrain.runtime.chunks.rank_average import RankAverage
 from protrain.runtime.chunks.side_stream import CollectiveQueue
 from protrain.runtime.chunks.staging import Staged, StagingRing
 from protrain.runtime.chunks.store import Chunk, ChunkStore
 from protrain.runtime.chunks.trace_labels import job_label
 from protrain.runtime.hw.device import DeviceEvent, used_on_this_stream
-from protrain.runtime.hw.distributed import all_reduce_flat_, reduce_scatter_flat_, reduce_scatter_into
-
-
-class ReducedGradientSink(Protocol):
-    """Where reduced gradients go: the host side's whole interface to this one."""
-
-    def add_staged(
-        self,
-        chunk: Chunk,
-        staged: torch.Tensor,
-        copied: DeviceEvent,
-        release: Callable[[], None],
-        fired: torch.Tensor,
-    ) -> DeviceEvent:
-        """``staged`` (host, compute dtype, the chunk's stored elements) holds this rank's
-        reduced part of an offloaded chunk's gradient for one micro-batch once ``copied`` has
-        fired: add it into the shard, or (no gradient shard kept) apply it, off the main thread,
-        then call ``release``; the returned event fires after that. ``fired[param]``: which
-        parameters had a gradient in this window so far. Called on the main thread in reduction
-        order."""
-
-    def accepting(self) -> bool:
-        """Whether a gradient may arrive now: False only where offloaded chunks keep no gradient
-        shard and no window's last backward is armed (nothing could apply or keep it)."""
-
-    def reduction_queued(self, chunk: Chunk, reduced: DeviceEvent, fired: torch.Tensor) -> None:
-        """The chunk's reduction is queued (main thread): its gradient is in (its shard, or
-        applied where no shard is kept) once ``reduced`` has fired; ``fired[param]`` says which
-        parameters had a gradient in this accumulation window so far."""
 
 
 class GradientReducer:
@@ -81,6 +55,7 @@ class GradientReducer:
         self.chunks = store.chunks
         self.queue = queue
         self.sink = sink
+        self.average = RankAverage(store.dist_ctx.world_size, store.compute_dtype, store.dist_ctx.group)
         self.grad_pool = GradientBufferPool(
             numel=store.layout.chunk_numel,
             dtype=store.compute_dtype,
@@ -107,7 +82,13 @@ class GradientReducer:
         self._remaining = [0] * len(self.chunks)
         self._fired = torch.zeros(num_params, dtype=torch.bool)
         self._fired_in_window = torch.zeros(num_params, dtype=torch.bool)
+        self._arrivals_in_window = [0] * len(self.chunks)
+        """Per chunk, whether (non-zero) a gradient reached it in this accumulation window."""
+        self._entered: set[int] = set()
+        """Direct-gradient chunks whose gradients take the 1/world factor as they enter the shard
+        in this (closing) backward (``closing_backward``)."""
         self._reduce_order = [c.index for c in reversed(self.chunks) if c.info.trainable]
+        self._order_position = {chunk_index: n for n, chunk_index in enumerate(self._reduce_order)}
         self._slots_in_order = {
             c.index: sorted((store.layout.slots[i].offset, store.params[i].numel(), i) for i in c.info.params)
             for c in self.chunks
@@ -139,14 +120,22 @@ class GradientReducer:
 
     def closing_backward(self) -> None:
         """The coming backward ends its accumulation window: replicated direct-gradient chunks
-        are all-reduced as they complete."""
+        are all-reduced as they complete. Those no gradient reached before in the window take
+        the ranks' 1/world factor as gradients enter (rank_average.py): no pass after."""
         self._closing = True
+        if not self.average.on_entry:
+            return
+        self._entered = {c.index for c in self.chunks if self._direct(c) and not self._arrivals_in_window[c.index]}
+        for chunk_index in self._entered:
+            for index in self.chunks[chunk_index].info.params:
+                self.store.params[index].grad = None  # may view the shard (after a load, say)
 
     def reset(self) -> None:
         """A new backward: no parameter has reported, no reduction is issued. Chunks all-reduced
         in place this window take no more gradients there: any further backward in the window
         goes through the buffers (their parameters' ``.grad`` is unpointed until ``new_window``)."""
         self._closing = False
+        self._entered.clear()
         for chunk_index in self._reduced_direct:
             for index in self.chunks[chunk_index].info.params:
                 self.store.params[index].grad = None
@@ -160,6 +149,7 @@ class GradientReducer:
         shards are not zeroed: each parameter's ``.grad`` is dropped, so autograd hands its first
         gradient of the window over whole, and ``_accept_grad`` copies it into the shard."""
         self._fired_in_window.zero_()
+        self._arrivals_in_window = [0] * len(self.chunks)
         self._reduced_direct.clear()
         self._settled.clear()
         for chunk in self.chunks:
@@ -192,9 +182,25 @@ class GradientReducer:
             return
         if not self.sink.accepting():
             self._refuse(index, param, direct)
+        if not direct and self._order_position[chunk_index] < self._next_reduction and self._fired[index]:
+            raise RuntimeError(
+                f"{self.store.layout.params[index].name} got a second gradient in one backward after its "
+                "chunk's reduction began: a parameter shared by several reentrant checkpoint segments "
+                "(torch.utils.checkpoint with use_reentrant=True, as DDP refuses it too); use "
+                "use_reentrant=False"
+            )
         if direct:
             if self._grad_is_shard_view(index, param):
                 pass  # autograd accumulated in place into the shard slice that is its .grad
+            elif chunk_index in self._entered:
+                # Scaled as it enters; .grad stays None until the chunk's all-reduce is queued,
+                # so that another gradient of this backward comes here too, not added in place.
+                view = self.store.view(chunk.grad_shard, index)
+                if self._fired[index]:
+                    self.average.add_(view, param.grad)
+                else:
+                    self.average.enter_(view, param.grad)
+                param.grad = None
             elif not self._fired_in_window[index]:
                 # The window's first gradient (.grad was None): copied over the slice's stale
                 # values instead of added into a zeroed shard; later ones accumulate in place.
@@ -213,13 +219,14 @@ class GradientReducer:
             offset = self.store.layout.slots[index].offset
             region = buffer[offset : offset + param.numel()]
             if self._fired[index]:  # another gradient of it in this backward: summed
-                region.add_(param.grad.reshape(-1))
+                self.average.add_(region, param.grad.reshape(-1))
             else:  # the buffer is not zeroed: what no gradient writes is, before the reduction
-                region.copy_(param.grad.reshape(-1))
+                self.average.enter_(region, param.grad.reshape(-1))
             param.grad = None
         if not self._fired[index]:
             self._fired[index] = True
             self._fired_in_window[index] = True
+            self._arrivals_in_window[chunk_index] += 1
             self._remaining[chunk_index] -= 1
             if self._remaining[chunk_index] == 0:
                 self._issue_ready_reductions()
@@ -337,17 +344,22 @@ class GradientReducer:
 
     def _queue_all_reduce(self, chunk: Chunk) -> DeviceEvent:
         """A replicated direct-gradient chunk: its shard, every micro-batch of the window summed
-        in it, averaged over the ranks in place (as ``_reduce_whole`` averages a buffer)."""
+        in it, averaged over the ranks in place (as ``_reduce_whole`` averages a buffer). The
+        parameters of a chunk whose gradients were scaled on entry view their slices again."""
         grad_shard = chunk.grad_shard
-        world = self.store.dist_ctx.world_size
-        group = self.store.dist_ctx.group
+        entered = chunk.index in self._entered
         self._reduced_direct.add(chunk.index)
 
         def all_reduce() -> None:
             with job_label("reduce", chunk.index):
-                all_reduce_flat_(grad_shard, group).div_(world)
+                self.average.whole_(grad_shard, entered=entered)
 
-        return self.queue.submit(all_reduce)
+        reduced = self.queue.submit(all_reduce)
+        if entered:
+            for index in chunk.info.params:
+                if self.store.params[index].requires_grad and self._fired_in_window[index]:
+                    self.store.params[index].grad = self.store.view(grad_shard, index)
+        return reduced
 
     def _queue_reduction(self, chunk: Chunk, buffer: torch.Tensor) -> DeviceEvent:
         """The reduction's jobs; the event that fires once the gradient is in the shard."""
@@ -386,10 +398,9 @@ class GradientReducer:
         shard holds no padding) into the staging buffer, asynchronously on CUDA (pinned
         memory), once the buffer's previous user has added it. CPU ranks reduce straight into
         the staging buffer (two gloo ranks: the other's part is received there, no copy after)."""
-        world = self.store.dist_ctx.world_size
-        if world > 1 and not buffer.is_cuda:
+        if self.average.world > 1 and not buffer.is_cuda:
             staged.wait_until_free()
-            reduce_scatter_into(staged.buffer, buffer, self.store.dist_ctx.group)[:numel].div_(world)
+            self.average.part_into(staged.buffer, buffer, numel)
             return
         reduced = self._reduce_part(buffer)
         staged.wait_until_free()
@@ -397,23 +408,17 @@ class GradientReducer:
 
     @torch.no_grad()
     def _reduce_whole(self, buffer: torch.Tensor) -> torch.Tensor:
-        """On the side stream: the whole buffer summed over ranks and divided by their number
+        """On the side stream: the whole buffer averaged over the ranks (rank_average.py)
         (a replicated chunk: one all-reduce, as DDP's)."""
         used_on_this_stream(buffer)  # allocated on the compute stream (grad_buffers.py)
-        world = self.store.dist_ctx.world_size
-        if world == 1:
-            return buffer
-        return all_reduce_flat_(buffer, self.store.dist_ctx.group).div_(world)
+        return self.average.whole_(buffer)
 
     @torch.no_grad()
     def _reduce_part(self, buffer: torch.Tensor) -> torch.Tensor:
-        """On the side stream: this rank's part of the buffer summed over ranks and divided by
-        their number, in the compute dtype on the device."""
+        """On the side stream: this rank's part of the buffer averaged over the ranks, in the
+        compute dtype on the device."""
         used_on_this_stream(buffer)  # allocated on the compute stream (grad_buffers.py)
-        world = self.store.dist_ctx.world_size
-        if world == 1:
-            return buffer
-        return reduce_scatter_flat_(buffer, self.store.dist_ctx.group).div_(world)
+        return self.average.part_(buffer)
 
     # ------------------------------------------------------------------ profiling
 

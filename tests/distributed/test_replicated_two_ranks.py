@@ -12,12 +12,21 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from tests.checkpointing import checkpoint_job, train_until
 from tests.distributed.pool import RankPool
 from tests.distributed.test_checkpoint_two_ranks import assert_same_checkpoint
 from tests.distributed.test_collectives_two_ranks import update_collectives
-from tests.helpers import assert_matches_reference, assert_state_equal, gpt_reference, lm_batches, tiny_gpt
+from tests.helpers import (
+    assert_matches_reference,
+    assert_state_close,
+    assert_state_equal,
+    gpt_reference,
+    lm_batches,
+    tiny_gpt,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -273,3 +282,88 @@ def test_replicated_gradients_accumulate_in_place_and_are_all_reduced_once_per_w
         accumulation=accumulation, world_size=2, steps=STEPS, lr=1e-3, weight_decay=0.1, clip=0.05
     )
     assert_matches_reference(results[0]["state"], reference.fp32, reference.fp64)
+
+
+class SharedUnderReentrant(nn.Module):
+    """An input layer, then one layer applied twice, each time under reentrant checkpointing:
+    the shared layer's gradient arrives twice in one backward (DDP refuses this unless told the
+    graph is static), both times before the input layer's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 32)
+        self.shared = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(self.shared, torch.tanh(self.embed(x)), use_reentrant=True)
+        h = checkpoint(self.shared, torch.tanh(h), use_reentrant=True)
+        return (h**2).mean()
+
+
+def shared_inputs() -> list[list[torch.Tensor]]:
+    """Per update, each rank's batch."""
+    generator = torch.Generator().manual_seed(0)
+    return [[torch.randn(4, 8, generator=generator) for _rank in range(2)] for _update in range(STEPS)]
+
+
+def train_shared(*, rank: int, output_dir: str, memory: dict[str, Any]) -> dict[str, Any]:
+    from protrain import runtime
+
+    torch.manual_seed(1)
+    config = {"seed": 3, "micro_batch_size": 4, "optimizer": {"lr": 1e-2, "weight_decay": 0.1}}
+    try:
+        with runtime.initialize(
+            SharedUnderReentrant(), config={**config, "memory": memory, "output_dir": output_dir}
+        ) as engine:
+            for batches in shared_inputs():
+                engine.backward(engine(batches[rank]))
+                engine.step()
+            return {"state": engine.state_dict(), "chunks": engine.plan.num_chunks}
+    except RuntimeError as error:
+        return {"error": str(error)}
+
+
+def shared_reference() -> dict[str, torch.Tensor]:
+    """Plain PyTorch: both ranks' losses averaged, fused AdamW (biases without decay)."""
+    torch.manual_seed(1)
+    model = SharedUnderReentrant()
+    decay = [model.embed.weight, model.shared.weight]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": 0.1},
+            {"params": [model.embed.bias, model.shared.bias], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        fused=True,
+    )
+    for batches in shared_inputs():
+        ((model(batches[0]) + model(batches[1])) / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("n_replicate", [1, 0], ids=["replicated", "sharded"])
+def test_a_gradient_arriving_twice_in_one_backward_is_summed_once_averaged(
+    rank_pool: RankPool, tmp_path: Path, n_replicate: int
+) -> None:
+    """Gradients take the ranks' 1/2 as they enter the shard or buffer (rank_average.py): the
+    second arrival of the shared layer's gradient must take it too, before the chunk (the whole
+    model here) is reduced."""
+    memory = {"chunk_size": "64KiB", "n_persist": 1, "n_replicate": n_replicate, "n_buffer": 0}
+    results = rank_pool.run(train_shared, output_dir=str(tmp_path), memory=memory)
+    assert results[0]["chunks"] == 1
+    assert_state_equal(results[1]["state"], results[0]["state"])
+    assert_state_close(results[0]["state"], shared_reference())
+
+
+def test_a_gradient_arriving_after_its_chunk_was_reduced_is_refused(rank_pool: RankPool, tmp_path: Path) -> None:
+    """The shared layer alone in a chunk: its first gradient completes the chunk, whose reduction
+    begins; the second would be lost or race it, so backward fails and says why."""
+    memory = {"chunk_size": "4608B", "n_persist": 2, "n_replicate": 2, "n_buffer": 0}
+    results = rank_pool.run(train_shared, output_dir=str(tmp_path), memory=memory)
+    for result in results:
+        assert result["error"].startswith("shared.")  # its weight or bias, whichever came first
+        assert "got a second gradient in one backward" in result["error"]
+        assert "use_reentrant=False" in result["error"]
