@@ -284,8 +284,9 @@ class Engine:
         return self._step_applied
 
     def get_global_grad_norm(self) -> float | None:
-        """The global gradient norm of the last update, before clipping (DeepSpeed's name);
-        None when it was not taken (no clipping, no fp16 loss scaling: it costs a pass)."""
+        """The global gradient norm of the last update, before clipping (DeepSpeed's name),
+        taken every update (it is logged); None before the first update and after one skipped
+        for a non-finite loss."""
         return self._grad_norm
 
     def gathered(
