@@ -73,16 +73,49 @@ def same_sum(ours: torch.Tensor, torchs: torch.Tensor, world: int) -> bool:
     return bool(((ours.float() - torchs.float()).abs() <= 4 * world * ulp).all())
 
 
+def rank_averages(*, rank: int) -> list[str]:
+    """Every case where the engine's average over the ranks (two gradients of one parameter
+    entering a buffer, then the collective) differs from torch's sum of the two, collective,
+    division by the world size (empty: none)."""
+    import torch.distributed as dist
+
+    from protrain.runtime.chunks.rank_average import RankAverage
+
+    world = dist.get_world_size()
+    mismatches = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        average = RankAverage(world, dtype, None)
+        generator = torch.Generator().manual_seed(rank)
+        first, second = (torch.randn(world * 1023, generator=generator).to(dtype) for _ in range(2))
+        ours = torch.full_like(first, float("nan"))
+        average.enter_(ours, first)
+        average.add_(ours, second)
+        summed = first + second
+        whole, expected_whole = average.whole_(ours.clone()), summed.clone()
+        dist.all_reduce(expected_whole)
+        if not torch.equal(whole, expected_whole.div_(world)):
+            mismatches.append(f"all-reduce {dtype}")
+        part, expected_part = average.part_(ours.clone()), torch.empty(1023, dtype=dtype)
+        dist.reduce_scatter_tensor(expected_part, summed.clone())
+        if not same_sum(part, expected_part.div_(world), world):
+            mismatches.append(f"reduce-scatter {dtype}")
+    return mismatches
+
+
 def test_gloo_flat_collectives_equal_torchs(rank_pool: RankPool) -> None:
-    """Two ranks: one exchange each way (the reduce-scatter into a buffer), or a reduce per rank."""
+    """Two ranks: one exchange each way (the reduce-scatter into a buffer), or a reduce per rank;
+    gradients averaged by taking 1/2 as they enter give torch's bits (decisions/0015)."""
     assert rank_pool.run(flat_collectives) == [[], []]
+    assert rank_pool.run(rank_averages) == [[], []]
 
 
 def test_gloo_flat_collectives_equal_torchs_on_three_ranks() -> None:
-    """More than two ranks: a broadcast per rank, a reduce per rank."""
+    """More than two ranks: a broadcast per rank, a reduce per rank; three ranks' average is
+    divided after the collective (1/3 is not exact)."""
     pool = RankPool(world_size=3)
     try:
         assert pool.run(flat_collectives) == [[], [], []]
+        assert pool.run(rank_averages) == [[], [], []]
     finally:
         pool.shutdown()
 
