@@ -60,7 +60,8 @@ CHAOS_RANDOM_UNIT := \
 	"tests/unit/test_nvme_optimizer_state.py::test_state_on_nvme_trains_bit_identically[fp32]"
 CHAOS_RANDOM_DIST := \
 	tests/distributed/test_engine_two_ranks.py::test_two_ranks_with_offloaded_chunks_match_plain_pytorch \
-	"tests/distributed/test_activations_two_ranks.py::test_two_ranks_train_bit_identically_under_mixed_modes[offloaded-chunks]"
+	"tests/distributed/test_activations_two_ranks.py::test_two_ranks_train_bit_identically_under_mixed_modes[offloaded-chunks]" \
+	tests/distributed/test_replicated_two_ranks.py::test_a_mixed_plan_trains_as_plain_pytorch
 CHAOS_LAZY := \
 	"tests/unit/test_chunk_engine.py::test_offloaded_chunks_train_exactly_like_plain_pytorch[0-2]" \
 	"tests/unit/test_chunk_engine.py::test_two_phase_clipped_step_is_bit_exact_and_keeps_no_snapshot[2]" \
