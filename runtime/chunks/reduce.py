@@ -161,6 +161,11 @@ class GradientReducer:
         """Gradients accumulate in the chunk's shard now (not after its all-reduce this window)."""
         return self.store.direct_grads(chunk) and chunk.index not in self._reduced_direct
 
+    def buffers_filling(self) -> int:
+        """Gradient buffers of chunks whose reduction is not issued yet (taking gradients, or
+        complete and waiting for an earlier chunk in the reduction order)."""
+        return len(self._grad_buffers)
+
     def params_with_grad(self) -> torch.Tensor:
         """Per parameter, whether any micro-batch of this window produced a gradient here."""
         return self._fired_in_window.to(torch.float64)

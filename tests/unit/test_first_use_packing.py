@@ -23,7 +23,7 @@ def test_a_model_planned_on_its_first_batch_is_packed_in_its_order_of_use(tmp_pa
     norms, and since reductions go in a fixed order the chunks after it wait with their gradient
     buffers: 4 at once here, 4 of 32 MiB on a 16-layer Llama, where the plan counts 1 (the device
     wall caught the overrun). Planned on its first batch, the engine packs by the order of use,
-    so one buffer fills while at most one is reduced; the training equals plain PyTorch."""
+    so one buffer fills at a time and none waits; the training equals plain PyTorch."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA))
     reference = copy.deepcopy(model)
@@ -42,6 +42,9 @@ def test_a_model_planned_on_its_first_batch_is_packed_in_its_order_of_use(tmp_pa
     }
     optimizer = adamw_decaying_by_name(reference, ("bias", "norm", "ln"))  # the spec's default rule
     with runtime.initialize(model, config=config) as engine:
+        filling: list[int] = []  # after each gradient's hook (the engine's runs first)
+        for param in engine.module.parameters():
+            param.register_post_accumulate_grad_hook(lambda _: filling.append(engine.chunks.reducer.buffers_filling()))
         for batch in batches:
             out = engine(**batch)
             engine.backward(out.loss)
@@ -51,5 +54,7 @@ def test_a_model_planned_on_its_first_batch_is_packed_in_its_order_of_use(tmp_pa
             optimizer.zero_grad(set_to_none=True)
         assert engine.plan.rule.startswith("planned on a batch"), engine.plan.rule
         assert [info.name for info in engine.chunks.layout.params] == in_use
-        assert engine.chunks.reducer.grad_pool.most_allocated <= 2
+        # Buffers still taking gradients or waiting for an earlier chunk's (how many are being
+        # reduced meanwhile depends on the side stream's pace, not on the packing).
+        assert filling and max(filling) <= 1
         assert_state_equal(engine.state_dict(), {k: v.detach() for k, v in reference.state_dict().items()})
