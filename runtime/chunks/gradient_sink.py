@@ -1,7 +1,16 @@
 """Where reduced gradients go: the host side's whole interface to the device side of backward.
 
-The gradient reducer (reduce.py) hands each reduction to the host side (optimizer.py) through
-these two calls and nothing else, so that neither side reads the other's state.
+The device/host seam: the side stream (a worker thread; on CUDA it issues on a CUDA stream) runs
+the device work of a reduction and nothing else (reduce.py): the reduce-scatter, then for a
+persistent chunk the fp32 add into its shard on the device, or for an offloaded one a copy of
+the reduced part, in the compute dtype, into a pinned buffer of a bounded staging ring
+(staging.py), ``non_blocking``. What happens then is the host side's (optimizer.py), behind the
+two calls of ``ReducedGradientSink`` and nothing else, so that neither side reads the other's
+state: ``add_staged`` (the host worker waits for the copy, adds the buffer into the fp32 shard,
+or applies it by CPU Adam where no gradient shard is kept, and hands the buffer back) and
+``reduction_queued`` (told on the main thread, with the event that says when the reduced
+gradient is in the shard and which parameters had a gradient, so the host side may update the
+chunk early). Nothing on the device side waits on the main thread.
 """
 
 from __future__ import annotations

@@ -15,9 +15,10 @@ switches talk to; it owns four parts and coordinates them, cut along the device/
 
 plus side_stream.py, the one ordered queue every collective goes through (gathers, the
 agreement on a non-finite loss, reduce-scatters), so all ranks pair them up. The reducer hands
-reduced gradients to the optimizer through ``ReducedGradientSink`` alone; the residency part
-learns from the reducer only which chunks backward is done with. Per-parameter and per-chunk
-metadata lives in side tables these parts own, never on the ``Parameter`` objects.
+reduced gradients (averaged over the ranks: rank_average.py) to the optimizer through
+``ReducedGradientSink`` (gradient_sink.py) alone; the residency part learns from the reducer
+only which chunks backward is done with. Per-parameter and per-chunk metadata lives in side
+tables these parts own, never on the ``Parameter`` objects.
 
 A step, as the engine drives it: forward (pre-hooks gather chunks into slots, prefetching the
 next ones), ``end_forward``; before the window's last backward ``begin_last_backward`` (the

@@ -15,16 +15,7 @@ on the collective queue (side_stream.py) while backward goes on. Every reduction
 the ranks; where that is exact, gradients take the 1/world factor as they enter the buffer or
 shard instead of in a pass after (rank_average.py).
 
-The device/host seam: the side stream (a worker thread; on CUDA it issues on a CUDA stream) runs
-the device work of a reduction and nothing else: the reduce-scatter, then for a persistent chunk
-the fp32 add into its shard on the device, or for an offloaded one a copy of the reduced part,
-in the compute dtype, into a pinned buffer of a bounded staging ring (staging.py),
-``non_blocking``. What happens then is the host side's (optimizer.py), behind the two calls of
-``ReducedGradientSink`` (gradient_sink.py): ``add_staged`` (the host worker waits for the copy,
-adds the buffer into the fp32 shard, or applies it by CPU Adam where no gradient shard is kept,
-and hands the buffer back) and ``reduction_queued`` (told on the main thread, with the event
-that says when the reduced gradient is in the shard and which parameters had a gradient, so the
-host side may update the chunk early). Nothing here waits on the main thread.
+The device/host seam (what the side stream runs, and the host side's interface): gradient_sink.py.
 """
 
 from __future__ import annotations
@@ -43,6 +34,16 @@ from protrain.runtime.chunks.staging import Staged, StagingRing
 from protrain.runtime.chunks.store import Chunk, ChunkStore
 from protrain.runtime.chunks.trace_labels import job_label
 from protrain.runtime.hw.device import DeviceEvent, used_on_this_stream
+
+
+def late_gradient(name: str) -> RuntimeError:
+    """A gradient that arrived after its chunk's reduction began: it would be lost (a buffered
+    chunk's buffer is gone) or race the collective (a shard all-reduced in place)."""
+    return RuntimeError(
+        f"{name} got a second gradient in one backward after its chunk's reduction began: a "
+        "parameter shared by several reentrant checkpoint segments (torch.utils.checkpoint with "
+        "use_reentrant=True, as DDP refuses it too); use use_reentrant=False"
+    )
 
 
 class GradientReducer:
@@ -188,12 +189,7 @@ class GradientReducer:
         if not self.sink.accepting():
             self._refuse(index, param, direct)
         if not direct and self._order_position[chunk_index] < self._next_reduction and self._fired[index]:
-            raise RuntimeError(
-                f"{self.store.layout.params[index].name} got a second gradient in one backward after its "
-                "chunk's reduction began: a parameter shared by several reentrant checkpoint segments "
-                "(torch.utils.checkpoint with use_reentrant=True, as DDP refuses it too); use "
-                "use_reentrant=False"
-            )
+            raise late_gradient(self.store.layout.params[index].name)
         if direct:
             if self._grad_is_shard_view(index, param):
                 pass  # autograd accumulated in place into the shard slice that is its .grad
