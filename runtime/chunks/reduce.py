@@ -83,8 +83,8 @@ class GradientReducer:
         self._remaining = [0] * len(self.chunks)
         self._fired = torch.zeros(num_params, dtype=torch.bool)
         self._fired_in_window = torch.zeros(num_params, dtype=torch.bool)
-        self._arrivals_in_window = [0] * len(self.chunks)
-        """Per chunk, whether (non-zero) a gradient reached it in this accumulation window."""
+        self._reached_in_window: set[int] = set()
+        """Chunks some gradient reached in this accumulation window."""
         self._entered: set[int] = set()
         """Direct-gradient chunks whose gradients take the 1/world factor as they enter the shard
         in this (closing) backward (``closing_backward``)."""
@@ -126,7 +126,7 @@ class GradientReducer:
         self._closing = True
         if not self.average.on_entry:
             return
-        self._entered = {c.index for c in self.chunks if self._direct(c) and not self._arrivals_in_window[c.index]}
+        self._entered = {c.index for c in self.chunks if self._direct(c) and c.index not in self._reached_in_window}
         for chunk_index in self._entered:
             for index in self.chunks[chunk_index].info.params:
                 self.store.params[index].grad = None  # may view the shard (after a load, say)
@@ -150,7 +150,7 @@ class GradientReducer:
         shards are not zeroed: each parameter's ``.grad`` is dropped, so autograd hands its first
         gradient of the window over whole, and ``_accept_grad`` copies it into the shard."""
         self._fired_in_window.zero_()
-        self._arrivals_in_window = [0] * len(self.chunks)
+        self._reached_in_window.clear()
         self._reduced_direct.clear()
         self._settled.clear()
         for chunk in self.chunks:
@@ -227,7 +227,7 @@ class GradientReducer:
         if not self._fired[index]:
             self._fired[index] = True
             self._fired_in_window[index] = True
-            self._arrivals_in_window[chunk_index] += 1
+            self._reached_in_window.add(chunk_index)
             self._remaining[chunk_index] -= 1
             if self._remaining[chunk_index] == 0:
                 self._issue_ready_reductions()
